@@ -1,0 +1,21 @@
+"""rlightning_comm: communicators bound per named group, thin collective facades, sequence-parallel autograd ops."""
+
+from rlightning_comm import collective
+from rlightning_comm.communicators import Communicator, GlooCommunicator, NcclCommunicator, register_communicator
+from rlightning_comm.context import CommContext
+from rlightning_comm.errors import CommError, CommTimeoutError, ModeNotBoundError
+from rlightning_comm.modes import CommMode, ParallelMode
+
+__all__ = [
+    "CommContext",
+    "CommError",
+    "CommMode",
+    "CommTimeoutError",
+    "Communicator",
+    "GlooCommunicator",
+    "ModeNotBoundError",
+    "NcclCommunicator",
+    "ParallelMode",
+    "collective",
+    "register_communicator",
+]

@@ -1,0 +1,432 @@
+"""The communicator contract: one process group, every collective of the API."""
+
+from __future__ import annotations
+
+import numbers
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from rlightning_comm.errors import CommError
+
+_SUM = ReduceOp.SUM
+_AVG = ReduceOp.AVG
+_BITWISE = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
+# torch views a complex tensor as real pairs, which is only exact for these ops.
+_COMPLEX_OPS = frozenset({ReduceOp.SUM, ReduceOp.AVG})
+
+
+class Communicator(ABC):
+    """Collectives on one process group, bound to one mode by :class:`CommContext`.
+
+    Every method takes and returns what the torch.distributed function of the
+    same name does, with three differences: ``src``/``dst`` must be global
+    ranks of this group (checked), inputs are validated before any collective
+    starts (so a bad argument raises locally instead of hanging the peers), and
+    on a rank that is not a member of the group every collective returns
+    ``None`` and changes nothing.
+
+    Subclasses implement what differs between backends: :attr:`device`,
+    :meth:`_check_device` and the class attributes :attr:`backend` and
+    :attr:`supported_reduce_ops`. Register a subclass with
+    :func:`register_communicator` to use it as ``init_group(..., backend=name)``.
+
+    Args:
+        group: The torch process group, or ``None`` on a rank that is not a member.
+        ranks: Global ranks of the group, in group-rank order.
+        mode: Name of the mode this communicator is bound to (used in messages).
+    """
+
+    backend: ClassVar[str]
+    """The torch.distributed backend the context creates this communicator's group with."""
+
+    supported_reduce_ops: ClassVar[frozenset[Any]]
+    """The ``ReduceOp`` values this backend implements."""
+
+    integer_avg_supported: ClassVar[bool] = True
+    """Whether ``ReduceOp.AVG`` works on integer tensors with this backend."""
+
+    def __init__(self, group: dist.ProcessGroup | None, ranks: Sequence[int], mode: str) -> None:
+        self._group = group
+        self._ranks = tuple(int(r) for r in ranks)
+        self._rank_set = frozenset(self._ranks)
+        self._mode = str(mode)
+        self._world_size = len(self._ranks)
+        self._global_rank = dist.get_rank() if dist.is_initialized() else 0
+        if group is not None and self._global_rank not in self._rank_set:
+            raise ValueError(f"global rank {self._global_rank} has a group for mode {self._mode!r} but is not in its ranks {list(self._ranks)}")
+        self._rank = self._ranks.index(self._global_rank) if group is not None else -1
+
+    @classmethod
+    def setup_process(cls) -> None:
+        """Prepare this process before the world is initialised with this backend.
+
+        Called by :meth:`CommContext.init_distributed_env` before
+        ``init_process_group``; the default does nothing.
+        """
+
+    # ----------------------------------------------------------------- identity
+    @property
+    def mode(self) -> str:
+        """Name of the mode this communicator is bound to."""
+        return self._mode
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The torch process group, ``None`` on a non-member rank."""
+        return self._group
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Global ranks of the group, in group-rank order."""
+        return self._ranks
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks in the group."""
+        return self._world_size
+
+    @property
+    def is_member(self) -> bool:
+        """Whether this process is a member of the group."""
+        return self._group is not None
+
+    @property
+    def rank(self) -> int:
+        """This process's rank within the group.
+
+        Raises:
+            CommError: this process is not a member of the group.
+        """
+        if self._group is None:
+            raise CommError(f"global rank {self._global_rank} is not a member of mode {self._mode!r} (ranks {list(self._ranks)}); it has no rank there")
+        return self._rank
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device:
+        """The device this backend stages its own buffers on (dict reduction, objects)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(mode={self._mode!r}, ranks={list(self._ranks)}, member={self.is_member})"
+
+    # --------------------------------------------------------------- validation
+    @abstractmethod
+    def _check_device(self, tensor: torch.Tensor, name: str) -> None:
+        """Raise ``ValueError`` when this backend cannot use ``tensor``'s device."""
+
+    def _check_tensor(self, tensor: Any, name: str) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(tensor).__name__} (mode {self._mode!r})")
+        if not tensor.is_contiguous():
+            raise ValueError(
+                f"{name} must be contiguous; got a tensor of shape {tuple(tensor.shape)} with stride {tensor.stride()} "
+                f"(mode {self._mode!r}). Hint: pass t.contiguous() and copy the result back into your view"
+            )
+        self._check_device(tensor, name)
+
+    def _check_like(self, tensor: Any, ref: torch.Tensor, name: str) -> None:
+        self._check_tensor(tensor, name)
+        if tensor.dtype != ref.dtype or tensor.shape != ref.shape or tensor.device != ref.device:
+            raise ValueError(
+                f"{name} must match the tensor argument: expected shape {tuple(ref.shape)}, {ref.dtype} on {ref.device}; "
+                f"got shape {tuple(tensor.shape)}, {tensor.dtype} on {tensor.device} (mode {self._mode!r})"
+            )
+
+    def _check_list(self, tensors: Any, ref: torch.Tensor, name: str) -> None:
+        if not isinstance(tensors, (list, tuple)):
+            raise TypeError(f"{name} must be a list of {self._world_size} tensors; got {type(tensors).__name__} (mode {self._mode!r})")
+        if len(tensors) != self._world_size:
+            raise ValueError(f"{name} must hold one tensor per rank: expected {self._world_size}; got {len(tensors)} (mode {self._mode!r})")
+        for i, t in enumerate(tensors):
+            self._check_like(t, ref, f"{name}[{i}]")
+
+    def _check_peer(self, rank: Any, name: str) -> None:
+        if rank not in self._rank_set or isinstance(rank, bool):
+            raise ValueError(f"{name}={rank!r} is not a global rank of mode {self._mode!r}; expected one of {list(self._ranks)}")
+
+    def _check_reduce_op(self, op: Any, tensor: torch.Tensor) -> None:
+        if op is _SUM:
+            return
+        if op not in self.supported_reduce_ops:
+            supported = sorted(str(o).rsplit(".", 1)[-1] for o in self.supported_reduce_ops)
+            raise ValueError(f"reduce op {op!r} is not supported by {type(self).__name__} (mode {self._mode!r}); supported: {supported}")
+        if tensor.is_complex():
+            if op not in _COMPLEX_OPS:
+                raise ValueError(f"reduce op {op!r} is not defined on complex tensors ({tensor.dtype}, mode {self._mode!r}); expected SUM or AVG")
+        elif op in _BITWISE:
+            if tensor.is_floating_point():
+                raise ValueError(f"bitwise reduce op {op!r} needs an integer or bool tensor; got {tensor.dtype} (mode {self._mode!r})")
+        elif op is _AVG and not tensor.is_floating_point() and not self.integer_avg_supported:
+            raise ValueError(f"reduce op AVG needs a floating-point tensor with {type(self).__name__}; got {tensor.dtype} (mode {self._mode!r})")
+
+    # -------------------------------------------------------------- collectives
+    def all_reduce(self, tensor: torch.Tensor, op: Any = _SUM, async_op: bool = False) -> Any | None:
+        """Reduce ``tensor`` across the group, in place; every rank gets the result.
+
+        Args:
+            tensor: Input and output, same shape and dtype on every rank.
+            op: A ``torch.distributed.ReduceOp`` the backend supports for the dtype.
+            async_op: Return a work handle instead of waiting.
+
+        Returns:
+            A work handle if ``async_op``, else ``None``; ``None`` on a non-member.
+
+        Raises:
+            TypeError: ``tensor`` is not a tensor.
+            ValueError: non-contiguous tensor, wrong device, or ``op`` unsupported
+                by the backend or the dtype.
+        """
+        if self._group is None:
+            return None
+        self._check_tensor(tensor, "tensor")
+        self._check_reduce_op(op, tensor)
+        return dist.all_reduce(tensor, op=op, group=self._group, async_op=async_op)
+
+    def all_gather(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, async_op: bool = False) -> Any | None:
+        """Gather ``input_tensor`` from every rank into ``output_tensor``, concatenated along dim 0.
+
+        Args:
+            output_tensor: Shape ``(world_size * n, *rest)`` for an input of
+                shape ``(n, *rest)`` (or ``(world_size, *input.shape)``), same
+                dtype and device as the input.
+            input_tensor: This rank's contribution.
+            async_op: Return a work handle instead of waiting.
+
+        Returns:
+            A work handle if ``async_op``, else ``None``; ``None`` on a non-member.
+        """
+        if self._group is None:
+            return None
+        self._check_tensor(output_tensor, "output_tensor")
+        self._check_tensor(input_tensor, "input_tensor")
+        shape = tuple(input_tensor.shape)
+        ws = self._world_size
+        allowed = [(ws,) + shape]
+        if shape:
+            allowed.insert(0, (ws * shape[0],) + shape[1:])
+        if tuple(output_tensor.shape) not in allowed or output_tensor.dtype != input_tensor.dtype or output_tensor.device != input_tensor.device:
+            raise ValueError(
+                f"output_tensor must have shape {' or '.join(map(str, allowed))}, {input_tensor.dtype} on {input_tensor.device} "
+                f"for an input of shape {shape} and world size {ws}; got shape {tuple(output_tensor.shape)}, "
+                f"{output_tensor.dtype} on {output_tensor.device} (mode {self._mode!r})"
+            )
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=self._group, async_op=async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Any | None:
+        """Copy ``tensor`` from global rank ``src`` into ``tensor`` on every rank.
+
+        Returns:
+            A work handle if ``async_op``, else ``None``; ``None`` on a non-member.
+
+        Raises:
+            ValueError: ``src`` is not a rank of the group.
+        """
+        if self._group is None:
+            return None
+        self._check_tensor(tensor, "tensor")
+        self._check_peer(src, "src")
+        return dist.broadcast(tensor, src=src, group=self._group, async_op=async_op)
+
+    def gather(self, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int = 0, async_op: bool = False) -> Any | None:
+        """Gather ``tensor`` from every rank into ``gather_list`` on global rank ``dst``.
+
+        Args:
+            tensor: This rank's contribution.
+            gather_list: On ``dst``, one tensor per rank shaped like ``tensor``;
+                ignored on other ranks.
+            dst: Global rank that receives.
+            async_op: Return a work handle instead of waiting.
+
+        Returns:
+            A work handle if ``async_op``, else ``None``; ``None`` on a non-member.
+        """
+        if self._group is None:
+            return None
+        self._check_tensor(tensor, "tensor")
+        self._check_peer(dst, "dst")
+        if self._global_rank == dst:
+            self._check_list(gather_list, tensor, "gather_list")
+            gather_list = list(gather_list)
+        else:
+            gather_list = None
+        return dist.gather(tensor, gather_list, dst=dst, group=self._group, async_op=async_op)
+
+    def scatter(self, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int = 0, async_op: bool = False) -> Any | None:
+        """Send ``scatter_list[i]`` from global rank ``src`` to the group's i-th rank, into ``tensor``.
+
+        Args:
+            tensor: Output on every rank.
+            scatter_list: On ``src``, one tensor per rank shaped like ``tensor``;
+                ignored on other ranks.
+            src: Global rank that sends.
+            async_op: Return a work handle instead of waiting.
+
+        Returns:
+            A work handle if ``async_op``, else ``None``; ``None`` on a non-member.
+        """
+        if self._group is None:
+            return None
+        self._check_tensor(tensor, "tensor")
+        self._check_peer(src, "src")
+        if self._global_rank == src:
+            self._check_list(scatter_list, tensor, "scatter_list")
+            scatter_list = list(scatter_list)
+        else:
+            scatter_list = None
+        return dist.scatter(tensor, scatter_list, src=src, group=self._group, async_op=async_op)
+
+    def reduce_scatter(self, output: torch.Tensor, input_: torch.Tensor, op: Any = _SUM, async_op: bool = False) -> Any | None:
+        """Reduce ``input_`` across the group and leave this rank's dim-0 slice in ``output``.
+
+        Args:
+            output: Shape ``(n, *rest)``.
+            input_: Shape ``(world_size * n, *rest)``, same dtype and device.
+            op: A supported ``ReduceOp``.
+            async_op: Return a work handle instead of waiting.
+
+        Returns:
+            A work handle if ``async_op``, else ``None``; ``None`` on a non-member.
+        """
+        if self._group is None:
+            return None
+        self._check_tensor(output, "output")
+        self._check_tensor(input_, "input_")
+        self._check_reduce_op(op, input_)
+        if input_.numel() != output.numel() * self._world_size or input_.dtype != output.dtype:
+            raise ValueError(
+                f"input_ must hold world_size * output.numel() = {self._world_size * output.numel()} elements of {output.dtype}; "
+                f"got {input_.numel()} of {input_.dtype} (mode {self._mode!r})"
+            )
+        return dist.reduce_scatter_tensor(output, input_, op=op, group=self._group, async_op=async_op)
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input_: torch.Tensor,
+        output_split_sizes: list[int] | None = None,
+        input_split_sizes: list[int] | None = None,
+        async_op: bool = False,
+    ) -> Any | None:
+        """Split ``input_`` along dim 0, send the i-th piece to group rank i, concatenate what arrives into ``output``.
+
+        Without split sizes both tensors split evenly into ``world_size`` pieces.
+
+        Returns:
+            A work handle if ``async_op``, else ``None``; ``None`` on a non-member.
+        """
+        if self._group is None:
+            return None
+        self._check_tensor(output, "output")
+        self._check_tensor(input_, "input_")
+        for sizes, t, name in ((output_split_sizes, output, "output_split_sizes"), (input_split_sizes, input_, "input_split_sizes")):
+            if sizes is None:
+                if t.dim() == 0 or t.shape[0] % self._world_size:
+                    raise ValueError(f"dim 0 of a tensor split evenly must be divisible by the group size {self._world_size}; got shape {tuple(t.shape)} (mode {self._mode!r})")
+            elif len(sizes) != self._world_size or sum(sizes) != t.shape[0]:
+                raise ValueError(f"{name} must have {self._world_size} entries summing to dim 0 = {t.shape[0]}; got {list(sizes)} (mode {self._mode!r})")
+        return dist.all_to_all_single(output, input_, output_split_sizes, input_split_sizes, group=self._group, async_op=async_op)
+
+    def broadcast_object_list(self, object_list: list[Any], src: int = 0) -> None:
+        """Broadcast the picklable objects of ``object_list`` from global rank ``src``, in place.
+
+        Every rank passes a list of the same length; receivers' entries are
+        replaced. Receiving unpickles what ``src`` sent, which can run
+        arbitrary code: only use it within a trusted job.
+
+        Raises:
+            TypeError: ``object_list`` is not a list.
+            ValueError: ``src`` is not a rank of the group.
+        """
+        if self._group is None:
+            return None
+        if not isinstance(object_list, list):
+            raise TypeError(f"object_list must be a list (it is filled in place); got {type(object_list).__name__} (mode {self._mode!r})")
+        self._check_peer(src, "src")
+        dist.broadcast_object_list(object_list, src=src, group=self._group, device=self.device)
+        return None
+
+    def all_reduce_dict(self, dictionary: Mapping[Any, Any], op: Any = _SUM, dtype: torch.dtype = torch.float32) -> dict[Any, Any] | None:
+        """Reduce every value of ``dictionary`` across the group with one collective.
+
+        Values may be Python numbers or tensors of any shape. They are packed,
+        in sorted key order when the keys are sortable (insertion order
+        otherwise), into one ``dtype`` buffer, reduced once and unpacked.
+        Every rank must pass the same keys with the same value shapes.
+
+        Args:
+            dictionary: Not modified.
+            op: A supported ``ReduceOp``.
+            dtype: The dtype the values are reduced in.
+
+        Returns:
+            A new dict with the same keys: numbers come back as Python floats,
+            tensors as ``dtype`` tensors of their shape on their device.
+            ``None`` on a non-member.
+
+        Raises:
+            TypeError: not a mapping, or a value is neither a number nor a tensor.
+        """
+        if not isinstance(dictionary, Mapping):
+            raise TypeError(f"dictionary must be a Mapping; got {type(dictionary).__name__} (mode {self._mode!r})")
+        if self._group is None:
+            return None
+        try:
+            keys = sorted(dictionary)
+        except TypeError:
+            keys = list(dictionary)
+        device = self.device
+        segments: list[torch.Tensor] = []
+        run: list[Any] = []
+        layout: list[tuple[Any, torch.Tensor | None]] = []  # None marks a number
+        number_positions: list[int] = []
+        offset = 0
+        for key in keys:
+            value = dictionary[key]
+            if isinstance(value, torch.Tensor):
+                if run:
+                    segments.append(torch.tensor(run, dtype=dtype, device=device))
+                    run = []
+                segments.append(value.detach().to(device=device, dtype=dtype).reshape(-1))
+                layout.append((key, value))
+                offset += value.numel()
+            elif isinstance(value, numbers.Number):
+                run.append(value)
+                layout.append((key, None))
+                number_positions.append(offset)
+                offset += 1
+            else:
+                raise TypeError(f"all_reduce_dict value for key {key!r} must be a number or a tensor; got {type(value).__name__} (mode {self._mode!r})")
+        if run:
+            segments.append(torch.tensor(run, dtype=dtype, device=device))
+        if not segments:
+            return {}
+        flat = torch.cat(segments)  # always a fresh buffer: the caller's tensors stay untouched
+        self.all_reduce(flat, op=op)
+        # One host transfer for all the numbers, not one .item() per key.
+        if len(number_positions) == flat.numel():
+            numbers_out = iter(flat.tolist())
+        else:
+            numbers_out = iter(flat[torch.tensor(number_positions, dtype=torch.long, device=device)].tolist())
+        result: dict[Any, Any] = {}
+        offset = 0
+        for key, value in layout:
+            if value is None:
+                result[key] = next(numbers_out)
+                offset += 1
+            else:
+                n = value.numel()
+                result[key] = flat[offset : offset + n].view(value.shape).to(value.device)
+                offset += n
+        return result
+
+    def barrier(self) -> None:
+        """Block until every rank of the group reaches this call (no-op on a non-member)."""
+        if self._group is None:
+            return None
+        dist.barrier(group=self._group)
+        return None

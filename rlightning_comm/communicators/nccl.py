@@ -1,0 +1,55 @@
+"""NCCL backend: CUDA tensors only, one GPU per rank."""
+
+from __future__ import annotations
+
+import os
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+from typing_extensions import override
+
+from rlightning_comm.communicators.base import Communicator
+from rlightning_comm.communicators.registry import register_communicator
+
+
+@register_communicator("nccl")
+class NcclCommunicator(Communicator):
+    """Communicator on an NCCL process group; every tensor must be on a CUDA device.
+
+    The CUDA device of the process is set from ``LOCAL_RANK`` (as torchrun
+    sets it) when the distributed environment is initialised.
+    """
+
+    backend: ClassVar[str] = "nccl"
+    supported_reduce_ops: ClassVar[frozenset[object]] = frozenset({ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX})
+
+    @classmethod
+    def setup_process(cls) -> None:
+        """Select this process's GPU from ``LOCAL_RANK`` before the world is initialised.
+
+        Raises:
+            RuntimeError: CUDA is not available.
+        """
+        if not torch.cuda.is_available():
+            raise RuntimeError("backend 'nccl' needs CUDA, and torch.cuda.is_available() is False; use backend='gloo' on CPU")
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+
+    @property
+    @override
+    def device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device())
+
+    @override
+    def _check_device(self, tensor: torch.Tensor, name: str) -> None:
+        if tensor.device.type != "cuda":
+            raise ValueError(f"{name} is on {tensor.device}; NcclCommunicator (mode {self._mode!r}) expects a CUDA tensor. Hint: move it with .cuda()")
+
+    @override
+    def barrier(self) -> None:
+        if self._group is None:
+            return None
+        dist.barrier(group=self._group, device_ids=[torch.cuda.current_device()])
+        return None

@@ -1,0 +1,86 @@
+"""Validated configuration: every value is checked before torch.distributed is touched."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+def _as_seconds(value: float | timedelta) -> float:
+    return value.total_seconds() if isinstance(value, timedelta) else value
+
+
+class DistributedConfig(_Frozen):
+    """Arguments of :meth:`CommContext.init_distributed_env`, after environment lookup."""
+
+    world_size: int = Field(ge=1)
+    """Number of processes in the job."""
+    rank: int = Field(ge=0)
+    """Global rank of this process, ``0 <= rank < world_size``."""
+    backend: str
+    """Name of a registered communicator (``"gloo"``, ``"nccl"`` or a custom one)."""
+    dist_url: str = Field(min_length=1)
+    """torch.distributed init method: ``env://``, ``tcp://host:port`` or ``file:///path``."""
+    timeout: float = Field(gt=0)
+    """Default timeout of every collective, in seconds."""
+
+    _normalise_timeout = field_validator("timeout", mode="before")(_as_seconds)
+
+    @model_validator(mode="after")
+    def _rank_in_world(self) -> DistributedConfig:
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank must satisfy 0 <= rank < world_size; got rank={self.rank}, world_size={self.world_size}")
+        return self
+
+
+class GroupConfig(_Frozen):
+    """Arguments of :meth:`CommContext.init_group`, in normalised form."""
+
+    partition: tuple[tuple[int, ...], ...]
+    """The groups to create: one tuple of global ranks each (a single group is a partition of one)."""
+    world_size: int = Field(ge=1)
+    """Size of the world the ranks must lie in."""
+    backend: str
+    """Name of a registered communicator."""
+    timeout: float = Field(gt=0)
+    """Timeout of the group's collectives, in seconds."""
+
+    _normalise_timeout = field_validator("timeout", mode="before")(_as_seconds)
+
+    @field_validator("partition", mode="before")
+    @classmethod
+    def _normalise_ranks(cls, ranks: object) -> object:
+        """Accept one list of ranks or a list of lists and return a tuple of tuples."""
+        if not isinstance(ranks, (list, tuple)) or not ranks:
+            raise ValueError(f"ranks must be a non-empty list of global ranks or a list of such lists; got {ranks!r}")
+        nested = [isinstance(r, (list, tuple)) for r in ranks]
+        if all(nested):
+            return tuple(tuple(part) for part in ranks)
+        if any(nested):
+            raise ValueError(f"ranks mixes ranks and lists of ranks; got {ranks!r}")
+        return (tuple(ranks),)
+
+    @model_validator(mode="after")
+    def _ranks_valid(self) -> GroupConfig:
+        seen: set[int] = set()
+        for part in self.partition:
+            if not part:
+                raise ValueError(f"ranks: every group needs at least one rank; got an empty group in {self.as_ranks()!r}")
+            for r in part:
+                if not 0 <= r < self.world_size:
+                    raise ValueError(f"ranks: rank {r} is out of range for world size {self.world_size}; expected 0 <= rank < {self.world_size}")
+                if r in seen:
+                    raise ValueError(f"ranks: rank {r} appears more than once in {self.as_ranks()!r}; groups must be disjoint and ranks unique")
+                seen.add(r)
+        return self
+
+    def as_ranks(self) -> list[int] | list[list[int]]:
+        """The ranks in the shape the user passed them (a partition of one is a flat list)."""
+        if len(self.partition) == 1:
+            return list(self.partition[0])
+        return [list(part) for part in self.partition]

@@ -1,0 +1,282 @@
+"""CommContext: the process-wide registry mode -> communicator, and group creation."""
+
+from __future__ import annotations
+
+import os
+import threading
+from datetime import timedelta
+from typing import ClassVar
+
+import torch.distributed as dist
+
+from rlightning_comm.communicators.base import Communicator
+from rlightning_comm.communicators.registry import get_communicator_class
+from rlightning_comm.config import DistributedConfig, GroupConfig
+from rlightning_comm.errors import CommError, ModeNotBoundError
+from rlightning_comm.modes import CommMode, mode_name
+
+_GLOBAL = CommMode.GLOBAL.value
+
+
+def _env_int(name: str, argument: str) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        raise ValueError(f"{argument} was not given and the environment variable {name} is not set; pass {argument}= or launch with torchrun")
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an integer; got {value!r}") from None
+
+
+class CommContext:
+    """The one process-wide registry that binds a :class:`Communicator` to each mode.
+
+    ``CommContext()`` always returns the same object. Initialise the world
+    with :meth:`init_distributed_env` (which binds ``CommMode.GLOBAL``), then
+    create further groups with :meth:`init_group`. Every method that takes a
+    mode accepts a :class:`CommMode`, a :class:`ParallelMode` or a plain string.
+
+    Lookups (:meth:`get_communicator` and the getters) are lock-free dictionary
+    reads; initialisation and :meth:`destroy` hold a lock, so lookups from
+    other threads see either the old or the new binding, never a partial one.
+    Initialising again with the same arguments is a no-op; with different
+    arguments it is a :class:`CommError` until :meth:`destroy` is called.
+    """
+
+    _instance: ClassVar[CommContext | None] = None
+    _instance_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    _comms: dict[str, Communicator]
+    _configs: dict[str, GroupConfig]
+    _dist_config: DistributedConfig | None
+    _owns_world: bool
+    _lock: threading.RLock
+
+    def __new__(cls) -> CommContext:
+        instance = cls._instance
+        if instance is None:
+            with cls._instance_lock:
+                if cls._instance is None:
+                    instance = super().__new__(cls)
+                    instance._lock = threading.RLock()
+                    instance._reset()
+                    cls._instance = instance
+                instance = cls._instance
+        return instance
+
+    def _reset(self) -> None:
+        self._comms = {}
+        self._configs = {}
+        self._dist_config = None
+        self._owns_world = False
+
+    # ------------------------------------------------------------ initialising
+    def init_distributed_env(
+        self,
+        world_size: int | None = None,
+        rank: int | None = None,
+        backend: str = "nccl",
+        dist_url: str = "env://",
+        timeout: float | timedelta = 1800,
+    ) -> Communicator:
+        """Initialise torch.distributed and bind ``CommMode.GLOBAL`` to the whole world.
+
+        If torch.distributed is already initialised (by the caller), that world
+        is adopted when its size, rank and backend match, and left alone by
+        :meth:`destroy`.
+
+        Args:
+            world_size: Number of processes; read from ``WORLD_SIZE`` with ``env://`` when omitted.
+            rank: Global rank of this process; read from ``RANK`` with ``env://`` when omitted.
+            backend: A registered communicator name, ``"nccl"`` or ``"gloo"`` or a custom one.
+            dist_url: The torch.distributed init method.
+            timeout: Default timeout of every collective, in seconds or a ``timedelta``.
+
+        Returns:
+            The communicator bound to ``CommMode.GLOBAL``.
+
+        Raises:
+            KeyError: ``backend`` is not registered.
+            ValueError: a bad or missing value (validated before torch.distributed is touched).
+            CommError: already initialised with different arguments.
+        """
+        with self._lock:
+            cls = get_communicator_class(backend)
+            if world_size is None or rank is None:
+                if not str(dist_url).startswith("env://"):
+                    raise ValueError(f"world_size and rank are required with dist_url={dist_url!r}; only env:// reads them from the environment")
+                world_size = _env_int("WORLD_SIZE", "world_size") if world_size is None else world_size
+                rank = _env_int("RANK", "rank") if rank is None else rank
+            config = DistributedConfig(world_size=world_size, rank=rank, backend=backend, dist_url=dist_url, timeout=timeout)
+            if self._dist_config is not None:
+                if config == self._dist_config:
+                    return self._comms[_GLOBAL]
+                raise CommError(f"CommContext is already initialised with {self._dist_config!r}; call destroy() before initialising with {config!r}")
+            if dist.is_initialized():
+                got = (dist.get_world_size(), dist.get_rank(), dist.get_backend())
+                if got[:2] != (config.world_size, config.rank) or cls.backend not in got[2]:
+                    raise CommError(
+                        f"torch.distributed is already initialised with world_size={got[0]}, rank={got[1]}, backend={got[2]!r}; "
+                        f"expected world_size={config.world_size}, rank={config.rank}, backend {cls.backend!r}"
+                    )
+                self._owns_world = False
+            else:
+                cls.setup_process()
+                dist.init_process_group(
+                    backend=cls.backend,
+                    init_method=config.dist_url,
+                    world_size=config.world_size,
+                    rank=config.rank,
+                    timeout=timedelta(seconds=config.timeout),
+                )
+                self._owns_world = True
+            self._dist_config = config
+            world = tuple(range(config.world_size))
+            self._configs[_GLOBAL] = GroupConfig(partition=(world,), world_size=config.world_size, backend=backend, timeout=config.timeout)
+            comm = cls(group=dist.group.WORLD, ranks=world, mode=_GLOBAL)
+            self._comms[_GLOBAL] = comm
+            return comm
+
+    def init_group(
+        self,
+        ranks: list[int] | list[list[int]],
+        mode: CommMode | str,
+        backend: str | None = None,
+        use_cpu: bool = False,
+        timeout: float | timedelta | None = None,
+    ) -> Communicator:
+        """Create the process group(s) for ``mode`` and bind this rank's communicator.
+
+        Every rank of the world must call this with the same arguments, as
+        torch requires for group creation.
+
+        Args:
+            ranks: One list of global ranks (ranks outside it are non-members
+                of ``mode``), or a list of disjoint lists, a partition: each
+                rank is bound to the group that holds it.
+            mode: The mode to bind (not ``GLOBAL``, which the world binds).
+            backend: A registered communicator name; ``None`` means the world's.
+            use_cpu: Use gloo (CPU) whatever the world's backend.
+            timeout: Timeout of this group's collectives; ``None`` means the world's.
+
+        Returns:
+            The communicator bound to ``mode`` on this rank (a non-member one
+            if this rank is in none of the groups).
+
+        Raises:
+            ValueError: bad ranks, backend or timeout (before any group is created).
+            CommError: not initialised, or ``mode`` already bound differently.
+        """
+        name = mode_name(mode)
+        with self._lock:
+            dist_config = self._require_world()
+            if name == _GLOBAL:
+                raise ValueError("mode 'GLOBAL' is bound by init_distributed_env; pick another mode for init_group")
+            if use_cpu:
+                if backend is not None and get_communicator_class(backend).backend != "gloo":
+                    raise ValueError(f"use_cpu=True needs a gloo backend; got backend={backend!r}")
+                backend = backend or "gloo"
+            backend = backend or dist_config.backend
+            cls = get_communicator_class(backend)
+            config = GroupConfig(
+                partition=ranks,
+                world_size=dist_config.world_size,
+                backend=backend,
+                timeout=dist_config.timeout if timeout is None else timeout,
+            )
+            existing = self._configs.get(name)
+            if existing is not None:
+                if existing == config:
+                    return self._comms[name]
+                raise CommError(
+                    f"mode {name!r} is already bound to ranks {existing.as_ranks()} (backend {existing.backend!r}); "
+                    f"call destroy() before binding it to {config.as_ranks()} (backend {config.backend!r})"
+                )
+            me = dist_config.rank
+            comm = None
+            for part in config.partition:
+                group = dist.new_group(ranks=list(part), backend=cls.backend, timeout=timedelta(seconds=config.timeout))
+                if me in part:
+                    comm = cls(group=group, ranks=part, mode=name)
+            if comm is None:
+                comm = cls(group=None, ranks=config.partition[0] if len(config.partition) == 1 else (), mode=name)
+            self._configs[name] = config
+            self._comms[name] = comm
+            return comm
+
+    def destroy(self) -> None:
+        """Destroy every group this context created (and the world if it created it), and unbind every mode.
+
+        The context can be initialised again afterwards. Safe to call when
+        nothing is initialised.
+        """
+        with self._lock:
+            if dist.is_initialized():
+                world = dist.group.WORLD
+                for comm in self._comms.values():
+                    if comm.group is not None and comm.group is not world:
+                        dist.destroy_process_group(comm.group)
+                if self._owns_world:
+                    dist.destroy_process_group()
+            self._reset()
+
+    # ----------------------------------------------------------------- lookups
+    def get_communicator(self, mode: CommMode | str = CommMode.GLOBAL) -> Communicator:
+        """Return the communicator bound to ``mode`` on this rank.
+
+        Raises:
+            ModeNotBoundError: nothing is bound to ``mode`` (a ``KeyError`` and a
+                ``CommError``); the message lists the bound modes.
+        """
+        try:
+            return self._comms[mode]
+        except (KeyError, TypeError):
+            self._raise_unbound(mode)
+
+    def _raise_unbound(self, mode: object) -> None:
+        name = mode_name(mode)  # TypeError for a non-string mode
+        if name in self._comms:  # bound concurrently since the failed lookup
+            return
+        raise ModeNotBoundError(f"No communicator bound for mode {name!r}; bound modes: {sorted(self._comms)}")
+
+    def get_group(self, mode: CommMode | str = CommMode.GLOBAL) -> dist.ProcessGroup | None:
+        """The torch process group of ``mode`` (``None`` on a non-member rank)."""
+        return self.get_communicator(mode).group
+
+    def get_world_size(self, mode: CommMode | str = CommMode.GLOBAL) -> int:
+        """Number of ranks in this rank's group of ``mode``."""
+        return self.get_communicator(mode).world_size
+
+    def get_local_rank(self, mode: CommMode | str = CommMode.GLOBAL) -> int:
+        """This process's rank within its group of ``mode``.
+
+        Raises:
+            CommError: this rank is not a member of ``mode``.
+        """
+        return self.get_communicator(mode).rank
+
+    def get_global_rank(self) -> int:
+        """This process's rank in the world.
+
+        Raises:
+            CommError: the context is not initialised.
+        """
+        return self._require_world().rank
+
+    def get_ranks_in_group(self, mode: CommMode | str = CommMode.GLOBAL) -> list[int]:
+        """Global ranks of this rank's group of ``mode`` (the group's ranks on a non-member of a single group)."""
+        return list(self.get_communicator(mode).ranks)
+
+    def is_initialized(self) -> bool:
+        """Whether :meth:`init_distributed_env` has run (and :meth:`destroy` has not since)."""
+        return self._dist_config is not None
+
+    def bound_modes(self) -> list[str]:
+        """Names of the bound modes, sorted."""
+        return sorted(self._comms)
+
+    def _require_world(self) -> DistributedConfig:
+        config = self._dist_config
+        if config is None:
+            raise CommError("CommContext is not initialised; call CommContext().init_distributed_env(...) first")
+        return config

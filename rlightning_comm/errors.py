@@ -1,0 +1,26 @@
+"""The library's exception types.
+
+Bad values raise the builtin ``ValueError``/``TypeError``; wrong state and
+failed collectives raise :class:`CommError` or one of its subclasses.
+"""
+
+from __future__ import annotations
+
+
+class CommError(RuntimeError):
+    """Base class of the library's runtime errors (wrong state, failed collective)."""
+
+
+class CommTimeoutError(CommError):
+    """A collective did not complete within its group's timeout."""
+
+
+class ModeNotBoundError(CommError, KeyError):
+    """No communicator is bound for the requested mode.
+
+    Also a ``KeyError``: the mode is an unknown name in the context's registry.
+    """
+
+    def __str__(self) -> str:
+        # KeyError.__str__ would wrap the message in quotes.
+        return str(self.args[0]) if self.args else ""

@@ -1,0 +1,58 @@
+"""Shared fixtures: reusable spawned worlds, and per-test cleanup of the parent process."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch.distributed as dist
+
+from world import World
+
+_worlds: dict[int, World] = {}
+
+
+def _world(size: int) -> World:
+    if size not in _worlds:
+        _worlds[size] = World(size)
+    return _worlds[size]
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    for w in _worlds.values():
+        w.close()
+
+
+@pytest.fixture
+def world1() -> World:
+    return _world(1)
+
+
+@pytest.fixture
+def world2() -> World:
+    return _world(2)
+
+
+@pytest.fixture
+def world4() -> World:
+    return _world(4)
+
+
+@pytest.fixture
+def world(request: pytest.FixtureRequest) -> World:
+    """Indirectly parametrised by size: ``@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)``."""
+    return _world(request.param)
+
+
+@pytest.fixture(autouse=True)
+def _restore_process_state() -> Iterator[None]:
+    saved = dict(os.environ)
+    yield
+    from rlightning_comm import CommContext
+
+    CommContext().destroy()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)

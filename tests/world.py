@@ -1,0 +1,167 @@
+"""Reusable worlds of spawned gloo ranks for multi-process tests.
+
+Starting a process and importing torch is the slow part of a multi-rank test,
+so a :class:`World` keeps its ranks alive across tests and hands each of them
+one task at a time. Every task gets a fresh file store (no ports, nothing
+shared between xdist workers) and every rank destroys its process groups and
+restores its environment afterwards, so tests stay independent. Every wait is
+bounded: a rank that does not report in time fails the test with every
+rank's traceback or fate, and the world is killed and respawned for the next
+test.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+DEFAULT_TIMEOUT = 60.0
+# After one rank fails, peers blocked in a collective it skipped never report:
+# wait this long for them instead of the full timeout.
+FAILURE_GRACE = 5.0
+
+
+class WorldError(AssertionError):
+    """A task failed or timed out on at least one rank; the message holds every rank's report."""
+
+
+def init_world(rank: int, world_size: int, url: str, backend: str = "gloo", timeout: float = 60):
+    """Initialise the library's context in a worker; returns the context."""
+    from rlightning_comm import CommContext
+
+    ctx = CommContext()
+    ctx.init_distributed_env(world_size=world_size, rank=rank, backend=backend, dist_url=url, timeout=timeout)
+    return ctx
+
+
+def _cleanup() -> None:
+    import torch.distributed as dist
+
+    from rlightning_comm import CommContext
+
+    try:
+        CommContext().destroy()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _worker_main(rank: int, size: int, tasks: Any, results: Any) -> None:
+    import torch  # noqa: F401  (import once, up front: it is the slow part)
+
+    while True:
+        item = tasks.get()
+        if item is None:
+            return
+        task_id, fn, args, url, env = item
+        saved = dict(os.environ)
+        os.environ.update(env)
+        try:
+            out = fn(rank, size, url, *args)
+            report = (task_id, rank, True, out)
+        except BaseException:  # noqa: BLE001 - every failure goes back to the parent
+            report = (task_id, rank, False, traceback.format_exc())
+        try:
+            _cleanup()
+        except BaseException:  # noqa: BLE001
+            if report[2]:
+                report = (task_id, rank, False, "cleanup failed:\n" + traceback.format_exc())
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        try:
+            results.put(report)
+        except Exception:  # noqa: BLE001 - an unpicklable result
+            results.put((task_id, rank, False, "could not send the result back:\n" + traceback.format_exc()))
+
+
+class World:
+    """``size`` spawned ranks that run tasks ``fn(rank, size, store_url, *args)`` together."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._procs: list[Any] = []
+        self._tasks: list[Any] = []
+        self._results: Any = None
+        self._task_id = 0
+        self._root = tempfile.mkdtemp(prefix=f"rlc-world{size}-")
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.size)]
+        self._procs = [
+            ctx.Process(target=_worker_main, args=(r, self.size, self._tasks[r], self._results), daemon=True, name=f"rank{r}")
+            for r in range(self.size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = DEFAULT_TIMEOUT, env: dict[str, str] | None = None) -> list[Any]:
+        """Run ``fn(rank, size, store_url, *args)`` on every rank; return the results in rank order.
+
+        Raises:
+            WorldError: a rank raised, died or did not report within ``timeout``.
+        """
+        if not self._procs or not all(p.is_alive() for p in self._procs):
+            self.close()
+            self._start()
+        self._task_id += 1
+        store = tempfile.mkdtemp(dir=self._root)
+        url = f"file://{store}/store"
+        for q in self._tasks:
+            q.put((self._task_id, fn, args, url, dict(env or {})))
+        reports: dict[int, tuple[bool, Any]] = {}
+        deadline = time.monotonic() + timeout
+        while len(reports) < self.size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                task_id, rank, ok, payload = self._results.get(timeout=min(remaining, 0.5))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in reports]
+                for r in dead:
+                    reports[r] = (False, f"process died with exit code {self._procs[r].exitcode}")
+                if dead:
+                    deadline = min(deadline, time.monotonic() + FAILURE_GRACE)
+                continue
+            if task_id != self._task_id:
+                continue
+            reports[rank] = (ok, payload)
+            if not ok:
+                deadline = min(deadline, time.monotonic() + FAILURE_GRACE)
+        if len(reports) == self.size and all(ok for ok, _ in reports.values()):
+            return [reports[r][1] for r in range(self.size)]
+        lines = [f"{getattr(fn, '__name__', fn)} failed on a world of {self.size}:"]
+        for r in range(self.size):
+            if r not in reports:
+                lines.append(f"--- rank {r}: no report within the bound (timeout {timeout}s); killed")
+            elif not reports[r][0]:
+                lines.append(f"--- rank {r}:\n{reports[r][1]}")
+            else:
+                lines.append(f"--- rank {r}: ok")
+        if len(reports) < self.size or any(not p.is_alive() for p in self._procs):
+            self.close()
+        raise WorldError("\n".join(lines))
+
+    def close(self) -> None:
+        """Stop every rank (politely, then by force) and forget the queues."""
+        for q in self._tasks:
+            try:
+                q.put(None)
+            except Exception:  # noqa: BLE001
+                pass
+        for p in self._procs:
+            p.join(timeout=2)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self._procs = []
+        self._tasks = []
+        self._results = None
