@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 import threading
 from datetime import timedelta
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch.distributed as dist
 
+from rlightning_comm import stats as _stats
 from rlightning_comm.communicators.base import Communicator
 from rlightning_comm.communicators.registry import get_communicator_class
 from rlightning_comm.config import DistributedConfig, GroupConfig
@@ -135,6 +136,7 @@ class CommContext:
             self._configs[_GLOBAL] = GroupConfig(partition=(world,), world_size=config.world_size, backend=backend, timeout=config.timeout)
             comm = cls(group=dist.group.WORLD, ranks=world, mode=_GLOBAL)
             self._comms[_GLOBAL] = comm
+            _stats.on_bind(comm)
             return comm
 
     def init_group(
@@ -202,6 +204,7 @@ class CommContext:
                 comm = cls(group=None, ranks=config.partition[0] if len(config.partition) == 1 else (), mode=name)
             self._configs[name] = config
             self._comms[name] = comm
+            _stats.on_bind(comm)
             return comm
 
     def destroy(self) -> None:
@@ -280,3 +283,32 @@ class CommContext:
         if config is None:
             raise CommError("CommContext is not initialised; call CommContext().init_distributed_env(...) first")
         return config
+
+    # ------------------------------------------------------------------- stats
+    def enable_stats(self) -> None:
+        """Record count, bytes, time and bandwidth of every collective, per mode and op.
+
+        Off by default; while off nothing wraps the communicators. Modes bound
+        later are recorded too. See :mod:`rlightning_comm.stats` for what is
+        measured and how (async and CUDA work included).
+        """
+        _stats.enable(self._comms.values())
+
+    def disable_stats(self) -> None:
+        """Stop recording and unwrap every communicator; the figures stay until :meth:`reset_stats`."""
+        _stats.disable()
+
+    def stats(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """The recorded figures as plain data: ``{mode: {op: {"count", "bytes", "total_time_s", ...}}}``.
+
+        See :func:`rlightning_comm.stats.snapshot` for the fields.
+        """
+        return _stats.snapshot()
+
+    def reset_stats(self) -> None:
+        """Forget the recorded figures (recording goes on if enabled)."""
+        _stats.reset()
+
+    def stats_table(self) -> str:
+        """The recorded figures as a fixed-width table, one line per mode and op, ready to log."""
+        return _stats.format_table()

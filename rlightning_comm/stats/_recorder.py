@@ -1,0 +1,246 @@
+"""The recording machinery behind :mod:`rlightning_comm.stats`: call wrappers, async completion, lazy CUDA events."""
+
+from __future__ import annotations
+
+import functools
+import queue
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rlightning_comm.bandwidth import bus_factor, gbps
+
+if TYPE_CHECKING:
+    from rlightning_comm.communicators.base import Communicator
+
+TRACKED_OPS = (
+    "all_gather",
+    "all_reduce",
+    "all_reduce_dict",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "reduce_scatter",
+    "scatter",
+)
+"""The communicator methods that stats record."""
+
+_FOLD_EVERY = 1024  # outstanding CUDA records before completed ones are folded in
+_perf_counter = time.perf_counter
+
+
+def _nbytes(t: Any) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], i: int, name: str) -> Any:
+    return args[i] if len(args) > i else kwargs.get(name)
+
+
+# The ops that take async_op. Each returns (S in bytes, the tensor whose device decides how to time) from the call's arguments.
+def _size_first(comm: Communicator, a: tuple[Any, ...], k: dict[str, Any], name: str) -> tuple[int, Any]:
+    t = _arg(a, k, 0, name)
+    return _nbytes(t), t
+
+
+def _size_per_rank(comm: Communicator, a: tuple[Any, ...], k: dict[str, Any]) -> tuple[int, Any]:
+    t = _arg(a, k, 0, "tensor")
+    return _nbytes(t) * comm.world_size, t
+
+
+def _size_second(comm: Communicator, a: tuple[Any, ...], k: dict[str, Any], name: str) -> tuple[int, Any]:
+    t = _arg(a, k, 1, name)
+    return _nbytes(t), t
+
+
+_SIZES: dict[str, Callable[[Communicator, tuple[Any, ...], dict[str, Any]], tuple[int, Any]]] = {
+    "all_reduce": functools.partial(_size_first, name="tensor"),
+    "all_gather": functools.partial(_size_first, name="output_tensor"),
+    "broadcast": functools.partial(_size_first, name="tensor"),
+    "gather": _size_per_rank,
+    "scatter": _size_per_rank,
+    "reduce_scatter": functools.partial(_size_second, name="input_"),
+    "all_to_all_single": functools.partial(_size_second, name="input_"),
+}
+
+
+class _Recorder:
+    """The process-wide recording state (the context is a singleton, so is this)."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self._wrapped: weakref.WeakSet[Communicator] = weakref.WeakSet()
+        # (mode, op) -> [count, bytes, bus_bytes, total_s, max_s, group_size, in_flight]
+        self._acc: dict[tuple[str, str], list[Any]] = {}
+        # Completed work not yet folded in: (key, n, bytes, factor, seconds or (start, end) events, was_async).
+        # Callbacks of other threads only ever append here (deque appends are atomic).
+        self._done: deque[tuple[tuple[str, str], int, int, float, Any, bool]] = deque()
+        self._cuda_backlog = 0
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._watch: queue.SimpleQueue[tuple[Any, Callable[[], None]]] | None = None
+
+    # ------------------------------------------------------------- wrapping
+    def attach(self, comm: Communicator) -> None:
+        if not self.enabled or not comm.is_member or comm in self._wrapped:
+            return
+        for op in TRACKED_OPS:
+            setattr(comm, op, self._wrap(comm, op, getattr(comm, op)))
+        self._wrapped.add(comm)
+
+    def detach_all(self) -> None:
+        for comm in list(self._wrapped):
+            for op in TRACKED_OPS:
+                comm.__dict__.pop(op, None)
+        self._wrapped = weakref.WeakSet()
+
+    def _wrap(self, comm: Communicator, op: str, inner: Callable[..., Any]) -> Callable[..., Any]:
+        key = (comm.mode, op)
+        n = comm.world_size
+        factor = bus_factor(op, n)
+        size_of = _SIZES.get(op)
+        on_cuda = comm.device.type == "cuda"  # where dict and object payloads are staged
+        local = self._local
+        rec = self
+
+        @functools.wraps(inner)
+        def record(*args: Any, **kwargs: Any) -> Any:
+            if getattr(local, "depth", 0):  # called from another tracked op (all_reduce_dict -> all_reduce)
+                result = inner(*args, **kwargs)
+                if size_of is not None:
+                    local.inner_bytes += size_of(comm, args, kwargs)[0]
+                return result
+            nbytes, probe = size_of(comm, args, kwargs) if size_of is not None else (0, None)
+            cuda = probe.is_cuda if isinstance(probe, torch.Tensor) else on_cuda
+            local.depth, local.inner_bytes = 1, 0
+            try:
+                if cuda:
+                    start: Any = torch.cuda.Event(enable_timing=True)
+                    start.record()
+                else:
+                    start = _perf_counter()
+                result = inner(*args, **kwargs)
+            finally:
+                local.depth = 0
+            nbytes += local.inner_bytes
+            if result is None or size_of is None:  # ops without async_op return data, not work
+                rec._finish(key, n, nbytes, factor, start, cuda, False)
+            else:
+                rec._track_async(key, n, nbytes, factor, result, start, cuda)
+            return result
+
+        return record
+
+    # ------------------------------------------------------------ recording
+    def _finish(self, key: tuple[str, str], n: int, nbytes: int, factor: float, start: Any, cuda: bool, was_async: bool) -> None:
+        """Record the end of a call: now, on the current stream if ``cuda``; may run on another thread."""
+        if cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._done.append((key, n, nbytes, factor, (start, end), was_async))
+            self._cuda_backlog += 1
+            if self._cuda_backlog >= _FOLD_EVERY and not was_async:
+                self._fold(wait=False)
+        elif was_async:
+            self._done.append((key, n, nbytes, factor, _perf_counter() - start, True))
+        else:
+            self._add(key, n, nbytes, factor, _perf_counter() - start, False)
+
+    def _add(self, key: tuple[str, str], n: int, nbytes: int, factor: float, seconds: float, was_async: bool) -> None:
+        acc = self._acc.get(key)
+        if acc is None:
+            acc = self._acc[key] = [0, 0, 0.0, 0.0, 0.0, n, 0]
+        acc[0] += 1
+        acc[1] += nbytes
+        acc[2] += nbytes * factor
+        acc[3] += seconds
+        if seconds > acc[4]:
+            acc[4] = seconds
+        acc[5] = n
+        if was_async and acc[6] > 0:
+            acc[6] -= 1
+
+    def _track_async(self, key: tuple[str, str], n: int, nbytes: int, factor: float, work: Any, start: Any, cuda: bool) -> None:
+        acc = self._acc.get(key)
+        if acc is None:
+            acc = self._acc[key] = [0, 0, 0.0, 0.0, 0.0, n, 0]
+        acc[6] += 1
+
+        def finished(_fut: Any = None) -> None:
+            self._finish(key, n, nbytes, factor, start, cuda, True)
+
+        try:
+            future = work.get_future()
+        except RuntimeError:  # e.g. gloo's reduce_scatter: no future, so a watcher thread waits on it
+            self._watcher().put((work, finished))
+            return
+        if cuda:
+            future.then(finished)  # the callback's current stream is ordered after the collective
+        else:
+            future.add_done_callback(finished)
+
+    def _watcher(self) -> queue.SimpleQueue[tuple[Any, Callable[[], None]]]:
+        with self._lock:
+            if self._watch is None:
+                self._watch = queue.SimpleQueue()
+                threading.Thread(target=_watch_works, args=(self._watch,), name="rlightning-comm-stats", daemon=True).start()
+            return self._watch
+
+    def _fold(self, wait: bool = True) -> None:
+        with self._lock:
+            pending = []
+            while self._done:
+                item = self._done.popleft()
+                key, n, nbytes, factor, seconds, was_async = item
+                if isinstance(seconds, tuple):
+                    start, end = seconds
+                    if wait:
+                        end.synchronize()
+                    elif not end.query():
+                        pending.append(item)
+                        continue
+                    seconds = start.elapsed_time(end) / 1e3
+                    self._cuda_backlog -= 1
+                self._add(key, n, nbytes, factor, seconds, was_async)
+            self._done.extendleft(reversed(pending))
+
+    # -------------------------------------------------------------- reading
+    def snapshot(self) -> dict[str, dict[str, dict[str, Any]]]:
+        self._fold()
+        out: dict[str, dict[str, dict[str, Any]]] = {}
+        for (mode, op), (count, nbytes, bus_bytes, total, peak, n, in_flight) in sorted(list(self._acc.items())):
+            out.setdefault(mode, {})[op] = {
+                "count": count,
+                "bytes": nbytes,
+                "total_time_s": total,
+                "max_time_s": peak,
+                "mean_time_s": total / count if count else 0.0,
+                "algbw_gbps": gbps(nbytes, total),
+                "busbw_gbps": gbps(bus_bytes, total),
+                "group_size": n,
+                "in_flight": in_flight,
+            }
+        return out
+
+    def reset(self) -> None:
+        with self._lock:
+            self._acc = {}
+            self._done.clear()
+            self._cuda_backlog = 0
+
+
+def _watch_works(works: queue.SimpleQueue[tuple[Any, Callable[[], None]]]) -> None:
+    while True:
+        work, finished = works.get()
+        try:
+            work.wait()  # releases the GIL; the caller's own wait() sees the same result
+        except Exception:  # noqa: BLE001 - the caller's wait() reports the failure; record nothing
+            continue
+        finished()
