@@ -18,6 +18,8 @@ _AVG = ReduceOp.AVG
 _BITWISE = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
 # torch views a complex tensor as real pairs, which is only exact for these ops.
 _COMPLEX_OPS = frozenset({ReduceOp.SUM, ReduceOp.AVG})
+# Exact types checked before the (slow, ABC-based) numbers.Number test; bool stays on the general path.
+_PLAIN_NUMBERS = frozenset({float, int})
 
 
 class Communicator(ABC):
@@ -380,13 +382,20 @@ class Communicator(ABC):
         except TypeError:
             keys = list(dictionary)
         device = self.device
+        values = [dictionary[key] for key in keys]
+        if all(type(value) in _PLAIN_NUMBERS for value in values):
+            # Only plain numbers (the metrics case): one tensor from the list, one host transfer back.
+            if not values:
+                return {}
+            flat = torch.tensor(values, dtype=dtype, device=device)
+            self.all_reduce(flat, op=op)
+            return dict(zip(keys, flat.tolist()))
         segments: list[torch.Tensor] = []
         run: list[Any] = []
         layout: list[tuple[Any, torch.Tensor | None]] = []  # None marks a number
         number_positions: list[int] = []
         offset = 0
-        for key in keys:
-            value = dictionary[key]
+        for key, value in zip(keys, values):
             if isinstance(value, torch.Tensor):
                 if run:
                     segments.append(torch.tensor(run, dtype=dtype, device=device))
@@ -394,7 +403,7 @@ class Communicator(ABC):
                 segments.append(value.detach().to(device=device, dtype=dtype).reshape(-1))
                 layout.append((key, value))
                 offset += value.numel()
-            elif isinstance(value, numbers.Number):
+            elif type(value) in _PLAIN_NUMBERS or isinstance(value, numbers.Number):
                 run.append(value)
                 layout.append((key, None))
                 number_positions.append(offset)
@@ -420,7 +429,7 @@ class Communicator(ABC):
                 offset += 1
             else:
                 n = value.numel()
-                result[key] = flat[offset : offset + n].view(value.shape).to(value.device)
+                result[key] = flat[offset : offset + n].view_as(value).to(value.device)
                 offset += n
         return result
 
