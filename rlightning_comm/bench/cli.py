@@ -167,7 +167,11 @@ def spawn(cfg: BenchConfig, nproc: int) -> int:
         raise
     finally:
         shutil.rmtree(store, ignore_errors=True)
-    codes = [p.exitcode for p in procs]
+    return exit_status([p.exitcode for p in procs])
+
+
+def exit_status(codes: Sequence[int | None]) -> int:
+    """The command's status from the ranks' exit codes: an error anywhere wins, then wrong results."""
     if any(c not in (EXIT_OK, EXIT_WRONG) for c in codes):
         return EXIT_ERROR
-    return max(codes)
+    return max(codes, default=EXIT_ERROR)

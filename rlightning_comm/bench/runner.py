@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from rlightning_comm.bench import report
 from rlightning_comm.bench.cases import CASES, Case
 from rlightning_comm.bench.config import BenchConfig
 from rlightning_comm.communicators.base import Communicator
+from rlightning_comm.communicators.registry import get_communicator_class
 from rlightning_comm.context import CommContext
 
 _PATHS = ("facade", "raw")
@@ -35,7 +37,9 @@ def run_rank(rank: int, world_size: int, dist_url: str, cfg: BenchConfig) -> int
     Returns:
         0 when every result on every rank was right, 1 otherwise.
     """
-    if cfg.device == "cuda" and cfg.backend != "nccl":  # the nccl communicator picks its GPU itself
+    # Both paths call all_gather_into_tensor (the library does); one warning per rank is noise in a table.
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
+    if cfg.device == "cuda" and get_communicator_class(cfg.backend).backend != "nccl":  # nccl picks its GPU itself
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
     ctx = CommContext()
     ctx.init_distributed_env(world_size=world_size, rank=rank, backend=cfg.backend, dist_url=dist_url, timeout=cfg.timeout)
