@@ -1,0 +1,80 @@
+"""``all_reduce_dict`` with 256 scalar keys against one all_reduce per key and against one raw all_reduce of 256 elements.
+
+2 gloo ranks, interleaved rounds (the order of the three paths rotates); in each
+round each path runs ``calls`` times after a barrier. Paths:
+
+* dict: ``collective.all_reduce_dict(d, mode)`` on 256 Python floats;
+* per key: for each key, ``t = torch.tensor([v]); collective.all_reduce(t, mode); out[k] = t.item()``;
+* raw: ``torch.distributed.all_reduce`` of a ready 256-element float32 tensor (no packing at all).
+
+Targets: per key / dict >= 20; dict / raw <= 1.3 (medians of the per-round ratios).
+
+    python benchmarks/bench_all_reduce_dict.py [--rounds 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from _common import machine, run_ranks
+
+KEYS = 256
+CALLS = {"dict": 40, "per_key": 2, "raw": 40}
+
+
+def _task(rank: int, nproc: int, rounds: int) -> dict[str, float]:
+    import torch
+    import torch.distributed as dist
+
+    from rlightning_comm import CommMode, collective
+
+    values = {f"metric/{i:03d}": float(i * (rank + 1)) for i in range(KEYS)}
+    flat = torch.arange(KEYS, dtype=torch.float32)
+
+    def per_key() -> dict[str, float]:
+        out = {}
+        for k, v in values.items():
+            t = torch.tensor([v])
+            collective.all_reduce(t, CommMode.GLOBAL)
+            out[k] = t.item()
+        return out
+
+    paths = {"dict": lambda: collective.all_reduce_dict(values, CommMode.GLOBAL), "per_key": per_key, "raw": lambda: dist.all_reduce(flat)}
+    assert paths["dict"]() == per_key()  # same answer both ways  # noqa: S101 - a benchmark's own sanity check
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    names = list(paths)
+    for r in range(rounds):
+        for name in names[r % 3 :] + names[: r % 3]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(CALLS[name]):
+                paths[name]()
+            times[name].append((time.perf_counter() - t0) / CALLS[name] * 1e6)
+    per_key_over_dict = [p / d for p, d in zip(times["per_key"], times["dict"])]
+    dict_over_raw = [d / r for d, r in zip(times["dict"], times["raw"])]
+    return {
+        "dict_us": statistics.median(times["dict"]),
+        "per_key_us": statistics.median(times["per_key"]),
+        "raw_us": statistics.median(times["raw"]),
+        "per_key/dict": statistics.median(per_key_over_dict),
+        "dict/raw": statistics.median(dict_over_raw),
+        "dict/raw min..max": f"{min(dict_over_raw):.3f}..{max(dict_over_raw):.3f}",
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=15)
+    args = p.parse_args()
+    res = run_ranks(_task, 2, args.rounds)
+    print(f"# all_reduce_dict, {KEYS} scalar keys, 2 gloo ranks, {args.rounds} interleaved rounds; {machine()}")
+    for key, value in res[0].items():
+        other = res[1][key]
+        fmt = (lambda v: f"{v:.3f}") if isinstance(value, float) else str
+        print(f"{key:<20} {fmt(value):>14}   (rank 1: {fmt(other)})")
+
+
+if __name__ == "__main__":
+    main()
