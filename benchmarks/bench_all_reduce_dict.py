@@ -5,9 +5,13 @@ round each path runs ``calls`` times after a barrier. Paths:
 
 * dict: ``collective.all_reduce_dict(d, mode)`` on 256 Python floats;
 * per key: for each key, ``t = torch.tensor([v]); collective.all_reduce(t, mode); out[k] = t.item()``;
-* raw: ``torch.distributed.all_reduce`` of a ready 256-element float32 tensor (no packing at all).
+* raw: ``torch.distributed.all_reduce`` of a ready 256-element float32 tensor (no packing at all);
+* by hand: ``t = torch.tensor(list(d.values())); dist.all_reduce(t); dict(zip(d, t.tolist()))``,
+  the least any code that starts from a dict of Python numbers can do.
 
 Targets: per key / dict >= 20; dict / raw <= 1.3 (medians of the per-round ratios).
+Then, with ``torch.distributed.all_reduce`` replaced by a no-op, the CPU time
+(``time.thread_time``) per call of dict and by hand: the Python work around the collective.
 
     python benchmarks/bench_all_reduce_dict.py [--rounds 15]
 """
@@ -21,7 +25,7 @@ import time
 from _common import machine, run_ranks
 
 KEYS = 256
-CALLS = {"dict": 40, "per_key": 2, "raw": 40}
+CALLS = {"dict": 40, "per_key": 2, "raw": 40, "by_hand": 40}
 
 
 def _task(rank: int, nproc: int, rounds: int) -> dict[str, float]:
@@ -41,12 +45,18 @@ def _task(rank: int, nproc: int, rounds: int) -> dict[str, float]:
             out[k] = t.item()
         return out
 
-    paths = {"dict": lambda: collective.all_reduce_dict(values, CommMode.GLOBAL), "per_key": per_key, "raw": lambda: dist.all_reduce(flat)}
-    assert paths["dict"]() == per_key()  # same answer both ways  # noqa: S101 - a benchmark's own sanity check
+    def by_hand() -> dict[str, float]:
+        t = torch.tensor(list(values.values()))
+        dist.all_reduce(t)
+        return dict(zip(values, t.tolist()))
+
+    paths = {"dict": lambda: collective.all_reduce_dict(values, CommMode.GLOBAL), "per_key": per_key, "raw": lambda: dist.all_reduce(flat), "by_hand": by_hand}
+    if not paths["dict"]() == per_key() == by_hand():  # the same answer every way
+        raise RuntimeError("all_reduce_dict disagrees with one all_reduce per key")
     times: dict[str, list[float]] = {name: [] for name in paths}
     names = list(paths)
     for r in range(rounds):
-        for name in names[r % 3 :] + names[: r % 3]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             dist.barrier()
             t0 = time.perf_counter()
             for _ in range(CALLS[name]):
@@ -54,6 +64,17 @@ def _task(rank: int, nproc: int, rounds: int) -> dict[str, float]:
             times[name].append((time.perf_counter() - t0) / CALLS[name] * 1e6)
     per_key_over_dict = [p / d for p, d in zip(times["per_key"], times["dict"])]
     dict_over_raw = [d / r for d, r in zip(times["dict"], times["raw"])]
+    dict_over_by_hand = [d / h for d, h in zip(times["dict"], times["by_hand"])]
+    dist.all_reduce = lambda *a, **k: None  # no network: the CPU time of the Python work around the collective
+    cpu = {}
+    for name in ("dict", "by_hand"):
+        samples = []
+        for _ in range(rounds):
+            t0 = time.thread_time()
+            for _ in range(200):
+                paths[name]()
+            samples.append((time.thread_time() - t0) / 200 * 1e6)
+        cpu[name] = statistics.median(samples)
     return {
         "dict_us": statistics.median(times["dict"]),
         "per_key_us": statistics.median(times["per_key"]),
@@ -61,6 +82,10 @@ def _task(rank: int, nproc: int, rounds: int) -> dict[str, float]:
         "per_key/dict": statistics.median(per_key_over_dict),
         "dict/raw": statistics.median(dict_over_raw),
         "dict/raw min..max": f"{min(dict_over_raw):.3f}..{max(dict_over_raw):.3f}",
+        "by_hand_us": statistics.median(times["by_hand"]),
+        "dict/by_hand": statistics.median(dict_over_by_hand),
+        "cpu_us dict (no-op)": cpu["dict"],
+        "cpu_us by_hand (no-op)": cpu["by_hand"],
     }
 
 
