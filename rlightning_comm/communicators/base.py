@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+from rlightning_comm.communicators._objects import broadcast_objects
 from rlightning_comm.errors import CommError
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
@@ -352,7 +353,7 @@ class Communicator(ABC):
         if not isinstance(object_list, list):
             raise TypeError(f"object_list must be a list (it is filled in place); got {type(object_list).__name__} (mode {self._mode!r})")
         self._check_peer(src, "src")
-        dist.broadcast_object_list(object_list, src=src, group=self._group, device=self.device)
+        broadcast_objects(object_list, src, self._group, self.device)
         return None
 
     def all_reduce_dict(self, dictionary: Mapping[Any, Any], op: Any = _SUM, dtype: torch.dtype = torch.float32) -> dict[Any, Any] | None:
