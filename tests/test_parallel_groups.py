@@ -91,7 +91,12 @@ def _invalid_layouts(rank: int, size: int, url: str) -> dict:
             errors[key] = (type(err).__name__, str(err))
     for name, fn in originals.items():
         setattr(dist, name, fn)
-    return {"errors": errors, "calls": calls, "bound": ctx.bound_modes()}
+    bound_after_errors = ctx.bound_modes()
+    # A valid layout that agrees with the existing binding is accepted, and declaring it again is a no-op.
+    first = ctx.init_parallel_groups(ParallelConfig(tensor_parallel_size=2))
+    again = ctx.init_parallel_groups(ParallelConfig(tensor_parallel_size=2))
+    same = all(first[m] is again[m] for m in first)
+    return {"errors": errors, "calls": calls, "bound": bound_after_errors, "same": same, "bound_after": ctx.bound_modes()}
 
 
 def test_invalid_layouts_are_rejected_before_any_group_or_collective(world2) -> None:
@@ -100,6 +105,7 @@ def test_invalid_layouts_are_rejected_before_any_group_or_collective(world2) -> 
     out = results[0]
     assert out["calls"] == []
     assert out["bound"] == ["GLOBAL", "TENSOR_PARALLEL"]
+    assert out["same"] and out["bound_after"] == ["DATA_PARALLEL", "GLOBAL", "SEQUENCE_PARALLEL", "TENSOR_PARALLEL"]
     errors = out["errors"]
     assert errors["tp3"][0] == "ValueError" and "world size 2" in errors["tp3"][1] and "tensor_parallel_size=3" in errors["tp3"][1]
     assert errors["tp2sp2"][0] == "ValueError" and "2 x 2 = 4" in errors["tp2sp2"][1]

@@ -119,12 +119,24 @@ def _named_list_with_non_member(rank: int, size: int, url: str) -> dict:
     named = [("w_t", weight.t()), ("scale", torch.randn((), generator=gen).to(torch.bfloat16)), ("ids", torch.arange(5) * (rank + 1))]
     before = digests(named)
     result = broadcast_state_dict(named, comm_mode=CommMode.WEIGHT_TRANSFER, bucket_bytes=32)
-    return {"result": result, "before": before, "after": digests(named), "member": ctx.get_communicator(CommMode.WEIGHT_TRANSFER).is_member}
+    from dataclasses import asdict
+
+    from rlightning_comm import describe_layout
+
+    view = asdict(describe_layout()["WEIGHT_TRANSFER"])
+    return {"result": result, "before": before, "after": digests(named), "member": ctx.get_communicator(CommMode.WEIGHT_TRANSFER).is_member, "view": view}
 
 
 def test_named_tensor_list_and_non_member(world4) -> None:
     results = world4.run(_named_list_with_non_member)
     assert [r["member"] for r in results] == [True, False, True, True]
+    # The source is group rank 0, then the destinations in the declared order; rank 1 is outside (no rank there).
+    assert [r["view"] for r in results] == [
+        {"ranks": (2, 0, 3), "rank": 1, "world_size": 3, "backend": "gloo"},
+        {"ranks": (2, 0, 3), "rank": None, "world_size": 3, "backend": "gloo"},
+        {"ranks": (2, 0, 3), "rank": 0, "world_size": 3, "backend": "gloo"},
+        {"ranks": (2, 0, 3), "rank": 2, "world_size": 3, "backend": "gloo"},
+    ]
     assert all(r["result"] is None for r in results)
     source = results[2]["before"]
     assert results[2]["after"] == source
