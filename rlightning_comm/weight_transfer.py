@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Union
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -14,7 +14,7 @@ from rlightning_comm.modes import CommMode, ParallelMode
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20
 
-StateDictLike = Union[Mapping[str, torch.Tensor], nn.Module, Sequence[tuple[str, torch.Tensor]]]
+StateDictLike = Mapping[str, torch.Tensor] | nn.Module | Sequence[tuple[str, torch.Tensor]]
 # name -> (dtype, shape) as plain picklable data.
 _Manifest = list[tuple[str, str, tuple[int, ...]]]
 
@@ -131,7 +131,7 @@ def broadcast_state_dict(
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be a positive int; got {bucket_bytes!r}")
     if not comm.is_member:
-        return None
+        return
     src = comm.ranks[0] if src is None else src
     if isinstance(src, bool) or src not in comm.ranks:
         raise ValueError(f"src={src!r} is not a global rank of mode {comm.mode!r}; expected one of {list(comm.ranks)}")
@@ -148,7 +148,6 @@ def broadcast_state_dict(
     manifest, bucket_bytes = offer[0]
     with torch.no_grad():
         _transfer(comm, items, manifest, bucket_bytes, src, is_source)
-    return None
 
 
 def _transfer(comm: Any, items: list[tuple[str, torch.Tensor]], manifest: _Manifest, bucket_bytes: int, src: int, is_source: bool) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from layout_oracle import all_layouts, expected_groups, group_of
 from world import init_world
 
@@ -157,7 +156,11 @@ def _bad_nodes(rank: int, size: int, url: str, scheme: str) -> dict:
 
     ctx = init_world(rank, size, url)
     if scheme == "uneven":  # three ranks on node 0, one on node 1
-        env = {"GROUP_RANK": "0", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "3"} if rank < 3 else {"GROUP_RANK": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+        env = (
+            {"GROUP_RANK": "0", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "3"}
+            if rank < 3
+            else {"GROUP_RANK": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+        )
     else:  # rank 2 was not started by a launcher
         env = {} if rank == 2 else {"GROUP_RANK": str(rank // 2), "LOCAL_RANK": str(rank % 2), "LOCAL_WORLD_SIZE": "2"}
     for name in ("GROUP_RANK", "NODE_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
@@ -176,7 +179,10 @@ def _bad_nodes(rank: int, size: int, url: str, scheme: str) -> dict:
 
 @pytest.mark.parametrize(
     ("scheme", "match"),
-    [("uneven", "uneven nodes: every rank must report the same LOCAL_WORLD_SIZE"), ("missing", "rank 2: node_rank was not given and GROUP_RANK / NODE_RANK is not set")],
+    [
+        ("uneven", "uneven nodes: every rank must report the same LOCAL_WORLD_SIZE"),
+        ("missing", "rank 2: node_rank was not given and GROUP_RANK / NODE_RANK is not set"),
+    ],
 )
 def test_bad_node_placement_raises_on_every_rank(world4, scheme: str, match: str) -> None:
     results = world4.run(_bad_nodes, scheme)

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from layout_oracle import MODE_AXES, all_layouts, expected_groups, factorizations
 from pydantic import ValidationError
 
 from rlightning_comm import ParallelConfig
 from rlightning_comm.topology import node_partitions, parallel_partitions, weight_transfer_ranks
-
-from layout_oracle import MODE_AXES, all_layouts, expected_groups, factorizations
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4, 8])

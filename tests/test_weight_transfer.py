@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 from torch import nn
-
 from world import init_world
 
 N_EXTRA = 12  # small extra parameters, so a per-tensor transfer would need far more collectives than buckets
