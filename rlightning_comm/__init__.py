@@ -2,9 +2,12 @@
 
 from rlightning_comm import collective
 from rlightning_comm.communicators import Communicator, GlooCommunicator, NcclCommunicator, register_communicator
+from rlightning_comm.config import ParallelConfig
 from rlightning_comm.context import CommContext
 from rlightning_comm.errors import CommError, CommTimeoutError, ModeNotBoundError
+from rlightning_comm.layout import ModeLayout, describe_layout, format_layout
 from rlightning_comm.modes import CommMode, ParallelMode
+from rlightning_comm.weight_transfer import broadcast_state_dict
 
 __all__ = [
     "CommContext",
@@ -13,9 +16,14 @@ __all__ = [
     "CommTimeoutError",
     "Communicator",
     "GlooCommunicator",
+    "ModeLayout",
     "ModeNotBoundError",
     "NcclCommunicator",
+    "ParallelConfig",
     "ParallelMode",
+    "broadcast_state_dict",
     "collective",
+    "describe_layout",
+    "format_layout",
     "register_communicator",
 ]

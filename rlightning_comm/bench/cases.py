@@ -18,6 +18,8 @@ from rlightning_comm import collective
 from rlightning_comm.context import CommContext
 from rlightning_comm.communicators.base import Communicator
 
+# What a torch user calls: torch 2.13 renamed all_gather_into_tensor (older releases only have the old name).
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _POISON = 100  # outside the 0..10 the data hold, representable in every dtype
 _context = CommContext()
 
@@ -117,7 +119,7 @@ class AllGather(Case):
         collective.all_gather(self.out, self.inputs[self.phase], self.mode)
 
     def raw(self) -> None:
-        dist.all_gather_into_tensor(self.out, self.inputs[self.phase], group=self.group)
+        _all_gather_flat(self.out, self.inputs[self.phase], group=self.group)
 
     def wrong(self) -> int:
         return _mismatch(self.out, self.expected[self.phase])

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import statistics
 import time
-import warnings
 from typing import Any
 
 import torch
@@ -37,8 +36,6 @@ def run_rank(rank: int, world_size: int, dist_url: str, cfg: BenchConfig) -> int
     Returns:
         0 when every result on every rank was right, 1 otherwise.
     """
-    # Both paths call all_gather_into_tensor (the library does); one warning per rank is noise in a table.
-    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
     if cfg.device == "cuda" and get_communicator_class(cfg.backend).backend != "nccl":  # nccl picks its GPU itself
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
     ctx = CommContext()

@@ -12,7 +12,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+from rlightning_comm.communicators._objects import broadcast_objects
 from rlightning_comm.errors import CommError
+
+# torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _SUM = ReduceOp.SUM
 _AVG = ReduceOp.AVG
@@ -218,7 +223,8 @@ class Communicator(ABC):
                 f"for an input of shape {shape} and world size {ws}; got shape {tuple(output_tensor.shape)}, "
                 f"{output_tensor.dtype} on {output_tensor.device} (mode {self._mode!r})"
             )
-        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=self._group, async_op=async_op)
+        # Both tensors are contiguous, so the flat gather has the same memory layout as either output shape.
+        return _all_gather_flat(output_tensor.view(-1), input_tensor.view(-1), group=self._group, async_op=async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Any | None:
         """Copy ``tensor`` from global rank ``src`` into ``tensor`` on every rank.
@@ -305,7 +311,7 @@ class Communicator(ABC):
                 f"input_ must hold world_size * output.numel() = {self._world_size * output.numel()} elements of {output.dtype}; "
                 f"got {input_.numel()} of {input_.dtype} (mode {self._mode!r})"
             )
-        return dist.reduce_scatter_tensor(output, input_, op=op, group=self._group, async_op=async_op)
+        return _reduce_scatter_flat(output.view(-1), input_.view(-1), op=op, group=self._group, async_op=async_op)
 
     def all_to_all_single(
         self,
@@ -350,7 +356,7 @@ class Communicator(ABC):
         if not isinstance(object_list, list):
             raise TypeError(f"object_list must be a list (it is filled in place); got {type(object_list).__name__} (mode {self._mode!r})")
         self._check_peer(src, "src")
-        dist.broadcast_object_list(object_list, src=src, group=self._group, device=self.device)
+        broadcast_objects(object_list, src, self._group, self.device)
         return None
 
     def all_reduce_dict(self, dictionary: Mapping[Any, Any], op: Any = _SUM, dtype: torch.dtype = torch.float32) -> dict[Any, Any] | None:
