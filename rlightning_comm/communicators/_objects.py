@@ -29,11 +29,17 @@ def broadcast_objects(object_list: list[Any], src: int, group: dist.ProcessGroup
     if is_src:
         data = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).to(device)
     else:
-        data = torch.empty(int(sizes.sum().item()), dtype=torch.uint8, device=device)
+        # Receive into a bytearray (through a tensor view of it on CPU, so no copy at all): bytes(storage)
+        # would iterate element by element, and a parallel copy into fresh pages is slow on a busy host.
+        received = bytearray(int(sizes.sum().item()))
+        host = torch.frombuffer(received, dtype=torch.uint8)
+        data = host if device.type == "cpu" else torch.empty(len(received), dtype=torch.uint8, device=device)
     dist.broadcast(data, src=src, group=group)
     if is_src:
         return
-    raw = memoryview(bytes(data.cpu().untyped_storage()))
+    if data is not host:
+        host.copy_(data)  # one device-to-host copy
+    raw = memoryview(received)
     offset = 0
     for i, size in enumerate(sizes.tolist()):
         object_list[i] = loads(raw[offset : offset + size])
