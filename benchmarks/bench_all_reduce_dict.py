@@ -7,10 +7,12 @@ round each path runs ``calls`` times after a barrier. Paths:
 * per key: for each key, ``t = torch.tensor([v]); collective.all_reduce(t, mode); out[k] = t.item()``;
 * raw: ``torch.distributed.all_reduce`` of a ready 256-element float32 tensor (no packing at all);
 * by hand: ``t = torch.tensor(list(d.values())); dist.all_reduce(t); dict(zip(d, t.tolist()))``,
-  the least any code that starts from a dict of Python numbers can do.
+  the least any code that starts from a dict of Python numbers can do;
+* raw+cpu, a control: the raw all_reduce preceded by as much busy CPU work as the dict path's own
+  (measured first): what the dict would cost if its Python work were pure CPU with no other effect.
 
 Targets: per key / dict >= 20; dict / raw <= 1.3 (medians of the per-round ratios).
-Then, with ``torch.distributed.all_reduce`` replaced by a no-op, the CPU time
+First, with ``torch.distributed.all_reduce`` replaced by a no-op, the CPU time
 (``time.thread_time``) per call of dict and by hand: the Python work around the collective.
 
     python benchmarks/bench_all_reduce_dict.py [--rounds 15]
@@ -25,7 +27,7 @@ import time
 from _common import machine, run_ranks
 
 KEYS = 256
-CALLS = {"dict": 40, "per_key": 2, "raw": 40, "by_hand": 40}
+CALLS = {"dict": 40, "per_key": 2, "raw": 40, "by_hand": 40, "raw+cpu": 40}
 
 
 def _task(rank: int, nproc: int, rounds: int) -> dict[str, float]:
@@ -50,9 +52,26 @@ def _task(rank: int, nproc: int, rounds: int) -> dict[str, float]:
         dist.all_reduce(t)
         return dict(zip(values, t.tolist()))
 
+    def spin(seconds: float) -> None:  # busy CPU time of this thread, not wall time
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
     paths = {"dict": lambda: collective.all_reduce_dict(values, CommMode.GLOBAL), "per_key": per_key, "raw": lambda: dist.all_reduce(flat), "by_hand": by_hand}
     if not paths["dict"]() == per_key() == by_hand():  # the same answer every way
         raise RuntimeError("all_reduce_dict disagrees with one all_reduce per key")
+    real_all_reduce, dist.all_reduce = dist.all_reduce, lambda *a, **k: None  # no network: the Python work alone
+    cpu = {}
+    for name in ("dict", "by_hand"):
+        samples = []
+        for _ in range(rounds):
+            t0 = time.thread_time()
+            for _ in range(200):
+                paths[name]()
+            samples.append((time.thread_time() - t0) / 200)
+        cpu[name] = statistics.median(samples)
+    dist.all_reduce = real_all_reduce
+    paths["raw+cpu"] = lambda: (spin(cpu["dict"]), dist.all_reduce(flat))
     times: dict[str, list[float]] = {name: [] for name in paths}
     names = list(paths)
     for r in range(rounds):
@@ -65,16 +84,7 @@ def _task(rank: int, nproc: int, rounds: int) -> dict[str, float]:
     per_key_over_dict = [p / d for p, d in zip(times["per_key"], times["dict"])]
     dict_over_raw = [d / r for d, r in zip(times["dict"], times["raw"])]
     dict_over_by_hand = [d / h for d, h in zip(times["dict"], times["by_hand"])]
-    dist.all_reduce = lambda *a, **k: None  # no network: the CPU time of the Python work around the collective
-    cpu = {}
-    for name in ("dict", "by_hand"):
-        samples = []
-        for _ in range(rounds):
-            t0 = time.thread_time()
-            for _ in range(200):
-                paths[name]()
-            samples.append((time.thread_time() - t0) / 200 * 1e6)
-        cpu[name] = statistics.median(samples)
+    control_over_raw = [c / r for c, r in zip(times["raw+cpu"], times["raw"])]
     return {
         "dict_us": statistics.median(times["dict"]),
         "per_key_us": statistics.median(times["per_key"]),
@@ -84,8 +94,10 @@ def _task(rank: int, nproc: int, rounds: int) -> dict[str, float]:
         "dict/raw min..max": f"{min(dict_over_raw):.3f}..{max(dict_over_raw):.3f}",
         "by_hand_us": statistics.median(times["by_hand"]),
         "dict/by_hand": statistics.median(dict_over_by_hand),
-        "cpu_us dict (no-op)": cpu["dict"],
-        "cpu_us by_hand (no-op)": cpu["by_hand"],
+        "raw+cpu_us": statistics.median(times["raw+cpu"]),
+        "(raw+cpu)/raw": statistics.median(control_over_raw),
+        "cpu_us dict (no-op)": cpu["dict"] * 1e6,
+        "cpu_us by_hand (no-op)": cpu["by_hand"] * 1e6,
     }
 
 
