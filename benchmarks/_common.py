@@ -6,8 +6,9 @@ import multiprocessing as mp
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a checkout without installing
@@ -47,7 +48,7 @@ def run_ranks(fn: Callable[..., Any], nproc: int = 2, *args: Any, timeout: float
         for _ in range(nproc):
             rank, value = results.get(timeout=timeout)
             if isinstance(value, _Failed):
-                raise RuntimeError(f"rank {rank} failed:\n{value}")
+                raise RuntimeError(f"rank {rank} failed:\n{value}")  # noqa: TRY004 - a failed rank, not a bad type
             out[rank] = value
     finally:
         for p in procs:

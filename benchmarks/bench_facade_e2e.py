@@ -30,8 +30,8 @@ def _task(rank: int, nproc: int, rounds: int) -> dict[str, list[float]]:
     for label, (numel, calls) in SIZES.items():
         t = torch.ones(numel)
         paths = {
-            "facade": lambda: collective.all_reduce(t, CommMode.GLOBAL),
-            "raw": lambda: dist.all_reduce(t),
+            "facade": lambda t=t: collective.all_reduce(t, CommMode.GLOBAL),
+            "raw": lambda t=t: dist.all_reduce(t),
         }
         for fn in paths.values():  # warm-up
             for _ in range(calls):

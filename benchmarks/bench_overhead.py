@@ -24,11 +24,11 @@ import time
 from _common import machine, run_ranks
 
 
-def _noop(*args, **kwargs):  # noqa: ANN002, ANN003
+def _noop(*args, **kwargs):
     return None
 
 
-def _time(clock, fn, calls: int) -> float:  # noqa: ANN001
+def _time(clock, fn, calls: int) -> float:
     t0 = clock()
     for _ in range(calls):
         fn()
@@ -46,7 +46,7 @@ def _task(rank: int, nproc: int, rounds: int, calls: int) -> dict[str, dict[str,
     t = torch.zeros(1)  # 4 bytes
     out = torch.zeros(nproc)
     SUM = dist.ReduceOp.SUM
-    import rlightning_comm.communicators.base as base
+    from rlightning_comm.communicators import base
 
     dist.all_reduce = dist.broadcast = dist.all_gather_into_tensor = _noop
     if hasattr(base, "_all_gather_flat"):  # bound at import where torch has all_gather_single

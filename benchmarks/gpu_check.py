@@ -45,7 +45,15 @@ def bench_commands(out: str, gpus: int) -> dict[str, tuple[list[str], dict[str, 
 
 def run_bench(argv: list[str], env: dict[str, str], timeout: float = 150) -> dict[str, Any]:
     """Run the bench in a subprocess; PASS when it exits 0 (every result right)."""
-    proc = subprocess.run([sys.executable, "-m", "rlightning_comm.bench", *argv], cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlightning_comm.bench", *argv],
+        cwd=ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
     print(proc.stdout, end="", flush=True)
     status = "PASS" if proc.returncode == 0 else "FAIL"
     return {"status": status, "exit": proc.returncode, "stderr_tail": proc.stderr[-2000:] if status == "FAIL" else ""}

@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from world import init_world
 
 from rlightning_comm.bench.cli import build_parser
-from world import init_world
 
 BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 
 import pytest
+from world import init_world
 
 from rlightning_comm.bandwidth import bus_factor
 from rlightning_comm.stats import TRACKED_OPS
-from world import init_world
 
 
 def _unwrapped(comm) -> bool:

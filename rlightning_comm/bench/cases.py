@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from rlightning_comm import collective
-from rlightning_comm.context import CommContext
 from rlightning_comm.communicators.base import Communicator
+from rlightning_comm.context import CommContext
 
 # What a torch user calls: torch 2.13 renamed all_gather_into_tensor (older releases only have the old name).
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

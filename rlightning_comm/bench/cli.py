@@ -34,8 +34,7 @@ def build_parser(prog: str = "rlightning-comm bench") -> argparse.ArgumentParser
     """The bench's argument parser."""
     p = argparse.ArgumentParser(
         prog=prog,
-        description="Time every collective of rlightning_comm against raw torch.distributed, like nccl-tests: "
-        "time, algbw, busbw and wrong results per size.",
+        description="Time every collective of rlightning_comm against raw torch.distributed, like nccl-tests: time, algbw, busbw and wrong results per size.",
     )
     p.add_argument("--nproc", type=int, default=None, help="local ranks to spawn (default: one per GPU with nccl, else 2); ignored under torchrun")
     p.add_argument("--backend", default="gloo", help="registered communicator: gloo (default) or nccl")
@@ -123,7 +122,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "rlightning-comm bench")
     return spawn(cfg, nproc)
 
 
-def _guarded(fn, rank: int, world_size: int, url: str, cfg: BenchConfig) -> int:  # noqa: ANN001
+def _guarded(fn, rank: int, world_size: int, url: str, cfg: BenchConfig) -> int:
     try:
         return fn(rank, world_size, url, cfg)
     except Exception:  # noqa: BLE001 - report, with the rank, and exit with the error status

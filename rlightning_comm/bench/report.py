@@ -26,8 +26,10 @@ def header(cfg: BenchConfig, world_size: int, group_size: int) -> str:
     where = f"{torch.cuda.get_device_name()}" if cfg.device == "cuda" else f"{os.cpu_count()} CPU cores"
     return "\n".join(
         [
-            f"# rlightning-comm bench: backend {cfg.backend}, device {cfg.device} ({where}), {world_size} ranks, "
-            f"mode {cfg.mode} (group size {group_size}), dtype {cfg.dtype}, warmup {cfg.warmup}, iters {cfg.iters}",
+            (
+                f"# rlightning-comm bench: backend {cfg.backend}, device {cfg.device} ({where}), {world_size} ranks, "
+                f"mode {cfg.mode} (group size {group_size}), dtype {cfg.dtype}, warmup {cfg.warmup}, iters {cfg.iters}"
+            ),
             "# time: the slowest rank's median per-call time; algbw = size / time; busbw = algbw * the op's bus factor for the group size;",
             "# raw: the same op on the same buffers through torch.distributed, interleaved with the library's calls; every result is checked.",
         ]

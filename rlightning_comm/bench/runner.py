@@ -113,7 +113,14 @@ def measure(case: Case, op: str, cfg: BenchConfig, device: torch.device) -> dict
     # Reduce over the world (every group of a partition ran its own collectives): slowest medians, extremes, wrong counts.
     stat_device = device if case.comm.backend == "nccl" else torch.device("cpu")
     peak = torch.tensor(
-        [statistics.median(times["facade"]), statistics.median(times["raw"]), max(times["facade"]), max(times["raw"]), -min(times["facade"]), -min(times["raw"])],
+        [
+            statistics.median(times["facade"]),
+            statistics.median(times["raw"]),
+            max(times["facade"]),
+            max(times["raw"]),
+            -min(times["facade"]),
+            -min(times["raw"]),
+        ],
         dtype=torch.float64,
         device=stat_device,
     )

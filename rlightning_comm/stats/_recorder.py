@@ -83,6 +83,7 @@ class _Recorder:
         # Callbacks of other threads only ever append here (deque appends are atomic).
         self._done: deque[tuple[tuple[str, str], int, int, float, Any, bool]] = deque()
         self._cuda_backlog = 0
+        self._next_fold = _FOLD_EVERY
         self._local = threading.local()
         self._lock = threading.Lock()
         self._watch: queue.SimpleQueue[tuple[Any, Callable[[], None]]] | None = None
@@ -146,8 +147,9 @@ class _Recorder:
             end.record()
             self._done.append((key, n, nbytes, factor, (start, end), was_async))
             self._cuda_backlog += 1
-            if self._cuda_backlog >= _FOLD_EVERY and not was_async:
-                self._fold(wait=False)
+            if self._cuda_backlog >= self._next_fold and not was_async:
+                self._fold(wait=False)  # completed events only; at most once per _FOLD_EVERY records
+                self._next_fold = self._cuda_backlog + _FOLD_EVERY
         elif was_async:
             self._done.append((key, n, nbytes, factor, _perf_counter() - start, True))
         else:
@@ -161,8 +163,7 @@ class _Recorder:
         acc[1] += nbytes
         acc[2] += nbytes * factor
         acc[3] += seconds
-        if seconds > acc[4]:
-            acc[4] = seconds
+        acc[4] = max(acc[4], seconds)
         acc[5] = n
         if was_async and acc[6] > 0:
             acc[6] -= 1
@@ -215,7 +216,7 @@ class _Recorder:
     def snapshot(self) -> dict[str, dict[str, dict[str, Any]]]:
         self._fold()
         out: dict[str, dict[str, dict[str, Any]]] = {}
-        for (mode, op), (count, nbytes, bus_bytes, total, peak, n, in_flight) in sorted(list(self._acc.items())):
+        for (mode, op), (count, nbytes, bus_bytes, total, peak, n, in_flight) in sorted(self._acc.items()):
             out.setdefault(mode, {})[op] = {
                 "count": count,
                 "bytes": nbytes,
@@ -234,6 +235,7 @@ class _Recorder:
             self._acc = {}
             self._done.clear()
             self._cuda_backlog = 0
+            self._next_fold = _FOLD_EVERY
 
 
 def _watch_works(works: queue.SimpleQueue[tuple[Any, Callable[[], None]]]) -> None:
@@ -241,6 +243,6 @@ def _watch_works(works: queue.SimpleQueue[tuple[Any, Callable[[], None]]]) -> No
         work, finished = works.get()
         try:
             work.wait()  # releases the GIL; the caller's own wait() sees the same result
-        except Exception:  # noqa: BLE001 - the caller's wait() reports the failure; record nothing
+        except Exception:  # noqa: BLE001, S112 - the caller's wait() reports the failure; record nothing
             continue
         finished()
