@@ -179,6 +179,17 @@ def test_exit_status_of_the_spawned_ranks():
     assert cli.exit_status([1, 2]) == cli.exit_status([0, -9]) == cli.exit_status([0, None]) == cli.exit_status([]) == 2
 
 
+def _dtype_task(rank, size, url, dtype):
+    from rlightning_comm.bench.runner import run_rank
+
+    return run_rank(rank, size, url, BenchConfig(sizes=(64,), ops=OPS, dtype=dtype, iters=1, warmup=1))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_every_op_is_checked_right_in_other_dtypes(world2, dtype):
+    assert world2.run(_dtype_task, dtype) == [0, 0]
+
+
 def _subgroup_task(rank, size, url, path):
     from rlightning_comm.bench.runner import run_rank
 

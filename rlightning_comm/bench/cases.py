@@ -41,7 +41,6 @@ class Case:
 
     elements: int = 0
     nbytes: int = 0
-    dtype_name: str
 
     def __init__(self, comm: Communicator, mode: str, size: int, dtype: torch.dtype, device: torch.device, dict_keys: int) -> None:
         self.comm, self.mode, self.dtype, self.device = comm, mode, dtype, device
