@@ -203,3 +203,11 @@ def test_bench_on_groups_uses_the_group_size_for_busbw(world2, tmp_path):
     rows = json.loads(Path(path).read_text())["rows"]
     assert [r["op"] for r in rows] == list(OPS)
     _check_rows(rows, group_size=1)  # groups of 1 in a world of 2: all_reduce's busbw is 0, broadcast's is its algbw
+
+
+def test_plot_draws_busbw_per_op(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is the optional 'plot' extra")
+    rows = [{"op": op, "size": s, "busbw_gbps": s / 1e6, "raw_busbw_gbps": s / 2e6} for op in ("all_reduce", "broadcast") for s in (64, 1024, 16384)]
+    path = tmp_path / "bench.png"
+    report.write_plot(str(path), rows, "test")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
