@@ -1,0 +1,162 @@
+"""The receiving side of ``broadcast_object_list`` with a safe mode and a size limit.
+
+The wire format is torch's (``torch.distributed.broadcast_object_list``): the
+sender broadcasts one int64 tensor with the pickled size of each object, then
+one uint8 tensor with the pickles concatenated. A receiver here takes part in
+both broadcasts exactly as torch's does, whatever it then decides about the
+bytes, so the sender needs no option and the group stays in step after a
+refusal.
+
+Safe mode unpickles with :class:`_PlainUnpickler`, which resolves no global
+except the few that rebuild a plain tensor (and those with checked,
+side-effect-free replacements), so nothing a payload names is ever called;
+the result is then checked to be plain data.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlightning_comm.errors import ObjectRefusedError
+
+_default_safe = False
+_default_max_bytes: int | None = None
+
+_PLAIN_TYPES = (type(None), bool, int, float, str, bytes, list, tuple, dict, collections.OrderedDict, torch.Tensor)
+_PLAIN_NAMES = "None, bool, int, float, str, bytes, list, tuple, dict, torch.Tensor"
+
+
+def set_defaults(safe: bool, max_bytes: int | None) -> None:
+    """Set the process-wide defaults of ``safe`` and ``max_bytes`` (see :meth:`CommContext.set_object_defaults`)."""
+    global _default_safe, _default_max_bytes
+    _default_safe, _default_max_bytes = _validated(safe, max_bytes)
+
+
+def get_defaults() -> tuple[bool, int | None]:
+    """The process-wide defaults ``(safe, max_bytes)``."""
+    return _default_safe, _default_max_bytes
+
+
+def _validated(safe: Any, max_bytes: Any, mode: str | None = None) -> tuple[bool, int | None]:
+    where = "" if mode is None else f" (mode {mode!r})"
+    if not isinstance(safe, bool):
+        raise TypeError(f"safe must be a bool; got {type(safe).__name__} {safe!r}{where}")
+    if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0):
+        raise ValueError(f"max_bytes must be a positive int or None; got {max_bytes!r}{where}")
+    return safe, max_bytes
+
+
+def resolve_options(safe: bool | None, max_bytes: int | None, mode: str) -> tuple[bool, int | None]:
+    """Fill ``None`` options from the defaults and validate them."""
+    return _validated(_default_safe if safe is None else safe, _default_max_bytes if max_bytes is None else max_bytes, mode)
+
+
+def receive_payloads(count: int, src: int, group: dist.ProcessGroup, device: torch.device) -> list[bytes]:
+    """Take part in torch's two broadcasts as a receiver; return the ``count`` pickles, not unpickled."""
+    sizes = torch.empty(count, dtype=torch.long, device=device)
+    dist.broadcast(sizes, src=src, group=group)
+    sizes_list = sizes.tolist()
+    if any(n < 0 for n in sizes_list):
+        raise ObjectRefusedError(f"the sender announced negative object sizes {sizes_list}; the group is out of step now")
+    data = torch.empty(sum(sizes_list), dtype=torch.uint8, device=device)
+    dist.broadcast(data, src=src, group=group)
+    raw = data.cpu().numpy().tobytes()
+    payloads = []
+    offset = 0
+    for n in sizes_list:
+        payloads.append(raw[offset : offset + n])
+        offset += n
+    return payloads
+
+
+def load_payloads(payloads: list[bytes], src: int, safe: bool, max_bytes: int | None, mode: str) -> list[Any]:
+    """Unpickle received payloads, all or none.
+
+    Raises:
+        ObjectRefusedError: over ``max_bytes``, or (safe) not plain data.
+    """
+    total = sum(len(p) for p in payloads)
+    if max_bytes is not None and total > max_bytes:
+        raise ObjectRefusedError(
+            f"broadcast_object_list on mode {mode!r} refused {total} bytes from rank {src}: over max_bytes={max_bytes}; "
+            "nothing was deserialised and the list is unchanged"
+        )
+    if not safe:
+        return [pickle.loads(p) for p in payloads]
+    out = []
+    for i, payload in enumerate(payloads):
+        try:
+            obj = _PlainUnpickler(io.BytesIO(payload)).load()
+            _check_plain(obj)
+        except Exception as err:
+            raise ObjectRefusedError(
+                f"broadcast_object_list on mode {mode!r} (safe) refused object {i} from rank {src}: {err}. "
+                f"Safe mode accepts only {_PLAIN_NAMES}; nothing in it was run and the list is unchanged"
+            ) from None
+        out.append(obj)
+    return out
+
+
+def _load_storage(data: bytes) -> Any:
+    # torch pickles a storage as a call to torch.storage._load_from_bytes, which
+    # runs torch.load(weights_only=False) on bytes the sender chose.
+    storage = torch.load(io.BytesIO(data), weights_only=True)
+    if not isinstance(storage, torch.storage.TypedStorage):
+        raise pickle.UnpicklingError(f"a tensor's storage decoded to {type(storage).__name__}, not a storage")
+    return storage
+
+
+def _rebuild_tensor(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, metadata: Any = None) -> torch.Tensor:
+    if not isinstance(storage, torch.storage.TypedStorage):
+        raise pickle.UnpicklingError(f"a tensor was rebuilt from {type(storage).__name__}, not a storage")
+    if hooks:
+        raise pickle.UnpicklingError("a tensor carried backward hooks")
+    if metadata:
+        raise pickle.UnpicklingError("a tensor carried metadata")
+    # set_() checks that size, stride and offset stay inside the storage.
+    return torch._utils._rebuild_tensor_v2(storage, offset, size, stride, bool(requires_grad), collections.OrderedDict())
+
+
+_GLOBALS = {
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
+    ("torch.storage", "_load_from_bytes"): _load_storage,
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("torch", "Size"): torch.Size,
+}
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """An unpickler that resolves no global but the checked ones that rebuild a plain tensor."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return _GLOBALS[(module, name)]
+        except KeyError:
+            raise pickle.UnpicklingError(f"it names {module}.{name}, which safe mode does not resolve") from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("it holds a persistent id")
+
+
+def _check_plain(obj: Any) -> None:
+    """Raise ``UnpicklingError`` unless ``obj`` is plain data all the way down (iterative: payloads may nest deeply)."""
+    stack = [obj]
+    seen: set[int] = set()
+    while stack:
+        item = stack.pop()
+        kind = type(item)
+        if kind not in _PLAIN_TYPES:
+            raise pickle.UnpicklingError(f"it holds a {kind.__module__}.{kind.__qualname__}")
+        if kind in (list, tuple, dict, collections.OrderedDict) and id(item) not in seen:
+            seen.add(id(item))
+            if isinstance(item, dict):
+                stack.extend(item.keys())
+                stack.extend(item.values())
+            else:
+                stack.extend(item)
