@@ -106,7 +106,11 @@ def load_payloads(payloads: list[bytes], src: int, safe: bool, max_bytes: int | 
 def _load_storage(data: bytes) -> Any:
     # torch pickles a storage as a call to torch.storage._load_from_bytes, which
     # runs torch.load(weights_only=False) on bytes the sender chose.
-    storage = torch.load(io.BytesIO(data), weights_only=True)
+    try:
+        storage = torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as err:
+        reason = next((line.strip() for line in str(err).splitlines() if "WeightsUnpickler error" in line), str(err).splitlines()[0] if str(err) else repr(err))
+        raise pickle.UnpicklingError(f"a tensor's storage bytes are not a plain storage ({reason})") from None
     if not isinstance(storage, torch.storage.TypedStorage):
         raise pickle.UnpicklingError(f"a tensor's storage decoded to {type(storage).__name__}, not a storage")
     return storage
