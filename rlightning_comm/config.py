@@ -11,6 +11,11 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+def _sort_key(rank: object) -> tuple[int, object]:
+    # Sort ints by value and leave anything else (rejected by validation) in a stable place.
+    return (0, rank) if isinstance(rank, int) else (1, repr(rank))
+
+
 def _as_seconds(value: float | timedelta) -> float:
     return value.total_seconds() if isinstance(value, timedelta) else value
 
@@ -42,7 +47,11 @@ class GroupConfig(_Frozen):
     """Arguments of :meth:`CommContext.init_group`, in normalised form."""
 
     partition: tuple[tuple[int, ...], ...]
-    """The groups to create: one tuple of global ranks each (a single group is a partition of one)."""
+    """The groups to create: one tuple of global ranks each (a single group is a partition of one).
+
+    Each group's ranks are sorted: torch orders a group's ranks by global rank,
+    whatever order they were listed in, and group rank ``i`` is the i-th of them.
+    """
     world_size: int = Field(ge=1)
     """Size of the world the ranks must lie in."""
     backend: str
@@ -60,10 +69,10 @@ class GroupConfig(_Frozen):
             raise ValueError(f"ranks must be a non-empty list of global ranks or a list of such lists; got {ranks!r}")
         nested = [isinstance(r, (list, tuple)) for r in ranks]
         if all(nested):
-            return tuple(tuple(part) for part in ranks)
+            return tuple(tuple(sorted(part, key=_sort_key)) for part in ranks)
         if any(nested):
             raise ValueError(f"ranks mixes ranks and lists of ranks; got {ranks!r}")
-        return (tuple(ranks),)
+        return (tuple(sorted(ranks, key=_sort_key)),)
 
     @model_validator(mode="after")
     def _ranks_valid(self) -> GroupConfig:

@@ -10,7 +10,8 @@ from typing import ClassVar
 
 import torch.distributed as dist
 
-from rlightning_comm import debug, objects, rendezvous
+from rlightning_comm import debug, rendezvous
+from rlightning_comm.communicators import _objects
 from rlightning_comm.communicators.base import Communicator
 from rlightning_comm.communicators.registry import get_communicator_class
 from rlightning_comm.config import DistributedConfig, GroupConfig
@@ -88,7 +89,7 @@ class CommContext:
         self._dist_config = None
         self._owns_world = False
         self._debug = False
-        objects.set_defaults(False, None)
+        _objects.set_defaults(False, None)
 
     # ------------------------------------------------------------ initialising
     def init_distributed_env(
@@ -303,11 +304,11 @@ class CommContext:
             TypeError: ``safe`` is not a bool.
             ValueError: ``max_bytes`` is not a positive int or ``None``.
         """
-        objects.set_defaults(safe, max_bytes)
+        _objects.set_defaults(safe, max_bytes)
 
     def get_object_defaults(self) -> tuple[bool, int | None]:
         """The ``(safe, max_bytes)`` defaults of ``broadcast_object_list``."""
-        return objects.get_defaults()
+        return _objects.get_defaults()
 
     # ----------------------------------------------------------------- lookups
     def get_communicator(self, mode: CommMode | str = CommMode.GLOBAL) -> Communicator:

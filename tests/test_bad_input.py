@@ -2,23 +2,8 @@
 
 from __future__ import annotations
 
+from counting import backend_calls
 from world import init_world
-
-_DIST_OPS = ("all_reduce", "broadcast", "all_gather_into_tensor", "gather", "scatter", "reduce_scatter_tensor", "all_to_all_single", "broadcast_object_list", "barrier")
-
-
-def _count_dist_calls(counts):
-    import torch.distributed as dist
-
-    for name in _DIST_OPS:
-        real = getattr(dist, name)
-
-        def counted(*args, _real=real, _name=name, **kwargs):
-            counts[_name] = counts.get(_name, 0) + 1
-            return _real(*args, **kwargs)
-
-        setattr(dist, name, counted)
-
 
 def _attempt(fn, *expected):
     try:
@@ -72,14 +57,24 @@ def _bad_input_cases(rank, torch, comm):
 def _bad_input_task(rank, size, url):
     import torch
 
-    from rlightning_comm import CommContext, CommError, ModeNotBoundError
+    from rlightning_comm import CommContext
 
     ctx = init_world(rank, size, url, timeout=30)
     ctx.init_group([0], "SOLO")
     comm = ctx.get_communicator("GLOBAL")
-    counts = {}
-    _count_dist_calls(counts)
-    collectives = {name: (_attempt(call, TypeError, ValueError), expected) for name, call, expected in _bad_input_cases(rank, torch, comm)}
+    with backend_calls() as counts:
+        collectives = {name: (_attempt(call, TypeError, ValueError), expected) for name, call, expected in _bad_input_cases(rank, torch, comm)}
+        results = _context_cases(rank, torch, ctx)
+    calls = dict(counts)
+    # Nothing above reached the backend, and nothing left the group out of step.
+    t = torch.ones(2)
+    CommContext().get_communicator("GLOBAL").all_reduce(t)
+    return {"collectives": collectives, "context": results, "calls": calls, "after": t.tolist()}
+
+
+def _context_cases(rank, torch, ctx):
+    from rlightning_comm import CommError, ModeNotBoundError
+
     results = {}
     results["unbound mode"] = (_attempt(lambda: ctx.get_communicator("NOPE"), ModeNotBoundError), "No communicator bound for mode 'NOPE'; bound modes: ['GLOBAL', 'SOLO']")
     results["init_group rank range"] = (_attempt(lambda: ctx.init_group([0, 5], "BAD"), ValueError), "rank 5 is out of range for world size 2")
@@ -88,11 +83,7 @@ def _bad_input_task(rank, size, url):
         solo = ctx.get_communicator("SOLO")
         results["non-member rank"] = (_attempt(lambda: ctx.get_local_rank("SOLO"), CommError), "global rank 1 is not a member of mode 'SOLO'")
         results["non-member collective"] = (("no error", repr(solo.all_reduce(torch.ones(1)))), "None")
-    # Nothing above reached the backend, and nothing left the group out of step.
-    calls = dict(counts)
-    t = torch.ones(2)
-    CommContext().get_communicator("GLOBAL").all_reduce(t)
-    return {"collectives": collectives, "context": results, "calls": calls, "after": t.tolist()}
+    return results
 
 
 def test_bad_input_fails_locally_before_any_collective(world2):

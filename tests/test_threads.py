@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+from counting import backend_calls
 from world import init_world
 
 
@@ -26,7 +27,6 @@ def _in_thread(fn, name):
 
 def _ownership_task(rank, size, url):
     import torch
-    import torch.distributed as dist
 
     from rlightning_comm import CommError, collective
 
@@ -35,12 +35,9 @@ def _ownership_task(rank, size, url):
     out = {}
     t = torch.ones(2)
     collective.all_reduce(t, "GLOBAL")  # the main thread owns GLOBAL now
-    calls = []
-    real = dist.all_reduce
-    dist.all_reduce = lambda *a, **k: calls.append(1) or real(*a, **k)
-    box = _in_thread(lambda: collective.all_reduce(torch.ones(2), "GLOBAL"), "intruder")
-    dist.all_reduce = real
-    out["intruder"] = (type(box.get("error")).__name__, str(box.get("error")), len(calls))
+    with backend_calls() as calls:
+        box = _in_thread(lambda: collective.all_reduce(torch.ones(2), "GLOBAL"), "intruder")
+    out["intruder"] = (type(box.get("error")).__name__, str(box.get("error")), dict(calls))
     collective.all_reduce(t, "GLOBAL")  # still in step: the refusal sent nothing
     out["after_refusal"] = t.tolist()
 
@@ -93,7 +90,7 @@ def _ownership_task(rank, size, url):
 def test_second_thread_is_refused_and_one_mode_per_thread_works(world2):
     for out in world2.run(_ownership_task, timeout=60):
         kind, msg, backend_calls = out["intruder"]
-        assert kind == "CommError" and backend_calls == 0
+        assert kind == "CommError" and backend_calls == {}
         assert "mode 'GLOBAL' is driven by thread 'MainThread'; thread 'intruder' may not run collectives on it too" in msg
         assert out["after_refusal"] == [4.0, 4.0]
         assert "is driven by thread 'worker'" in out["main_while_worker_owns"]
@@ -144,11 +141,13 @@ def _context_task(rank, size, url):
     dist.new_group = lambda *a, **k: new_groups.append(1) or real(*a, **k)
     got = []
     racers = [threading.Thread(target=lambda: got.append(ctx.init_group([0], "SAME"))) for _ in range(4)]
-    for th in racers:
-        th.start()
-    for th in racers:
-        th.join(30)
-    dist.new_group = real
+    try:
+        for th in racers:
+            th.start()
+        for th in racers:
+            th.join(30)
+    finally:
+        dist.new_group = real
 
     # Double initialisation: a no-op with equal arguments, a CommError with different ones.
     glob = ctx.get_communicator("GLOBAL")

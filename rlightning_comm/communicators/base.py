@@ -12,9 +12,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from rlightning_comm import objects
+from rlightning_comm.communicators import _objects
 from rlightning_comm.errors import CommError
 from rlightning_comm.failures import WorkHandle, comm_failure
+
+# torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _SUM = ReduceOp.SUM
 _AVG = ReduceOp.AVG
@@ -302,7 +306,8 @@ class Communicator(ABC):
                 f"{output_tensor.dtype} on {output_tensor.device} (mode {self._mode!r})"
             )
         try:
-            work = dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+            # Both tensors are contiguous, so the flat gather has the same memory layout as either output shape.
+            work = _all_gather_flat(output_tensor.view(-1), input_tensor.view(-1), group=group, async_op=async_op)
         except RuntimeError as err:
             raise self._failure("all_gather", err) from err
         return self._handle(work, "all_gather") if async_op else None
@@ -421,7 +426,7 @@ class Communicator(ABC):
                 f"got {input_.numel()} of {input_.dtype} (mode {self._mode!r})"
             )
         try:
-            work = dist.reduce_scatter_tensor(output, input_, op=op, group=group, async_op=async_op)
+            work = _reduce_scatter_flat(output.view(-1), input_.view(-1), op=op, group=group, async_op=async_op)
         except RuntimeError as err:
             raise self._failure("reduce_scatter", err) from err
         return self._handle(work, "reduce_scatter") if async_op else None
@@ -469,10 +474,10 @@ class Communicator(ABC):
     def broadcast_object_list(self, object_list: list[Any], src: int = 0, *, safe: bool | None = None, max_bytes: int | None = None) -> None:
         """Broadcast the picklable objects of ``object_list`` from global rank ``src``, in place.
 
-        Every rank passes a non-empty list of the same length; receivers'
-        entries are replaced. The bytes on the wire are those of
-        ``torch.distributed.broadcast_object_list`` whatever the options, so
-        the options are each receiver's own choice.
+        Every rank passes a list of the same length; receivers' entries are
+        replaced (all of them, or none when a payload is refused). The bytes on
+        the wire are those of ``torch.distributed.broadcast_object_list``
+        whatever the options, so the options are each receiver's own choice.
 
         By default receiving unpickles what ``src`` sent, which can run
         arbitrary code: only use it within a trusted job. With ``safe=True`` a
@@ -491,8 +496,8 @@ class Communicator(ABC):
 
         Raises:
             TypeError: ``object_list`` is not a list, or ``safe`` not a bool.
-            ValueError: ``src`` is not a rank of the group, ``object_list`` is
-                empty, or ``max_bytes`` is not a positive int.
+            ValueError: ``src`` is not a rank of the group, or ``max_bytes`` is
+                not a positive int.
             ObjectRefusedError: (receivers) the payload is not plain data in
                 safe mode or exceeds ``max_bytes``; ``object_list`` is left
                 unchanged and the group stays usable.
@@ -505,18 +510,14 @@ class Communicator(ABC):
             return None
         if not isinstance(object_list, list):
             raise TypeError(f"object_list must be a list (it is filled in place); got {type(object_list).__name__} (mode {self._mode!r})")
-        if not object_list:
-            raise ValueError(f"object_list must hold at least one entry; got an empty list (mode {self._mode!r})")
         self._check_peer(src, "src")
-        safe, max_bytes = objects.resolve_options(safe, max_bytes, self._mode)
+        safe, max_bytes = _objects.resolve_options(safe, max_bytes, self._mode)
         try:
-            if self._global_rank == src or not (safe or max_bytes is not None):
-                dist.broadcast_object_list(object_list, src=src, group=group, device=self.device)
-                return None
-            payloads = objects.receive_payloads(len(object_list), src, group, self.device)
+            payloads = _objects.broadcast_objects(object_list, src, group, self.device)
         except RuntimeError as err:
             raise self._failure("broadcast_object_list", err) from err
-        object_list[:] = objects.load_payloads(payloads, src, safe, max_bytes, self._mode)
+        if payloads is not None:
+            object_list[:] = _objects.decode(payloads, src, safe, max_bytes, self._mode)
         return None
 
     def all_reduce_dict(self, dictionary: Mapping[Any, Any], op: Any = _SUM, dtype: torch.dtype = torch.float32) -> dict[Any, Any] | None:

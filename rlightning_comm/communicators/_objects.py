@@ -1,16 +1,16 @@
-"""The receiving side of ``broadcast_object_list`` with a safe mode and a size limit.
+"""Object broadcast with torch's wire format, without numpy; a safe mode and a size limit for receivers.
 
-The wire format is torch's (``torch.distributed.broadcast_object_list``): the
-sender broadcasts one int64 tensor with the pickled size of each object, then
-one uint8 tensor with the pickles concatenated. A receiver here takes part in
-both broadcasts exactly as torch's does, whatever it then decides about the
+torch.distributed.broadcast_object_list needs numpy on the receiving side.
+This sends the same two broadcasts (an int64 tensor of pickle sizes, then
+one uint8 tensor of the concatenated pickles), so peers that call torch's
+version interoperate, and decodes the bytes through the tensor's storage.
+
+A receiver takes part in both broadcasts whatever it then decides about the
 bytes, so the sender needs no option and the group stays in step after a
-refusal.
-
-Safe mode unpickles with :class:`_PlainUnpickler`, which resolves no global
-except the few that rebuild a plain tensor (and those with checked,
-side-effect-free replacements), so nothing a payload names is ever called;
-the result is then checked to be plain data.
+refusal. Safe mode unpickles with :class:`_PlainUnpickler`, which resolves no
+global except the few that rebuild a plain tensor (and those through checked,
+side-effect-free replacements), so nothing a payload names is ever called; the
+result is then checked to be plain data.
 """
 
 from __future__ import annotations
@@ -24,6 +24,39 @@ import torch
 import torch.distributed as dist
 
 from rlightning_comm.errors import ObjectRefusedError
+
+
+def broadcast_objects(object_list: list[Any], src: int, group: dist.ProcessGroup, device: torch.device) -> list[memoryview] | None:
+    """Broadcast the pickles of ``object_list`` from global rank ``src``.
+
+    Returns:
+        On a receiver, the ``len(object_list)`` payloads, not unpickled; ``None`` on ``src``
+        or for an empty list (no collective then).
+    """
+    if not object_list:
+        return None
+    is_src = dist.get_rank() == src
+    if is_src:
+        payloads = [pickle.dumps(obj) for obj in object_list]
+        sizes = torch.tensor([len(p) for p in payloads], dtype=torch.long, device=device)
+    else:
+        sizes = torch.empty(len(object_list), dtype=torch.long, device=device)
+    dist.broadcast(sizes, src=src, group=group)
+    if is_src:
+        data = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).to(device)
+    else:
+        data = torch.empty(int(sizes.sum().item()), dtype=torch.uint8, device=device)
+    dist.broadcast(data, src=src, group=group)
+    if is_src:
+        return None
+    raw = memoryview(bytes(data.cpu().untyped_storage()))
+    received = []
+    offset = 0
+    for size in sizes.tolist():
+        received.append(raw[offset : offset + size])
+        offset += size
+    return received
+
 
 _default_safe = False
 _default_max_bytes: int | None = None
@@ -57,25 +90,7 @@ def resolve_options(safe: bool | None, max_bytes: int | None, mode: str) -> tupl
     return _validated(_default_safe if safe is None else safe, _default_max_bytes if max_bytes is None else max_bytes, mode)
 
 
-def receive_payloads(count: int, src: int, group: dist.ProcessGroup, device: torch.device) -> list[bytes]:
-    """Take part in torch's two broadcasts as a receiver; return the ``count`` pickles, not unpickled."""
-    sizes = torch.empty(count, dtype=torch.long, device=device)
-    dist.broadcast(sizes, src=src, group=group)
-    sizes_list = sizes.tolist()
-    if any(n < 0 for n in sizes_list):
-        raise ObjectRefusedError(f"the sender announced negative object sizes {sizes_list}; the group is out of step now")
-    data = torch.empty(sum(sizes_list), dtype=torch.uint8, device=device)
-    dist.broadcast(data, src=src, group=group)
-    raw = data.cpu().numpy().tobytes()
-    payloads = []
-    offset = 0
-    for n in sizes_list:
-        payloads.append(raw[offset : offset + n])
-        offset += n
-    return payloads
-
-
-def load_payloads(payloads: list[bytes], src: int, safe: bool, max_bytes: int | None, mode: str) -> list[Any]:
+def decode(payloads: list[memoryview], src: int, safe: bool, max_bytes: int | None, mode: str) -> list[Any]:
     """Unpickle received payloads, all or none.
 
     Raises:

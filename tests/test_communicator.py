@@ -1,0 +1,212 @@
+"""Communicator contract in one process: delegation, custom backends, local validation."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+from typing_extensions import override
+
+from rlightning_comm import CommContext, Communicator, GlooCommunicator, NcclCommunicator, collective, register_communicator
+from rlightning_comm.communicators import get_communicator_class, registered_communicators
+
+
+@register_communicator("recording-test")
+class RecordingCommunicator(GlooCommunicator):
+    """Records every call, then does the real gloo collective."""
+
+    calls: ClassVar[list[tuple[str, tuple[Any, ...]]]] = []
+
+    def _record(self, name: str, *args: Any) -> None:
+        type(self).calls.append((name, args))
+
+    @override
+    def all_reduce(self, tensor, op=ReduceOp.SUM, async_op=False):
+        self._record("all_reduce", tensor, op, async_op)
+        return super().all_reduce(tensor, op, async_op)
+
+    @override
+    def all_gather(self, output_tensor, input_tensor, async_op=False):
+        self._record("all_gather", output_tensor, input_tensor, async_op)
+        return super().all_gather(output_tensor, input_tensor, async_op)
+
+    @override
+    def broadcast(self, tensor, src=0, async_op=False):
+        self._record("broadcast", tensor, src, async_op)
+        return super().broadcast(tensor, src, async_op)
+
+    @override
+    def gather(self, tensor, gather_list=None, dst=0, async_op=False):
+        self._record("gather", tensor, gather_list, dst, async_op)
+        return super().gather(tensor, gather_list, dst, async_op)
+
+    @override
+    def scatter(self, tensor, scatter_list=None, src=0, async_op=False):
+        self._record("scatter", tensor, scatter_list, src, async_op)
+        return super().scatter(tensor, scatter_list, src, async_op)
+
+    @override
+    def broadcast_object_list(self, object_list, src=0, **options):
+        self._record("broadcast_object_list", object_list, src)
+        return super().broadcast_object_list(object_list, src, **options)
+
+    @override
+    def all_reduce_dict(self, dictionary, op=ReduceOp.SUM, dtype=torch.float32):
+        self._record("all_reduce_dict", dictionary, op, dtype)
+        return super().all_reduce_dict(dictionary, op, dtype)
+
+    @override
+    def barrier(self):
+        self._record("barrier")
+        return super().barrier()
+
+
+@register_communicator("from-base-test")
+class FromBaseCommunicator(Communicator):
+    """A backend written against the abstract base only."""
+
+    backend: ClassVar[str] = "gloo"
+    supported_reduce_ops: ClassVar[frozenset[Any]] = frozenset({ReduceOp.SUM, ReduceOp.MAX})
+
+    @property
+    @override
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @override
+    def _check_device(self, tensor: torch.Tensor, name: str) -> None:
+        if tensor.device.type != "cpu":
+            raise ValueError(f"{name} must be on the CPU; got {tensor.device}")
+
+
+@pytest.fixture
+def ctx(tmp_path) -> CommContext:
+    context = CommContext()
+    context.init_distributed_env(world_size=1, rank=0, backend="gloo", dist_url=f"file://{tmp_path}/store", timeout=30)
+    return context
+
+
+T = torch.ones(2)
+U = torch.zeros(2)
+# facade call -> (method name, the arguments the method must receive)
+DELEGATION = [
+    (lambda m: collective.all_reduce(T, m, ReduceOp.MAX, True), ("all_reduce", (T, ReduceOp.MAX, True))),
+    (lambda m: collective.all_gather(T, U, m), ("all_gather", (T, U, False))),
+    (lambda m: collective.broadcast(T, m, src=0, async_op=True), ("broadcast", (T, 0, True))),
+    (lambda m: collective.gather(T, m, [T], 0), ("gather", (T, [T], 0, False))),
+    (lambda m: collective.scatter(T, m, [T], 0), ("scatter", (T, [T], 0, False))),
+    (lambda m: collective.broadcast_object_list(["x"], m, 0), ("broadcast_object_list", (["x"], 0))),
+    (lambda m: collective.all_reduce_dict({"a": 1}, m, ReduceOp.SUM, torch.float64), ("all_reduce_dict", ({"a": 1}, ReduceOp.SUM, torch.float64))),
+    (lambda m: collective.barrier(m), ("barrier", ())),
+]
+
+
+@pytest.mark.parametrize(("call", "expected"), DELEGATION, ids=[e[0] for _, e in DELEGATION])
+def test_each_facade_calls_the_method_of_the_same_name(ctx, call, expected):
+    comm = ctx.init_group([0], "recorded", backend="recording-test")
+    assert isinstance(comm, RecordingCommunicator) and get_communicator_class("recording-test") is RecordingCommunicator
+    RecordingCommunicator.calls.clear()
+    result = call("recorded")
+    name, args = expected
+    # all_reduce_dict reduces its packed buffer through self.all_reduce, so an override sees that too.
+    inner = ["all_reduce"] if name == "all_reduce_dict" else []
+    assert [c[0] for c in RecordingCommunicator.calls] == [name, *inner]
+    got = RecordingCommunicator.calls[0][1]
+    assert len(got) == len(args)
+    for g, a in zip(got, args):
+        assert g is a or g == a
+    if name in ("all_reduce", "broadcast"):
+        assert result is not None and result.wait()
+
+
+def test_a_backend_subclassing_the_base_works_and_keeps_its_capabilities(ctx):
+    comm = ctx.init_group([0], "custom", backend="from-base-test")
+    assert isinstance(comm, FromBaseCommunicator) and comm.world_size == 1
+    t = torch.tensor([2.0])
+    collective.all_reduce(t, "custom", op=ReduceOp.MAX)
+    assert t.item() == 2.0
+    assert collective.all_reduce_dict({"a": 3}, "custom") == {"a": 3.0}
+    with pytest.raises(ValueError, match=r"reduce op .*PRODUCT.* is not supported by FromBaseCommunicator .*supported: \['MAX', 'SUM'\]"):
+        collective.all_reduce(t, "custom", op=ReduceOp.PRODUCT)
+
+
+def test_registry_rejects_non_communicators_and_name_clashes():
+    with pytest.raises(TypeError, match="expects a Communicator subclass"):
+        register_communicator("not-a-comm")(dict)
+    with pytest.raises(ValueError, match="already registered to GlooCommunicator"):
+        register_communicator("gloo")(RecordingCommunicator)
+    with pytest.raises(TypeError, match="non-empty str"):
+        register_communicator("")
+    assert register_communicator("gloo")(GlooCommunicator) is GlooCommunicator  # re-registering the same class is a no-op
+    assert {"gloo", "nccl"} <= set(registered_communicators())
+
+
+def test_communicator_base_is_abstract():
+    with pytest.raises(TypeError, match="abstract"):
+        Communicator(None, [0], "x")
+
+
+def _raises(error, message, fn, *args, **kwargs):
+    with pytest.raises(error, match=message):
+        fn(*args, **kwargs)
+
+
+def test_bad_inputs_fail_locally_before_any_collective(ctx, monkeypatch):
+    started = []
+    for name in ("all_reduce", "all_gather_single", "all_gather_into_tensor", "broadcast", "gather", "scatter", "broadcast_object_list", "reduce_scatter_single", "reduce_scatter_tensor", "all_to_all_single", "barrier"):
+        if hasattr(dist, name):
+            monkeypatch.setattr(dist, name, lambda *a, _n=name, **k: started.append(_n))
+    import rlightning_comm.communicators.base as base
+
+    monkeypatch.setattr(base, "_all_gather_flat", lambda *a, **k: started.append("all_gather"))
+    monkeypatch.setattr(base, "_reduce_scatter_flat", lambda *a, **k: started.append("reduce_scatter"))
+    g = "GLOBAL"
+    comm = ctx.get_communicator(g)
+    base_tensor = torch.arange(8.0)
+    _raises(TypeError, "tensor must be a torch.Tensor; got list", collective.all_reduce, [1.0], g)
+    _raises(ValueError, r"tensor must be contiguous; got a tensor of shape \(4,\) with stride \(2,\)", collective.all_reduce, base_tensor[::2], g)
+    _raises(ValueError, "not defined on complex tensors", collective.all_reduce, torch.ones(2, dtype=torch.complex64), g, ReduceOp.MAX)
+    _raises(ValueError, "bitwise reduce op .* needs an integer or bool tensor; got torch.float32", collective.all_reduce, torch.ones(2), g, ReduceOp.BAND)
+    _raises(ValueError, "AVG needs a floating-point tensor with GlooCommunicator; got torch.int64", collective.all_reduce, torch.ones(2, dtype=torch.int64), g, ReduceOp.AVG)
+    _raises(ValueError, "not supported by GlooCommunicator", collective.all_reduce, torch.ones(2), g, "SUM")
+    _raises(ValueError, r"output_tensor must have shape \(2, 3\) or \(1, 2, 3\)", collective.all_gather, torch.empty(3, 3), torch.ones(2, 3), g)
+    _raises(ValueError, "torch.float64", collective.all_gather, torch.empty(2, 3, dtype=torch.float64), torch.ones(2, 3), g)
+    _raises(ValueError, r"src=1 is not a global rank of mode 'GLOBAL'; expected one of \[0\]", collective.broadcast, torch.ones(1), g, 1)
+    _raises(ValueError, "src=True is not a global rank", collective.broadcast, torch.ones(1), g, True)
+    _raises(ValueError, "dst=-1 is not a global rank", collective.gather, torch.ones(1), g, [torch.ones(1)], -1)
+    _raises(TypeError, "gather_list must be a list of 1 tensors; got NoneType", collective.gather, torch.ones(1), g, None, 0)
+    _raises(ValueError, "gather_list must hold one tensor per rank: expected 1; got 2", collective.gather, torch.ones(1), g, [torch.ones(1)] * 2, 0)
+    _raises(ValueError, r"gather_list\[0\] must match the tensor argument: expected shape \(1,\)", collective.gather, torch.ones(1), g, [torch.ones(2)], 0)
+    _raises(ValueError, r"scatter_list\[0\] must match the tensor argument.*torch.int64", collective.scatter, torch.ones(1), g, [torch.ones(1, dtype=torch.int64)], 0)
+    _raises(TypeError, "object_list must be a list", collective.broadcast_object_list, ("a",), g)
+    _raises(TypeError, "dictionary must be a Mapping; got list", collective.all_reduce_dict, [1], g)
+    _raises(TypeError, "value for key 'b' must be a number or a tensor; got str", collective.all_reduce_dict, {"a": 1, "b": "x"}, g)
+    _raises(ValueError, "input_ must hold world_size", comm.reduce_scatter, torch.ones(2), torch.ones(3))
+    _raises(ValueError, "input_split_sizes must have 1 entries summing to dim 0 = 3", comm.all_to_all_single, torch.ones(3), torch.ones(3), None, [2])
+    assert started == [], f"a collective started despite bad input: {started}"
+
+
+def test_nccl_communicator_refuses_cpu_tensors_before_any_collective(ctx, monkeypatch):
+    started = []
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: started.append(1))
+    nccl = NcclCommunicator(dist.group.WORLD, [0], "gpu")
+    with pytest.raises(ValueError, match="tensor is on cpu; NcclCommunicator \\(mode 'gpu'\\) expects a CUDA tensor"):
+        nccl.all_reduce(torch.ones(1))
+    with pytest.raises(ValueError, match="not supported by NcclCommunicator"):
+        nccl._check_reduce_op(ReduceOp.BAND, torch.ones(1, dtype=torch.int64))
+    assert started == []
+
+
+def test_communicator_properties_and_extra_ops(ctx):
+    comm = ctx.get_communicator()
+    assert (comm.rank, comm.world_size, comm.ranks, comm.group, comm.mode, comm.is_member) == (0, 1, (0,), dist.group.WORLD, "GLOBAL", True)
+    assert "GlooCommunicator(mode='GLOBAL', ranks=[0], member=True)" == repr(comm)
+    out = torch.empty(4)
+    comm.reduce_scatter(out, torch.arange(4.0))
+    assert torch.equal(out, torch.arange(4.0))
+    out = torch.empty(3)
+    comm.all_to_all_single(out, torch.tensor([1.0, 2.0, 3.0]))
+    assert torch.equal(out, torch.tensor([1.0, 2.0, 3.0]))

@@ -1,0 +1,108 @@
+"""The README's examples run, with and without a launcher, and print the right values."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlightning_comm.launch import run
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(*cmd: str, timeout: float = 120) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{cmd} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return proc.stdout
+
+
+def _check_quickstart(out: str, world: int) -> None:
+    for rank in range(world):
+        mine = [line for line in out.splitlines() if line.startswith(f"[rank {rank}]")]
+        text = "\n".join(mine)
+        assert re.search(rf"all_reduce\(SUM\) of rank\+1 +-> {world * (world + 1) // 2}$", text, re.M), text
+        pair = [rank - rank % 2, rank - rank % 2 + 1]
+        assert f"DATA_PARALLEL pair {pair} -> {pair[0] + pair[1] + 2}" in text, text
+        assert f"all_gather of rank*10            -> {[10 * r for r in range(world)]}" in text, text
+        assert f"broadcast from rank {world - 1}            -> {world - 1}" in text, text
+        assert f"scatter from rank 0              -> {100 + rank}" in text, text
+        assert "broadcast_object_list            -> {'config': 'from rank 0', 'lr': 0.0003}" in text, text
+        assert f"tokens={128 * world}" in text, text
+    assert f"gather of rank**2 on rank 0      -> {[float(r * r) for r in range(world)]}" in out
+
+
+def test_quickstart_without_a_launcher():
+    _check_quickstart(_run(sys.executable, "examples/quickstart.py"), 4)
+
+
+def test_quickstart_under_torchrun():
+    out = _run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "examples/quickstart.py", timeout=180)
+    _check_quickstart(out, 4)
+
+
+def test_custom_backend_example_records_every_call():
+    out = _run(sys.executable, "examples/custom_backend.py")
+    for rank in range(2):
+        # 3 all_reduces + 1 from all_reduce_dict; 3 x 256 float32 + 2 float32 = 3080 bytes.
+        assert f"[rank {rank}] RecordingCommunicator calls={{'all_reduce': 4, 'broadcast': 1}} bytes={{'all_reduce': 3080, 'broadcast': 64}}" in out, out
+
+
+def _fail_on_rank_one() -> None:
+    from rlightning_comm import CommContext, collective
+
+    if CommContext().get_global_rank() == 1:
+        raise ValueError("rank 1 fails on purpose")
+    collective.barrier()
+
+
+def test_launch_run_reports_a_failed_rank_and_stops_the_others(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError, match=r"local ranks failed: exit codes \{.*'rank1': 1"):
+        run(_fail_on_rank_one, 2, timeout=20)
+
+
+@pytest.mark.parametrize("nproc", [0, -1, 1.5, True])
+def test_launch_run_rejects_a_bad_nproc(monkeypatch, nproc):
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ValueError, match="nproc must be a positive integer"):
+        run(_fail_on_rank_one, nproc)
+
+
+NO_NUMPY_SCRIPT = '''
+import sys
+sys.modules["numpy"] = None  # as on a fresh install: torch without numpy
+
+from rlightning_comm import CommContext, collective
+from rlightning_comm.launch import run
+
+
+def main():
+    import torch
+
+    rank = CommContext().get_global_rank()
+    objs = [{"rank": rank, "t": torch.arange(3)}, "x" * 1000] if rank == 1 else [None, None]
+    collective.broadcast_object_list(objs, "GLOBAL", src=1)
+    assert objs[0]["rank"] == 1 and objs[0]["t"].tolist() == [0, 1, 2] and objs[1] == "x" * 1000, objs
+    print(f"rank {rank} ok", flush=True)
+
+
+if __name__ == "__main__":
+    run(main, 2)
+'''
+
+
+def test_broadcast_object_list_works_without_numpy(tmp_path):
+    # torch.distributed.broadcast_object_list needs numpy to receive; ours must not.
+    script = tmp_path / "no_numpy.py"
+    script.write_text(NO_NUMPY_SCRIPT)
+    out = _run(sys.executable, str(script))
+    assert "rank 0 ok" in out and "rank 1 ok" in out, out

@@ -1,0 +1,47 @@
+"""The public names: exactly what the package promises, importable from the top level."""
+
+from __future__ import annotations
+
+import inspect
+
+import rlightning_comm
+from rlightning_comm import collective
+
+EXPECTED = {
+    "CommContext",
+    "CommError",
+    "CommMismatchError",
+    "CommMode",
+    "CommTimeoutError",
+    "Communicator",
+    "GlooCommunicator",
+    "ModeNotBoundError",
+    "NcclCommunicator",
+    "ObjectRefusedError",
+    "ParallelMode",
+    "WorkHandle",
+    "collective",
+    "register_communicator",
+}
+
+SEED_SIGNATURES = {
+    "all_gather": ["output_tensor", "input_tensor", "comm_mode", "async_op"],
+    "all_reduce": ["tensor", "comm_mode", "op", "async_op"],
+    "all_reduce_dict": ["dictionary", "comm_mode", "op", "dtype"],
+    "broadcast": ["tensor", "comm_mode", "src", "async_op"],
+    "broadcast_object_list": ["object_list", "comm_mode", "src"],
+    "gather": ["tensor", "comm_mode", "gather_list", "dst", "async_op"],
+    "scatter": ["tensor", "comm_mode", "scatter_list", "src", "async_op"],
+}
+
+
+def test_all_is_sorted_and_exactly_the_public_api():
+    assert rlightning_comm.__all__ == sorted(rlightning_comm.__all__)
+    assert set(rlightning_comm.__all__) == EXPECTED
+    for name in rlightning_comm.__all__:
+        assert getattr(rlightning_comm, name) is not None
+
+
+def test_collective_keeps_the_seed_signatures():
+    for name, params in SEED_SIGNATURES.items():
+        assert list(inspect.signature(getattr(collective, name)).parameters)[: len(params)] == params, name
