@@ -7,6 +7,11 @@ address is loopback (``tcp://127.0.0.1:port``, ``tcp://localhost:port``,
 ``tcp://[::1]:port``, or ``env://`` with such a ``MASTER_ADDR`` outside a
 torchrun agent), rank 0 binds the listening socket to that address itself and
 hands it to the store. Every other URL goes to torch unchanged.
+
+The backend's own connections are another matter: gloo listens on the
+interface its host name resolves to unless ``GLOO_SOCKET_IFNAME`` names one.
+:func:`pin_gloo_to_loopback` sets it for processes that are known to be
+single-node (``rlightning_comm.launch.run`` does so for the ranks it spawns).
 """
 
 from __future__ import annotations
@@ -69,3 +74,20 @@ def init_process_group(backend: str, init_method: str, world_size: int, rank: in
         store = dist.TCPStore(host, port, world_size, False, timeout, use_libuv=True)
     # The same key layout torch gives the store it creates from a URL.
     dist.init_process_group(backend=backend, store=dist.PrefixStore("default_pg", store), world_size=world_size, rank=rank, timeout=timeout)
+
+
+def loopback_interface() -> str | None:
+    """The name of the loopback network interface (``lo`` on Linux, ``lo0`` on macOS), or ``None`` if there is none."""
+    names = [name for _, name in getattr(socket, "if_nameindex", list)()]
+    return next((name for name in names if name in ("lo", "lo0")), None)
+
+
+def pin_gloo_to_loopback() -> None:
+    """Make gloo listen on the loopback interface in this process, unless ``GLOO_SOCKET_IFNAME`` is set already.
+
+    Only for processes whose peers all run on this host; call it before the
+    world is initialised.
+    """
+    name = loopback_interface()
+    if name is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", name)

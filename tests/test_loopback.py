@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from rlightning_comm.rendezvous import loopback_address
+from rlightning_comm.rendezvous import loopback_address, loopback_interface
 
 
 @pytest.mark.parametrize(
@@ -32,16 +32,27 @@ def test_loopback_address(monkeypatch, url, env, expected):
     assert loopback_address(url) == expected
 
 
-def _listening_addresses(port):
-    """Local addresses of the sockets listening on ``port``, from /proc (IPv4 and IPv6)."""
+def _listening_addresses(port=None):
+    """Local addresses of the sockets listening on ``port`` (default: those this process owns), from /proc (IPv4 and IPv6)."""
+    import os
+
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            mine.add(target[8:-1])
     found = set()
     for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
         with open(table) as f:
             next(f)
             for line in f:
-                local, state = line.split()[1], line.split()[3]
+                fields = line.split()
+                local, state, inode = fields[1], fields[3], fields[9]
                 addr, hex_port = local.split(":")
-                if state == "0A" and int(hex_port, 16) == port:
+                if state == "0A" and (int(hex_port, 16) == port if port is not None else inode in mine):
                     raw = bytes.fromhex(addr)
                     # /proc prints each 32-bit word in host (little-endian) order.
                     words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
@@ -77,4 +88,26 @@ def test_loopback_store_listens_on_loopback_only(world2, use_env):
     results = world2.run(_store_task, port, use_env, timeout=60)
     for values, listening in results:
         assert values == [2.0, 2.0]
+        assert listening == ["127.0.0.1"], listening
+
+
+def _gloo_task(rank, size, url):
+    import os
+
+    import torch
+
+    from rlightning_comm.rendezvous import pin_gloo_to_loopback
+    from world import init_world
+
+    pin_gloo_to_loopback()
+    ctx = init_world(rank, size, url, timeout=30)
+    t = torch.ones(2)
+    ctx.get_communicator().all_reduce(t)
+    return t.tolist(), os.environ.get("GLOO_SOCKET_IFNAME"), sorted(_listening_addresses())
+
+
+def test_pinned_gloo_listens_on_loopback_only(world2):
+    for values, ifname, listening in world2.run(_gloo_task, timeout=60):
+        assert values == [2.0, 2.0]
+        assert ifname == loopback_interface() == "lo"
         assert listening == ["127.0.0.1"], listening
