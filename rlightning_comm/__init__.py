@@ -2,10 +2,13 @@
 
 from rlightning_comm import collective
 from rlightning_comm.communicators import Communicator, GlooCommunicator, NcclCommunicator, register_communicator
+from rlightning_comm.config import ParallelConfig
 from rlightning_comm.context import CommContext
 from rlightning_comm.errors import CommError, CommMismatchError, CommTimeoutError, ModeNotBoundError, ObjectRefusedError
 from rlightning_comm.failures import WorkHandle
+from rlightning_comm.layout import ModeLayout, describe_layout, format_layout
 from rlightning_comm.modes import CommMode, ParallelMode
+from rlightning_comm.weight_transfer import broadcast_state_dict
 
 __all__ = [
     "CommContext",
@@ -15,11 +18,16 @@ __all__ = [
     "CommTimeoutError",
     "Communicator",
     "GlooCommunicator",
+    "ModeLayout",
     "ModeNotBoundError",
     "NcclCommunicator",
     "ObjectRefusedError",
+    "ParallelConfig",
     "ParallelMode",
     "WorkHandle",
+    "broadcast_state_dict",
     "collective",
+    "describe_layout",
+    "format_layout",
     "register_communicator",
 ]

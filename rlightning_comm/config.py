@@ -93,3 +93,71 @@ class GroupConfig(_Frozen):
         if len(self.partition) == 1:
             return list(self.partition[0])
         return [list(part) for part in self.partition]
+
+
+_PARALLEL_DIMS = {"tp": "tensor_parallel_size", "sp": "sequence_parallel_size", "dp": "data_parallel_size"}
+
+
+class ParallelConfig(_Frozen):
+    """A declared parallel layout: how many ranks each kind of parallelism spans, and how ranks are numbered.
+
+    The world is a grid ``tensor_parallel_size x sequence_parallel_size x
+    data_parallel_size``; :attr:`order` says which axis varies fastest as the
+    global rank grows (the first one, as in Megatron's rank generator).
+    Validated at construction (sizes, order) and against the world size by
+    :meth:`sizes`, before any group exists.
+    """
+
+    tensor_parallel_size: int = Field(default=1, ge=1, strict=True)
+    """Ranks per tensor-parallel group."""
+    sequence_parallel_size: int = Field(default=1, ge=1, strict=True)
+    """Ranks per sequence-parallel group."""
+    data_parallel_size: int | None = Field(default=None, ge=1, strict=True)
+    """Ranks per data-parallel group; ``None`` derives it as world size / (tensor x sequence parallel size)."""
+    order: str = Field(default="tp-sp-dp", strict=True)
+    """The axes ``tp``, ``sp``, ``dp`` joined by ``-``, fastest-varying first: with ``"tp-sp-dp"`` ranks
+    ``0, 1, ...`` first fill a tensor-parallel group."""
+    bind_train_data_parallel: bool = Field(default=False, strict=True)
+    """Also bind ``TRAIN_DATA_PARALLEL``: the ranks that share a tensor-parallel position, i.e. the data x
+    sequence parallel ranks over which gradients of replicated parameters are averaged (Megatron's
+    data-parallel-with-context-parallel group). Equal to ``DATA_PARALLEL`` when ``sequence_parallel_size`` is 1."""
+
+    @field_validator("order")
+    @classmethod
+    def _known_order(cls, order: str) -> str:
+        axes = order.split("-")
+        if sorted(axes) != sorted(_PARALLEL_DIMS):
+            raise ValueError(f"order must name each of 'tp', 'sp', 'dp' once, joined by '-' (for example 'tp-sp-dp' or 'tp-dp-sp'); got {order!r}")
+        return order
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The axes of :attr:`order`, fastest-varying first."""
+        return tuple(self.order.split("-"))
+
+    def sizes(self, world_size: int) -> dict[str, int]:
+        """The size of every axis in a world of ``world_size`` ranks, data parallel derived if omitted.
+
+        Args:
+            world_size: Number of ranks in the world.
+
+        Returns:
+            ``{"tp": ..., "sp": ..., "dp": ...}``, whose product is ``world_size``.
+
+        Raises:
+            ValueError: the sizes do not tile the world.
+        """
+        tp, sp, dp = self.tensor_parallel_size, self.sequence_parallel_size, self.data_parallel_size
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be a positive int; got {world_size!r}")
+        declared = f"tensor_parallel_size={tp}, sequence_parallel_size={sp}, data_parallel_size={dp}"
+        if dp is None:
+            if world_size % (tp * sp):
+                raise ValueError(
+                    f"world size {world_size} is not divisible by tensor_parallel_size x sequence_parallel_size = {tp} x {sp} = {tp * sp} "
+                    f"({declared}); pick sizes whose product divides the world size"
+                )
+            dp = world_size // (tp * sp)
+        elif tp * sp * dp != world_size:
+            raise ValueError(f"tensor x sequence x data parallel sizes {tp} x {sp} x {dp} = {tp * sp * dp} must equal the world size {world_size} ({declared})")
+        return {"tp": tp, "sp": sp, "dp": dp}

@@ -10,11 +10,11 @@ from typing import ClassVar
 
 import torch.distributed as dist
 
-from rlightning_comm import debug, rendezvous
+from rlightning_comm import debug, layout, rendezvous
 from rlightning_comm.communicators import _objects
 from rlightning_comm.communicators.base import Communicator
 from rlightning_comm.communicators.registry import get_communicator_class
-from rlightning_comm.config import DistributedConfig, GroupConfig
+from rlightning_comm.config import DistributedConfig, GroupConfig, ParallelConfig
 from rlightning_comm.errors import CommError, ModeNotBoundError
 from rlightning_comm.failures import comm_failure
 from rlightning_comm.modes import CommMode, mode_name
@@ -233,6 +233,80 @@ class CommContext:
             self._comms[name] = comm
             return comm
 
+    # -------------------------------------------------------- declared layouts
+    def init_parallel_groups(
+        self, config: ParallelConfig, backend: str | None = None, use_cpu: bool = False, timeout: float | timedelta | None = None
+    ) -> dict[str, Communicator]:
+        """Create every group of ``config``'s tensor-, sequence- and data-parallel modes and bind this rank's.
+
+        Every rank calls this with the same arguments. The layout is
+        :func:`rlightning_comm.topology.parallel_partitions` (Megatron's rank
+        order: the first axis of ``config.order`` varies fastest).
+
+        Args:
+            config: The declared layout; ``TRAIN_DATA_PARALLEL`` is bound too
+                when ``config.bind_train_data_parallel``.
+            backend, use_cpu, timeout: As for :meth:`init_group`, for every mode.
+
+        Returns:
+            Mode name -> this rank's communicator.
+
+        Raises:
+            TypeError: ``config`` is not a :class:`ParallelConfig`.
+            ValueError: the sizes do not tile the world (before any group is created).
+            CommError: not initialised, or a mode is already bound to other ranks.
+        """
+        return layout.init_parallel_groups(self, config, backend, use_cpu, timeout)
+
+    def init_node_groups(
+        self,
+        node_rank: int | None = None,
+        local_rank: int | None = None,
+        local_world_size: int | None = None,
+        backend: str | None = None,
+        use_cpu: bool = False,
+        timeout: float | timedelta | None = None,
+    ) -> dict[str, Communicator]:
+        """Bind ``INTRA_NODE`` (the ranks on this node) and ``INTER_NODE`` (the ranks with this local rank on every node).
+
+        Every rank's placement is exchanged over ``GLOBAL`` first (one
+        object all-gather), so a bad or uneven placement raises the same
+        ``ValueError`` on every rank before any group is created.
+
+        Args:
+            node_rank: This node's index; ``None`` reads ``GROUP_RANK`` (torchrun) or ``NODE_RANK``.
+            local_rank: This process's index on its node; ``None`` reads ``LOCAL_RANK``.
+            local_world_size: Processes per node; ``None`` reads ``LOCAL_WORLD_SIZE``.
+            backend, use_cpu, timeout: As for :meth:`init_group`.
+
+        Returns:
+            ``{"INTRA_NODE": ..., "INTER_NODE": ...}``: this rank's communicators.
+
+        Raises:
+            ValueError: a placement is missing or not an int on some rank, or
+                the nodes are uneven (see :func:`rlightning_comm.topology.node_partitions`).
+            CommError: not initialised, or a mode is already bound to other ranks.
+        """
+        return layout.init_node_groups(self, node_rank, local_rank, local_world_size, backend, use_cpu, timeout)
+
+    def init_weight_transfer_group(
+        self, src: int, dst_ranks: list[int], backend: str | None = None, use_cpu: bool = False, timeout: float | timedelta | None = None
+    ) -> Communicator:
+        """Bind ``WEIGHT_TRANSFER``: one group of ``src`` (group rank 0) then ``dst_ranks``; other ranks are non-members.
+
+        Use it with :func:`rlightning_comm.broadcast_state_dict`.
+
+        Args:
+            src: Global rank that sends weights (for example trainer rank 0).
+            dst_ranks: Global ranks that receive them (for example the rollout workers).
+            backend, use_cpu, timeout: As for :meth:`init_group`.
+
+        Raises:
+            TypeError, ValueError: bad ranks (before any group is created).
+            CommError: not initialised, or the mode is already bound to other ranks.
+        """
+        return layout.init_weight_transfer_group(self, src, dst_ranks, backend, use_cpu, timeout)
+
     def destroy(self) -> None:
         """Destroy every group this context created (and the world if it created it), and unbind every mode.
 
@@ -333,6 +407,15 @@ class CommContext:
     def get_group(self, mode: CommMode | str = CommMode.GLOBAL) -> dist.ProcessGroup | None:
         """The torch process group of ``mode`` (``None`` on a non-member rank)."""
         return self.get_communicator(mode).group
+
+    def get_group_config(self, mode: CommMode | str = CommMode.GLOBAL) -> GroupConfig:
+        """The validated arguments ``mode`` was bound with: its full partition, backend name and timeout.
+
+        Raises:
+            ModeNotBoundError: nothing is bound to ``mode``.
+        """
+        self.get_communicator(mode)
+        return self._configs[mode_name(mode)]
 
     def get_world_size(self, mode: CommMode | str = CommMode.GLOBAL) -> int:
         """Number of ranks in this rank's group of ``mode``."""

@@ -40,8 +40,13 @@ def world4() -> World:
 
 
 @pytest.fixture
+def world8() -> World:
+    return _world(8)
+
+
+@pytest.fixture
 def world(request: pytest.FixtureRequest) -> World:
-    """Indirectly parametrised by size: ``@pytest.mark.parametrize("world", [1, 2, 4], indirect=True)``."""
+    """Indirectly parametrised by size: ``@pytest.mark.parametrize("world", [1, 2, 4, 8], indirect=True)``."""
     return _world(request.param)
 
 
