@@ -15,12 +15,17 @@ EXPECTED = {
     "CommTimeoutError",
     "Communicator",
     "GlooCommunicator",
+    "ModeLayout",
     "ModeNotBoundError",
     "NcclCommunicator",
     "ObjectRefusedError",
+    "ParallelConfig",
     "ParallelMode",
     "WorkHandle",
+    "broadcast_state_dict",
     "collective",
+    "describe_layout",
+    "format_layout",
     "register_communicator",
 }
 
