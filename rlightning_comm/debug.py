@@ -94,6 +94,7 @@ class _Checker:
     """The store-side state of one communicator's checks."""
 
     def __init__(self, comm: Communicator, timeout: float) -> None:
+        # torch has no public accessor for the world's store; every rank reached it at initialisation.
         store = dist.distributed_c10d._get_default_store()
         self.store = dist.PrefixStore(f"rlightning_comm/debug/{_generation}/{comm.group.group_name}", store)
         self.timeout = timeout

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numbers
-import threading
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
@@ -13,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from rlightning_comm.communicators import _objects
+from rlightning_comm.communicators._threads import ThreadOwned
 from rlightning_comm.errors import CommError
 from rlightning_comm.failures import WorkHandle, comm_failure
 
@@ -25,10 +25,9 @@ _AVG = ReduceOp.AVG
 _BITWISE = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
 # torch views a complex tensor as real pairs, which is only exact for these ops.
 _COMPLEX_OPS = frozenset({ReduceOp.SUM, ReduceOp.AVG})
-_OWNER_LOCK = threading.Lock()
 
 
-class Communicator(ABC):
+class Communicator(ThreadOwned, ABC):
     """Collectives on one process group, bound to one mode by :class:`CommContext`.
 
     Every method takes and returns what the torch.distributed function of the
@@ -78,9 +77,7 @@ class Communicator(ABC):
     def __init__(self, group: dist.ProcessGroup | None, ranks: Sequence[int], mode: str, timeout: float | None = None) -> None:
         self._group = group
         self._timeout = None if timeout is None else float(timeout)
-        # Holds ``group`` only in the owning thread: the hot path's thread check is one attribute read.
-        self._owned = threading.local()
-        self._owner: threading.Thread | None = None
+        self._init_ownership()
         self._ranks = tuple(int(r) for r in ranks)
         self._rank_set = frozenset(self._ranks)
         self._mode = str(mode)
@@ -148,41 +145,7 @@ class Communicator(ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(mode={self._mode!r}, ranks={list(self._ranks)}, member={self.is_member})"
 
-    # ------------------------------------------------- threads and failures
-    def release_thread(self) -> None:
-        """Give up this thread's ownership, so that another thread may run collectives here next.
-
-        Call it from the owning thread once it has finished communicating
-        (a thread that has ended releases implicitly).
-
-        Raises:
-            CommError: another live thread owns this communicator.
-        """
-        with _OWNER_LOCK:
-            owner = self._owner
-            if owner is not None and owner is not threading.current_thread() and owner.is_alive():
-                raise CommError(f"release_thread() on mode {self._mode!r} was called from thread {threading.current_thread().name!r}, but thread {owner.name!r} owns it")
-            self._owner = None
-            self._owned = threading.local()
-
-    def _enter(self) -> dist.ProcessGroup | None:
-        """The thread check's slow path: claim this communicator for the calling thread, or refuse."""
-        group = self._group
-        if group is None:
-            return None
-        with _OWNER_LOCK:
-            owner = self._owner
-            current = threading.current_thread()
-            if owner is not None and owner is not current and owner.is_alive():
-                raise CommError(
-                    f"mode {self._mode!r} is driven by thread {owner.name!r}; thread {current.name!r} may not run collectives on it too: "
-                    f"two threads' calls can pair up differently on different ranks. Hint: bind one mode per thread "
-                    f"(init_group), or call release_thread() from {owner.name!r} when it is done"
-                )
-            self._owner = current
-            self._owned.group = group
-        return group
-
+    # ----------------------------------------------------------------- failures
     def _failure(self, op: str, err: BaseException) -> CommError:
         return comm_failure(err, self._mode, op, self._timeout)
 
