@@ -86,6 +86,7 @@ class CommContext:
     def _reset(self) -> None:
         self._comms = {}
         self._configs = {}
+        self._transfer_sources: dict[str, int] = {}
         self._dist_config = None
         self._owns_world = False
         self._debug = False
@@ -292,7 +293,11 @@ class CommContext:
     def init_weight_transfer_group(
         self, src: int, dst_ranks: list[int], backend: str | None = None, use_cpu: bool = False, timeout: float | timedelta | None = None
     ) -> Communicator:
-        """Bind ``WEIGHT_TRANSFER``: one group of ``src`` (group rank 0) then ``dst_ranks``; other ranks are non-members.
+        """Bind ``WEIGHT_TRANSFER``: one group of ``src`` and ``dst_ranks``; other ranks are non-members.
+
+        The group's ranks are numbered in global-rank order, as torch does; the
+        source is remembered as :meth:`get_transfer_source` (the default ``src``
+        of :func:`broadcast_state_dict`).
 
         Use it with :func:`rlightning_comm.broadcast_state_dict`.
 
@@ -407,6 +412,11 @@ class CommContext:
     def get_group(self, mode: CommMode | str = CommMode.GLOBAL) -> dist.ProcessGroup | None:
         """The torch process group of ``mode`` (``None`` on a non-member rank)."""
         return self.get_communicator(mode).group
+
+    def get_transfer_source(self, mode: CommMode | str = CommMode.WEIGHT_TRANSFER) -> int | None:
+        """The source global rank declared by :meth:`init_weight_transfer_group` for ``mode``, or ``None``."""
+        self.get_communicator(mode)
+        return self._transfer_sources.get(mode_name(mode))
 
     def get_group_config(self, mode: CommMode | str = CommMode.GLOBAL) -> GroupConfig:
         """The validated arguments ``mode`` was bound with: its full partition, backend name and timeout.
