@@ -12,6 +12,8 @@ from typing import Any, Callable
 from rlightning_comm.context import CommContext
 from rlightning_comm.rendezvous import pin_gloo_to_loopback
 
+_FAILURE_GRACE = 3.0
+
 
 def under_launcher() -> bool:
     """Whether this process was started by torchrun (or another launcher that sets ``RANK`` and ``WORLD_SIZE``)."""
@@ -65,10 +67,13 @@ def run(fn: Callable[..., Any], nproc: int = 4, *args: Any, backend: str = "gloo
         for p in procs:
             p.start()
         deadline = time.monotonic() + 2 * timeout
+        failing = False
         while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-            # A failed rank leaves its peers blocked in a collective: stop at the first failure.
-            if any(p.exitcode not in (None, 0) for p in procs):
-                break
+            if not failing and any(p.exitcode not in (None, 0) for p in procs):
+                # A failed rank's peers fail too once its connections close, or stay blocked in a
+                # collective: give them a moment to report their own exit code, then stop them.
+                failing = True
+                deadline = min(deadline, time.monotonic() + _FAILURE_GRACE)
             time.sleep(0.05)
         failed = {p.name: p.exitcode for p in procs if p.exitcode not in (None, 0)}
         hung = [p.name for p in procs if p.is_alive()]

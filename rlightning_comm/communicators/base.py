@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from rlightning_comm.communicators import _objects
+from rlightning_comm.communicators._objects import broadcast_objects
 from rlightning_comm.communicators._threads import ThreadOwned
 from rlightning_comm.errors import CommError
 from rlightning_comm.failures import WorkHandle, comm_failure
@@ -476,7 +477,7 @@ class Communicator(ThreadOwned, ABC):
         self._check_peer(src, "src")
         safe, max_bytes = _objects.resolve_options(safe, max_bytes, self._mode)
         try:
-            payloads = _objects.broadcast_objects(object_list, src, group, self.device)
+            payloads = broadcast_objects(object_list, src, group, self.device)
         except RuntimeError as err:
             raise self._failure("broadcast_object_list", err) from err
         if payloads is not None:
