@@ -19,8 +19,9 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -61,7 +62,10 @@ def _splits(sizes: Any, t: Any, ws: int) -> Any:
 
 def _all_to_all_single(a: dict[str, Any], ws: int) -> tuple[dict[str, Any], Any]:
     out, inp = a["output"], a["input_"]
-    rows = {name: f"{str(t.dtype).removeprefix('torch.')} rows of shape {list(t.shape[1:])}" if isinstance(t, torch.Tensor) else type(t).__name__ for name, t in (("output", out), ("input_", inp))}
+    rows = {
+        name: f"{str(t.dtype).removeprefix('torch.')} rows of shape {list(t.shape[1:])}" if isinstance(t, torch.Tensor) else type(t).__name__
+        for name, t in (("output", out), ("input_", inp))
+    }
     return rows, {"out": _splits(a["output_split_sizes"], out, ws), "in": _splits(a["input_split_sizes"], inp, ws)}
 
 
@@ -83,7 +87,10 @@ _DESCRIBE: dict[str, Callable[[dict[str, Any], int], tuple[dict[str, Any], Any]]
     "scatter": lambda a, ws: ({"tensor": _tensor(a["tensor"]), "src": repr(a["src"])}, None),
     "reduce_scatter": lambda a, ws: ({"output": _tensor(a["output"]), "input_": _tensor(a["input_"]), "op": _op(a["op"])}, None),
     "all_to_all_single": _all_to_all_single,
-    "broadcast_object_list": lambda a, ws: ({"len(object_list)": len(a["object_list"]) if isinstance(a["object_list"], list) else None, "src": repr(a["src"])}, None),
+    "broadcast_object_list": lambda a, ws: (
+        {"len(object_list)": len(a["object_list"]) if isinstance(a["object_list"], list) else None, "src": repr(a["src"])},
+        None,
+    ),
     "all_reduce_dict": _all_reduce_dict,
     "barrier": lambda a, ws: ({}, None),
 }
@@ -146,7 +153,9 @@ class _Checker:
             return self._split_disagreement([c[2] for c in calls])
         return ""
 
-    def _split_disagreement(self, splits: list[dict[str, Any]]) -> str:
+    def _split_disagreement(self, splits: list[dict[str, Any] | None]) -> str:
+        if any(s is None for s in splits):
+            return ""
         bad = []
         for i, si in enumerate(splits):
             for j, sj in enumerate(splits):
@@ -168,7 +177,7 @@ def _checked(comm: Communicator, name: str, checker: _Checker) -> Callable[..., 
         if checker.depth:
             return method(comm, *args, **kwargs)
         try:
-            comm._owned.group
+            _ = comm._owned.group
         except AttributeError:
             comm._enter()  # refuse a second thread before anything is exchanged
         try:
@@ -176,7 +185,10 @@ def _checked(comm: Communicator, name: str, checker: _Checker) -> Callable[..., 
         except TypeError:
             return method(comm, *args, **kwargs)  # raises the same TypeError locally
         bound.apply_defaults()
-        fields, extra = describe(bound.arguments, ws)
+        try:
+            fields, extra = describe(bound.arguments, ws)
+        except Exception:  # noqa: BLE001 - malformed arguments: the peers still learn that this rank cannot proceed
+            fields, extra = {"arguments": "malformed"}, None
         checker.check(name, fields, extra)
         checker.depth += 1
         try:

@@ -42,8 +42,7 @@ def comm_failure(err: BaseException, mode: str, op: str, timeout: float | None) 
             f"(it skipped the call, is blocked elsewhere or died). The group is unusable now; destroy() the context. Backend: {text}"
         )
     return CommError(
-        f"{op} on mode {mode!r} failed: a peer is gone or an earlier failure broke the group. "
-        f"The group is unusable now; destroy() the context. Backend: {text}"
+        f"{op} on mode {mode!r} failed: a peer is gone or an earlier failure broke the group. The group is unusable now; destroy() the context. Backend: {text}"
     )
 
 
@@ -54,7 +53,7 @@ class WorkHandle:
     wrapped torch work's own.
     """
 
-    __slots__ = ("_work", "_mode", "_op", "_timeout")
+    __slots__ = ("_mode", "_op", "_timeout", "_work")
 
     def __init__(self, work: Any, mode: str, op: str, timeout: float | None) -> None:
         self._work = work

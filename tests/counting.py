@@ -7,8 +7,19 @@ from contextlib import contextmanager
 from typing import Any
 
 _DIST = (
-    "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single", "gather", "scatter",
-    "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all_single", "broadcast_object_list", "all_gather_object", "barrier",
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "gather",
+    "scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_single",
+    "all_to_all_single",
+    "broadcast_object_list",
+    "all_gather_object",
+    "barrier",
 )
 # Module-level aliases the communicators bind at import time.
 _BASE_ALIASES = {"_all_gather_flat": "all_gather_flat", "_reduce_scatter_flat": "reduce_scatter_flat"}
@@ -22,7 +33,7 @@ def backend_calls() -> Iterator[dict[str, int]]:
     """
     import torch.distributed as dist
 
-    import rlightning_comm.communicators.base as base
+    from rlightning_comm.communicators import base
 
     counts: dict[str, int] = {}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from counting import backend_calls
 from world import init_world
 
+
 def _attempt(fn, *expected):
     try:
         fn()
@@ -76,7 +77,10 @@ def _context_cases(rank, torch, ctx):
     from rlightning_comm import CommError, ModeNotBoundError
 
     results = {}
-    results["unbound mode"] = (_attempt(lambda: ctx.get_communicator("NOPE"), ModeNotBoundError), "No communicator bound for mode 'NOPE'; bound modes: ['GLOBAL', 'SOLO']")
+    results["unbound mode"] = (
+        _attempt(lambda: ctx.get_communicator("NOPE"), ModeNotBoundError),
+        "No communicator bound for mode 'NOPE'; bound modes: ['GLOBAL', 'SOLO']",
+    )
     results["init_group rank range"] = (_attempt(lambda: ctx.init_group([0, 5], "BAD"), ValueError), "rank 5 is out of range for world size 2")
     results["init_group duplicate"] = (_attempt(lambda: ctx.init_group([1, 1], "BAD"), ValueError), "appears more than once")
     if rank == 1:

@@ -121,13 +121,11 @@ def test_debug_mode_names_the_rank_that_skipped_a_call(world2):
     assert GROUP_TIMEOUT - 0.1 <= r0["elapsed"] <= GROUP_TIMEOUT + BOUND
 
 
-
-
 def _count_task(rank, size, url):
     import torch
     import torch.distributed as dist
 
-    from rlightning_comm import CommContext, collective
+    from rlightning_comm import collective
 
     ctx = init_world(rank, size, url, timeout=30)
     sync = dist.barrier  # the store is shared: no rank may start a phase before every rank has measured the last one

@@ -69,7 +69,7 @@ def test_skipped_collective_raises_timeout_naming_mode_op_and_timeout(world2):
 def _kill_task(rank, size, url, victim, out_dir):
     import torch
 
-    from rlightning_comm import CommContext, CommError, collective
+    from rlightning_comm import CommError, collective
 
     ctx = init_world(rank, size, url, timeout=KILL_TIMEOUT)
     t = torch.ones(8)

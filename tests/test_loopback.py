@@ -95,9 +95,9 @@ def _gloo_task(rank, size, url):
     import os
 
     import torch
+    from world import init_world
 
     from rlightning_comm.rendezvous import pin_gloo_to_loopback
-    from world import init_world
 
     pin_gloo_to_loopback()
     ctx = init_world(rank, size, url, timeout=30)

@@ -99,7 +99,7 @@ def test_safe_receiver_refuses_without_running_code(world2, tmp_path, kind):
 def test_default_receiver_runs_the_payload(world2, tmp_path):
     # The control for the test above: the same payload, received by default, does create the file.
     path = str(tmp_path / "pwned-default")
-    sender, receiver = world2.run(_refuse_task, "code", path, False, timeout=60)
+    _, receiver = world2.run(_refuse_task, "code", path, False, timeout=60)
     assert "error" not in receiver and os.path.exists(path)
 
 
@@ -142,7 +142,13 @@ def _bad_args_task(rank, size, url):
 
     init_world(rank, size, url, timeout=30)
     errors = []
-    for kwargs, args in (({"safe": "yes"}, ([None],)), ({"max_bytes": 0}, ([None],)), ({"max_bytes": 1.5}, ([None],)), ({}, ((None,),)), ({}, ([None], "GLOBAL", 5))):
+    for kwargs, args in (
+        ({"safe": "yes"}, ([None],)),
+        ({"max_bytes": 0}, ([None],)),
+        ({"max_bytes": 1.5}, ([None],)),
+        ({}, ((None,),)),
+        ({}, ([None], "GLOBAL", 5)),
+    ):
         call_args = args if len(args) == 3 else (args[0], "GLOBAL")
         try:
             collective.broadcast_object_list(*call_args, **kwargs)

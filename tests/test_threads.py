@@ -102,7 +102,7 @@ def test_second_thread_is_refused_and_one_mode_per_thread_works(world2):
 def _context_task(rank, size, url):
     import torch.distributed as dist
 
-    from rlightning_comm import CommContext, CommError, ModeNotBoundError
+    from rlightning_comm import CommError, ModeNotBoundError
 
     ctx = init_world(rank, size, url, timeout=30)
     modes = [f"M{i}" for i in range(40)]

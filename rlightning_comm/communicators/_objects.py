@@ -109,7 +109,7 @@ def decode(payloads: list[memoryview], src: int, safe: bool, max_bytes: int | No
         try:
             obj = _PlainUnpickler(io.BytesIO(payload)).load()
             _check_plain(obj)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - whatever the payload makes the unpickler raise is a refusal
             raise ObjectRefusedError(
                 f"broadcast_object_list on mode {mode!r} (safe) refused object {i} from rank {src}: {err}. "
                 f"Safe mode accepts only {_PLAIN_NAMES}; nothing in it was run and the list is unchanged"
@@ -123,7 +123,7 @@ def _load_storage(data: bytes) -> Any:
     # runs torch.load(weights_only=False) on bytes the sender chose.
     try:
         storage = torch.load(io.BytesIO(data), weights_only=True)
-    except Exception as err:
+    except Exception as err:  # noqa: BLE001 - torch.load raises many kinds; each is a refusal
         reason = next((line.strip() for line in str(err).splitlines() if "WeightsUnpickler error" in line), str(err).splitlines()[0] if str(err) else repr(err))
         raise pickle.UnpicklingError(f"a tensor's storage bytes are not a plain storage ({reason})") from None
     if not isinstance(storage, torch.storage.TypedStorage):
