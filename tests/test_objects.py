@@ -55,7 +55,13 @@ def _plain_task(rank, size, url):
     theirs = list(PLAIN) if rank == 0 else [None] * len(PLAIN)
     collective.broadcast_object_list(ours, "GLOBAL", 0, safe=True)  # safe receiver, default sender
     dist.broadcast_object_list(theirs, src=0)  # the oracle: torch itself
-    return all(_equal(a, b) for a, b in zip(ours, theirs)) and all(_equal(a, b) for a, b in zip(ours, PLAIN))
+    # Same wire format: torch's own sender to our safe receiver.
+    mixed = list(PLAIN) if rank == 0 else [None] * len(PLAIN)
+    if rank == 0:
+        dist.broadcast_object_list(mixed, src=0)
+    else:
+        collective.broadcast_object_list(mixed, "GLOBAL", 0, safe=True)
+    return all(_equal(a, b) and _equal(a, c) and _equal(a, d) for a, b, c, d in zip(ours, theirs, PLAIN, mixed))
 
 
 def test_safe_receiver_accepts_plain_data_like_torch(world2):
