@@ -4,7 +4,8 @@ from rlightning_comm import collective
 from rlightning_comm.communicators import Communicator, GlooCommunicator, NcclCommunicator, register_communicator
 from rlightning_comm.config import ParallelConfig
 from rlightning_comm.context import CommContext
-from rlightning_comm.errors import CommError, CommTimeoutError, ModeNotBoundError
+from rlightning_comm.errors import CommError, CommMismatchError, CommTimeoutError, ModeNotBoundError, ObjectRefusedError
+from rlightning_comm.failures import WorkHandle
 from rlightning_comm.layout import ModeLayout, describe_layout, format_layout
 from rlightning_comm.modes import CommMode, ParallelMode
 from rlightning_comm.weight_transfer import broadcast_state_dict
@@ -12,6 +13,7 @@ from rlightning_comm.weight_transfer import broadcast_state_dict
 __all__ = [
     "CommContext",
     "CommError",
+    "CommMismatchError",
     "CommMode",
     "CommTimeoutError",
     "Communicator",
@@ -19,8 +21,10 @@ __all__ = [
     "ModeLayout",
     "ModeNotBoundError",
     "NcclCommunicator",
+    "ObjectRefusedError",
     "ParallelConfig",
     "ParallelMode",
+    "WorkHandle",
     "broadcast_state_dict",
     "collective",
     "describe_layout",

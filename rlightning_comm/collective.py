@@ -44,12 +44,13 @@ def broadcast(tensor: torch.Tensor, comm_mode: CommMode | str, src: int = 0, asy
     return _context.get_communicator(comm_mode).broadcast(tensor, src, async_op)
 
 
-def broadcast_object_list(object_list: list[Any], comm_mode: CommMode | str, src: int = 0) -> None:
+def broadcast_object_list(object_list: list[Any], comm_mode: CommMode | str, src: int = 0, *, safe: bool | None = None, max_bytes: int | None = None) -> None:
     """Broadcast picklable objects from global rank ``src`` over ``comm_mode``, in place.
 
-    See :meth:`Communicator.broadcast_object_list`.
+    ``safe=True`` makes this receiver accept only plain data; ``max_bytes``
+    bounds what it accepts. See :meth:`Communicator.broadcast_object_list`.
     """
-    return _context.get_communicator(comm_mode).broadcast_object_list(object_list, src)
+    return _context.get_communicator(comm_mode).broadcast_object_list(object_list, src, safe=safe, max_bytes=max_bytes)
 
 
 def gather(tensor: torch.Tensor, comm_mode: CommMode | str, gather_list: list[torch.Tensor] | None = None, dst: int = 0, async_op: bool = False) -> Any | None:

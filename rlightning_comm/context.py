@@ -4,20 +4,33 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from datetime import timedelta
 from typing import Any, ClassVar
 
 import torch.distributed as dist
 
-from rlightning_comm import layout
+from rlightning_comm import debug, layout, rendezvous
 from rlightning_comm import stats as _stats
+from rlightning_comm.communicators import _objects
 from rlightning_comm.communicators.base import Communicator
 from rlightning_comm.communicators.registry import get_communicator_class
 from rlightning_comm.config import DistributedConfig, GroupConfig, ParallelConfig
 from rlightning_comm.errors import CommError, ModeNotBoundError
+from rlightning_comm.failures import comm_failure
 from rlightning_comm.modes import CommMode, mode_name
 
 _GLOBAL = CommMode.GLOBAL.value
+DEBUG_ENV = "RLIGHTNING_COMM_DEBUG"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+def _env_debug() -> bool:
+    value = os.environ.get(DEBUG_ENV, "").strip().lower()
+    if value not in _TRUE + _FALSE:
+        raise ValueError(f"environment variable {DEBUG_ENV} must be one of {list(_TRUE + _FALSE)}; got {os.environ[DEBUG_ENV]!r}")
+    return value in _TRUE
 
 
 def _env_int(name: str, argument: str) -> int:
@@ -43,6 +56,10 @@ class CommContext:
     other threads see either the old or the new binding, never a partial one.
     Initialising again with the same arguments is a no-op; with different
     arguments it is a :class:`CommError` until :meth:`destroy` is called.
+
+    Debug mode (:meth:`set_debug`, or ``RLIGHTNING_COMM_DEBUG=1`` when the world
+    is initialised) makes every collective first compare a fingerprint of the
+    call across its group; see :mod:`rlightning_comm.debug`.
     """
 
     _instance: ClassVar[CommContext | None] = None
@@ -52,6 +69,7 @@ class CommContext:
     _configs: dict[str, GroupConfig]
     _dist_config: DistributedConfig | None
     _owns_world: bool
+    _debug: bool
     _lock: threading.RLock
 
     def __new__(cls) -> CommContext:
@@ -69,8 +87,11 @@ class CommContext:
     def _reset(self) -> None:
         self._comms = {}
         self._configs = {}
+        self._transfer_sources: dict[str, int] = {}
         self._dist_config = None
         self._owns_world = False
+        self._debug = False
+        _objects.set_defaults(False, None)
 
     # ------------------------------------------------------------ initialising
     def init_distributed_env(
@@ -94,6 +115,10 @@ class CommContext:
             dist_url: The torch.distributed init method.
             timeout: Default timeout of every collective, in seconds or a ``timedelta``.
 
+        With a loopback rendezvous address (``tcp://127.0.0.1:port``, or
+        ``env://`` with such a ``MASTER_ADDR`` outside torchrun) the store
+        listens on loopback only; see :mod:`rlightning_comm.rendezvous`.
+
         Returns:
             The communicator bound to ``CommMode.GLOBAL``.
 
@@ -110,6 +135,7 @@ class CommContext:
                 world_size = _env_int("WORLD_SIZE", "world_size") if world_size is None else world_size
                 rank = _env_int("RANK", "rank") if rank is None else rank
             config = DistributedConfig(world_size=world_size, rank=rank, backend=backend, dist_url=dist_url, timeout=timeout)
+            env_debug = _env_debug()
             if self._dist_config is not None:
                 if config == self._dist_config:
                     return self._comms[_GLOBAL]
@@ -124,18 +150,16 @@ class CommContext:
                 self._owns_world = False
             else:
                 cls.setup_process()
-                dist.init_process_group(
-                    backend=cls.backend,
-                    init_method=config.dist_url,
-                    world_size=config.world_size,
-                    rank=config.rank,
-                    timeout=timedelta(seconds=config.timeout),
-                )
+                rendezvous.init_process_group(cls.backend, config.dist_url, config.world_size, config.rank, timedelta(seconds=config.timeout))
                 self._owns_world = True
             self._dist_config = config
             world = tuple(range(config.world_size))
             self._configs[_GLOBAL] = GroupConfig(partition=(world,), world_size=config.world_size, backend=backend, timeout=config.timeout)
-            comm = cls(group=dist.group.WORLD, ranks=world, mode=_GLOBAL)
+            comm = cls(group=dist.group.WORLD, ranks=world, mode=_GLOBAL, timeout=config.timeout)
+            debug.new_generation()
+            self._debug = self._debug or env_debug
+            if self._debug:
+                debug.enable(comm, config.timeout)
             self._comms[_GLOBAL] = comm
             _stats.on_bind(comm)
             return comm
@@ -198,11 +222,16 @@ class CommContext:
             me = dist_config.rank
             comm = None
             for part in config.partition:
-                group = dist.new_group(ranks=list(part), backend=cls.backend, timeout=timedelta(seconds=config.timeout))
+                try:
+                    group = dist.new_group(ranks=list(part), backend=cls.backend, timeout=timedelta(seconds=config.timeout))
+                except RuntimeError as err:
+                    raise comm_failure(err, name, "init_group", config.timeout) from err
                 if me in part:
-                    comm = cls(group=group, ranks=part, mode=name)
+                    comm = cls(group=group, ranks=part, mode=name, timeout=config.timeout)
             if comm is None:
-                comm = cls(group=None, ranks=config.partition[0] if len(config.partition) == 1 else (), mode=name)
+                comm = cls(group=None, ranks=config.partition[0] if len(config.partition) == 1 else (), mode=name, timeout=config.timeout)
+            if self._debug:
+                debug.enable(comm, config.timeout)
             self._configs[name] = config
             self._comms[name] = comm
             _stats.on_bind(comm)
@@ -267,7 +296,11 @@ class CommContext:
     def init_weight_transfer_group(
         self, src: int, dst_ranks: list[int], backend: str | None = None, use_cpu: bool = False, timeout: float | timedelta | None = None
     ) -> Communicator:
-        """Bind ``WEIGHT_TRANSFER``: one group of ``src`` (group rank 0) then ``dst_ranks``; other ranks are non-members.
+        """Bind ``WEIGHT_TRANSFER``: one group of ``src`` and ``dst_ranks``; other ranks are non-members.
+
+        The group's ranks are numbered in global-rank order, as torch does; the
+        source is remembered as :meth:`get_transfer_source` (the default ``src``
+        of :func:`broadcast_state_dict`).
 
         Use it with :func:`rlightning_comm.broadcast_state_dict`.
 
@@ -285,18 +318,80 @@ class CommContext:
     def destroy(self) -> None:
         """Destroy every group this context created (and the world if it created it), and unbind every mode.
 
-        The context can be initialised again afterwards. Safe to call when
-        nothing is initialised.
+        The context can be initialised again afterwards, with debug mode and
+        the object defaults back to off. Safe to call when nothing is
+        initialised, and after a peer died or a collective failed: it sends
+        nothing to the peers, never raises for a group it cannot tear down
+        (it warns) and always unbinds every mode.
         """
         with self._lock:
-            if dist.is_initialized():
-                world = dist.group.WORLD
-                for comm in self._comms.values():
-                    if comm.group is not None and comm.group is not world:
-                        dist.destroy_process_group(comm.group)
-                if self._owns_world:
-                    dist.destroy_process_group()
-            self._reset()
+            try:
+                if dist.is_initialized():
+                    world = dist.group.WORLD
+                    groups = [comm.group for comm in self._comms.values() if comm.group is not None and comm.group is not world]
+                    if self._owns_world:
+                        groups.append(None)
+                    for group in groups:
+                        try:
+                            dist.destroy_process_group(group)
+                        except Exception as err:  # noqa: BLE001 - a broken group must not stop the teardown
+                            warnings.warn(f"CommContext.destroy: could not destroy {'the world' if group is None else 'a group'}: {err!r}", RuntimeWarning, stacklevel=2)
+            finally:
+                self._reset()
+
+    # --------------------------------------------------------------- policies
+    def set_debug(self, enabled: bool = True) -> None:
+        """Switch debug mode on or off for every bound communicator and those bound later.
+
+        On, every collective first exchanges a fingerprint of the call (op,
+        shapes, dtypes, reduce op, src/dst, dictionary keys, split sizes, a
+        per-group sequence number) through the world's store, and raises
+        :class:`CommMismatchError` on every rank of the group when they
+        disagree, or :class:`CommTimeoutError` naming the ranks that did not
+        arrive within the group's timeout. Off (the default), communicators
+        run no extra code at all. Every rank must switch at the same point of
+        its sequence of collectives. ``RLIGHTNING_COMM_DEBUG=1`` switches it on
+        when the world is initialised. :meth:`destroy` switches it off.
+
+        Raises:
+            TypeError: ``enabled`` is not a bool.
+        """
+        if not isinstance(enabled, bool):
+            raise TypeError(f"enabled must be a bool; got {type(enabled).__name__} {enabled!r}")
+        with self._lock:
+            self._debug = enabled
+            for name, comm in self._comms.items():
+                if enabled:
+                    debug.enable(comm, self._configs[name].timeout)
+                else:
+                    debug.disable(comm)
+                _stats.on_bind(comm)  # debug mode replaced or removed the methods: stats go back on top
+
+    def is_debug(self) -> bool:
+        """Whether debug mode is on (see :meth:`set_debug`)."""
+        return self._debug
+
+    def set_object_defaults(self, safe: bool = False, max_bytes: int | None = None) -> None:
+        """Set what ``broadcast_object_list`` does when a call leaves ``safe`` or ``max_bytes`` out.
+
+        Args:
+            safe: Receivers accept only plain data (None, bool, int, float,
+                str, bytes, lists, tuples and dicts of those, tensors) and
+                refuse anything else without running it.
+            max_bytes: Receivers refuse payloads over this many serialised
+                bytes; ``None`` means no limit.
+
+        :meth:`destroy` restores ``safe=False, max_bytes=None``.
+
+        Raises:
+            TypeError: ``safe`` is not a bool.
+            ValueError: ``max_bytes`` is not a positive int or ``None``.
+        """
+        _objects.set_defaults(safe, max_bytes)
+
+    def get_object_defaults(self) -> tuple[bool, int | None]:
+        """The ``(safe, max_bytes)`` defaults of ``broadcast_object_list``."""
+        return _objects.get_defaults()
 
     # ----------------------------------------------------------------- lookups
     def get_communicator(self, mode: CommMode | str = CommMode.GLOBAL) -> Communicator:
@@ -309,17 +404,23 @@ class CommContext:
         try:
             return self._comms[mode]
         except (KeyError, TypeError):
-            self._raise_unbound(mode)
+            return self._raise_unbound(mode)
 
-    def _raise_unbound(self, mode: object) -> None:
+    def _raise_unbound(self, mode: object) -> Communicator:
         name = mode_name(mode)  # TypeError for a non-string mode
-        if name in self._comms:  # bound concurrently since the failed lookup
-            return
+        comm = self._comms.get(name)
+        if comm is not None:  # bound concurrently since the failed lookup
+            return comm
         raise ModeNotBoundError(f"No communicator bound for mode {name!r}; bound modes: {sorted(self._comms)}")
 
     def get_group(self, mode: CommMode | str = CommMode.GLOBAL) -> dist.ProcessGroup | None:
         """The torch process group of ``mode`` (``None`` on a non-member rank)."""
         return self.get_communicator(mode).group
+
+    def get_transfer_source(self, mode: CommMode | str = CommMode.WEIGHT_TRANSFER) -> int | None:
+        """The source global rank declared by :meth:`init_weight_transfer_group` for ``mode``, or ``None``."""
+        self.get_communicator(mode)
+        return self._transfer_sources.get(mode_name(mode))
 
     def get_group_config(self, mode: CommMode | str = CommMode.GLOBAL) -> GroupConfig:
         """The validated arguments ``mode`` was bound with: its full partition, backend name and timeout.

@@ -15,6 +15,22 @@ class CommTimeoutError(CommError):
     """A collective did not complete within its group's timeout."""
 
 
+class CommMismatchError(CommError):
+    """Ranks disagreed about a collective they were about to run (debug mode's consistency check).
+
+    Raised on every rank of the group before the collective starts, so the
+    group stays usable.
+    """
+
+
+class ObjectRefusedError(CommError):
+    """A received object was refused: not plain data in safe mode, or over the size limit.
+
+    Nothing was deserialised, the caller's list is unchanged and the group
+    stays usable (the payload was received in full and dropped).
+    """
+
+
 class ModeNotBoundError(CommError, KeyError):
     """No communicator is bound for the requested mode.
 

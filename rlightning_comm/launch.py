@@ -10,6 +10,9 @@ import time
 from typing import Any, Callable
 
 from rlightning_comm.context import CommContext
+from rlightning_comm.rendezvous import pin_gloo_to_loopback
+
+_FAILURE_GRACE = 3.0
 
 
 def under_launcher() -> bool:
@@ -17,7 +20,9 @@ def under_launcher() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _rank_main(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world_size: int, backend: str, url: str, timeout: float) -> None:
+def _rank_main(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world_size: int, backend: str, url: str, timeout: float, local: bool = False) -> None:
+    if local:
+        pin_gloo_to_loopback()  # every peer is on this host: nothing needs to listen beyond loopback
     ctx = CommContext()
     ctx.init_distributed_env(world_size=world_size, rank=rank, backend=backend, dist_url=url, timeout=timeout)
     try:
@@ -32,8 +37,9 @@ def run(fn: Callable[..., Any], nproc: int = 4, *args: Any, backend: str = "gloo
     Under torchrun, this process is one rank: the context is initialised from
     the launcher's environment (``env://``) and ``nproc`` is ignored. With no
     launcher, ``nproc`` local processes are spawned and rendezvous through a
-    file store in a private temporary folder, so nothing listens on a network
-    port beyond the backend's own loopback connections.
+    file store in a private temporary folder, and gloo listens on the loopback
+    interface (unless ``GLOO_SOCKET_IFNAME`` is set), so nothing listens
+    beyond loopback.
 
     Args:
         fn: A picklable (module-level) function; it finds its ranks through
@@ -56,15 +62,18 @@ def run(fn: Callable[..., Any], nproc: int = 4, *args: Any, backend: str = "gloo
     store = tempfile.mkdtemp(prefix="rlightning-comm-")
     url = f"file://{store}/store"
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, args=(fn, args, r, nproc, backend, url, timeout), name=f"rank{r}") for r in range(nproc)]
+    procs = [ctx.Process(target=_rank_main, args=(fn, args, r, nproc, backend, url, timeout, True), name=f"rank{r}") for r in range(nproc)]
     try:
         for p in procs:
             p.start()
         deadline = time.monotonic() + 2 * timeout
+        failing = False
         while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-            # A failed rank leaves its peers blocked in a collective: stop at the first failure.
-            if any(p.exitcode not in (None, 0) for p in procs):
-                break
+            if not failing and any(p.exitcode not in (None, 0) for p in procs):
+                # A failed rank's peers fail too once its connections close, or stay blocked in a
+                # collective: give them a moment to report their own exit code, then stop them.
+                failing = True
+                deadline = min(deadline, time.monotonic() + _FAILURE_GRACE)
             time.sleep(0.05)
         failed = {p.name: p.exitcode for p in procs if p.exitcode not in (None, 0)}
         hung = [p.name for p in procs if p.is_alive()]

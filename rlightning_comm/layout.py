@@ -116,7 +116,12 @@ def init_weight_transfer_group(
     """Implementation of :meth:`CommContext.init_weight_transfer_group`."""
     ranks = weight_transfer_ranks(src, dst_ranks, _world_size(context))
     mode = CommMode.WEIGHT_TRANSFER.value
-    return _bind(context, {mode: (ranks,)}, backend, use_cpu, timeout)[mode]
+    declared = context._transfer_sources.get(mode)
+    if declared is not None and declared != src:
+        raise CommError(f"mode {mode!r} is already bound with source rank {declared}; call destroy() before declaring source {src}")
+    comm = _bind(context, {mode: (ranks,)}, backend, use_cpu, timeout)[mode]
+    context._transfer_sources[mode] = src
+    return comm
 
 
 def describe_layout(context: CommContext | None = None) -> dict[str, ModeLayout]:

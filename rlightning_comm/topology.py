@@ -138,7 +138,7 @@ def node_partitions(placements: Sequence[NodePlacement | tuple[int, int, int]]) 
 
 
 def weight_transfer_ranks(src: int, dst_ranks: Sequence[int], world_size: int) -> tuple[int, ...]:
-    """The ``WEIGHT_TRANSFER`` group: the source first, then the destinations in the given order.
+    """The ``WEIGHT_TRANSFER`` group's global ranks, sorted (torch numbers a group's ranks in global-rank order).
 
     Raises:
         TypeError: a rank is not an int, or ``dst_ranks`` is not a sequence.
@@ -158,4 +158,4 @@ def weight_transfer_ranks(src: int, dst_ranks: Sequence[int], world_size: int) -
         raise ValueError(f"dst_ranks must not repeat a rank; got {list(dst_ranks)}")
     if src in dst_ranks:
         raise ValueError(f"src={src} must not be one of dst_ranks {list(dst_ranks)}")
-    return (src, *dst_ranks)
+    return tuple(sorted((src, *dst_ranks)))

@@ -118,8 +118,8 @@ def broadcast_state_dict(
             of ``(name, tensor)`` pairs. Tensors may live on any device; they
             are staged through buckets on the communicator's device.
         comm_mode: The mode to broadcast over.
-        src: Global rank that sends; ``None`` means the group's first rank
-            (the source given to :meth:`CommContext.init_weight_transfer_group`).
+        src: Global rank that sends; ``None`` means the source declared to
+            :meth:`CommContext.init_weight_transfer_group` for this mode.
         bucket_bytes: Largest bucket, in bytes (memory used on each rank).
 
     Raises:
@@ -132,7 +132,10 @@ def broadcast_state_dict(
         raise ValueError(f"bucket_bytes must be a positive int; got {bucket_bytes!r}")
     if not comm.is_member:
         return
-    src = comm.ranks[0] if src is None else src
+    if src is None:
+        src = CommContext().get_transfer_source(comm_mode)
+        if src is None:
+            raise ValueError(f"src is required: mode {comm.mode!r} was not bound by init_weight_transfer_group, so it has no declared source")
     if isinstance(src, bool) or src not in comm.ranks:
         raise ValueError(f"src={src!r} is not a global rank of mode {comm.mode!r}; expected one of {list(comm.ranks)}")
     is_source = CommContext().get_global_rank() == src

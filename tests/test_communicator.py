@@ -49,9 +49,9 @@ class RecordingCommunicator(GlooCommunicator):
         return super().scatter(tensor, scatter_list, src, async_op)
 
     @override
-    def broadcast_object_list(self, object_list, src=0):
+    def broadcast_object_list(self, object_list, src=0, **options):
         self._record("broadcast_object_list", object_list, src)
-        return super().broadcast_object_list(object_list, src)
+        return super().broadcast_object_list(object_list, src, **options)
 
     @override
     def all_reduce_dict(self, dictionary, op=ReduceOp.SUM, dtype=torch.float32):

@@ -10,14 +10,22 @@ from rlightning_comm import collective
 EXPECTED = {
     "CommContext",
     "CommError",
+    "CommMismatchError",
     "CommMode",
     "CommTimeoutError",
     "Communicator",
     "GlooCommunicator",
+    "ModeLayout",
     "ModeNotBoundError",
     "NcclCommunicator",
+    "ObjectRefusedError",
+    "ParallelConfig",
     "ParallelMode",
+    "WorkHandle",
+    "broadcast_state_dict",
     "collective",
+    "describe_layout",
+    "format_layout",
     "register_communicator",
 }
 

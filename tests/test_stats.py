@@ -119,3 +119,38 @@ def test_stats_count_bytes_async_reset_and_unwrap(world2):
     r0 = reports[0]
     assert r0["launch_s"] < 0.1
     assert r0["stats"]["GLOBAL"]["all_reduce"]["max_time_s"] > 0.2
+
+
+def _stats_with_debug_task(rank, size, url):
+    import torch
+
+    from rlightning_comm import CommMode, collective
+
+    ctx = init_world(rank, size, url)
+    comm = ctx.get_communicator(CommMode.GLOBAL)
+    ctx.reset_stats()
+    out = {}
+    # Debug first, then stats on top; disabling stats puts debug's wrapper back.
+    ctx.set_debug(True)
+    debug_wrapper = vars(comm)["all_reduce"]
+    ctx.enable_stats()
+    collective.all_reduce(torch.ones(2), CommMode.GLOBAL)
+    ctx.disable_stats()
+    out["debug_restored"] = vars(comm)["all_reduce"] is debug_wrapper
+    # Stats first, then debug switched on and off under it: stats keep recording throughout.
+    ctx.enable_stats()
+    ctx.set_debug(False)
+    collective.all_reduce(torch.ones(2), CommMode.GLOBAL)
+    ctx.set_debug(True)
+    collective.all_reduce(torch.ones(2), CommMode.GLOBAL)
+    ctx.set_debug(False)
+    out["count"] = ctx.stats()["GLOBAL"]["all_reduce"]["count"]
+    ctx.disable_stats()
+    out["off"] = _unwrapped(comm)
+    ctx.reset_stats()
+    return out
+
+
+def test_stats_compose_with_debug_mode(world2):
+    for rep in world2.run(_stats_with_debug_task):
+        assert rep == {"debug_restored": True, "count": 3, "off": True}

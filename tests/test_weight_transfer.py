@@ -51,23 +51,32 @@ class Recorder:
     def __init__(self) -> None:
         import torch.distributed as dist
 
+        import rlightning_comm.communicators.base as base
+
         self.calls: list[tuple[str, int | None]] = []
-        self._dist = dist
-        self._originals = {name: getattr(dist, name) for name in self.NAMES}
-        for name, fn in self._originals.items():
-            setattr(dist, name, self._wrap(name, fn))
+        self._depth = 0  # calls made inside a recorded call are part of it
+        self._targets = [(dist, name) for name in self.NAMES] + [(base, "broadcast_objects")]
+        self._originals = {(mod, name): getattr(mod, name) for mod, name in self._targets}
+        for (mod, name), fn in self._originals.items():
+            # The library's numpy-free object broadcast is a broadcast_object_list.
+            setattr(mod, name, self._wrap("broadcast_object_list" if name == "broadcast_objects" else name, fn))
 
     def _wrap(self, name, fn):
         def call(*args, **kwargs):
             first = args[0] if args else None
-            self.calls.append((name, first.numel() if isinstance(first, torch.Tensor) else None))
-            return fn(*args, **kwargs)
+            if self._depth == 0:
+                self.calls.append((name, first.numel() if isinstance(first, torch.Tensor) else None))
+            self._depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
 
         return call
 
     def restore(self) -> None:
-        for name, fn in self._originals.items():
-            setattr(self._dist, name, fn)
+        for (mod, name), fn in self._originals.items():
+            setattr(mod, name, fn)
 
 
 def _send_model(rank: int, size: int, url: str, bucket_bytes: int) -> dict:
@@ -129,12 +138,12 @@ def _named_list_with_non_member(rank: int, size: int, url: str) -> dict:
 def test_named_tensor_list_and_non_member(world4) -> None:
     results = world4.run(_named_list_with_non_member)
     assert [r["member"] for r in results] == [True, False, True, True]
-    # The source is group rank 0, then the destinations in the declared order; rank 1 is outside (no rank there).
+    # As in torch, group ranks follow global rank order, whichever rank is the source; rank 1 is outside (no rank there).
     assert [r["view"] for r in results] == [
-        {"ranks": (2, 0, 3), "rank": 1, "world_size": 3, "backend": "gloo"},
-        {"ranks": (2, 0, 3), "rank": None, "world_size": 3, "backend": "gloo"},
-        {"ranks": (2, 0, 3), "rank": 0, "world_size": 3, "backend": "gloo"},
-        {"ranks": (2, 0, 3), "rank": 2, "world_size": 3, "backend": "gloo"},
+        {"ranks": (0, 2, 3), "rank": 0, "world_size": 3, "backend": "gloo"},
+        {"ranks": (0, 2, 3), "rank": None, "world_size": 3, "backend": "gloo"},
+        {"ranks": (0, 2, 3), "rank": 1, "world_size": 3, "backend": "gloo"},
+        {"ranks": (0, 2, 3), "rank": 2, "world_size": 3, "backend": "gloo"},
     ]
     assert all(r["result"] is None for r in results)
     source = results[2]["before"]
@@ -201,3 +210,24 @@ def test_bad_arguments_raise_locally(tmp_path) -> None:
         broadcast_state_dict({"a": torch.zeros(1)}, comm_mode="GLOBAL", bucket_bytes=0)
     with pytest.raises(ValueError, match=r"src=3 is not a global rank of mode 'GLOBAL'; expected one of \[0\]"):
         broadcast_state_dict({"a": torch.zeros(1)}, comm_mode="GLOBAL", src=3)
+
+
+def _declared_source(rank: int, size: int, url: str) -> int:
+    from rlightning_comm import CommError, broadcast_state_dict
+
+    ctx = init_world(rank, size, url)
+    ctx.init_weight_transfer_group(src=1, dst_ranks=[0])
+    assert ctx.get_transfer_source() == 1 and ctx.get_local_rank("WEIGHT_TRANSFER") == rank  # numbered by global rank
+    with pytest.raises(CommError, match="already bound with source rank 1; call destroy"):
+        ctx.init_weight_transfer_group(src=0, dst_ranks=[1])
+    t = torch.full((3,), float(rank))
+    broadcast_state_dict({"t": t})  # the default src is the declared source, not group rank 0
+    assert t.tolist() == [1.0, 1.0, 1.0]
+    ctx.init_group([0, 1], "OTHER")
+    with pytest.raises(ValueError, match="src is required: mode 'OTHER' was not bound by init_weight_transfer_group"):
+        broadcast_state_dict({"t": t}, comm_mode="OTHER")
+    return ctx.get_transfer_source()
+
+
+def test_default_source_is_the_declared_one(world2) -> None:
+    assert world2.run(_declared_source) == [1, 1]

@@ -1,24 +1,40 @@
-"""Object broadcast with torch's wire format, without numpy.
+"""Object broadcast with torch's wire format, without numpy; a safe mode and a size limit for receivers.
 
 torch.distributed.broadcast_object_list needs numpy on the receiving side.
 This sends the same two broadcasts (an int64 tensor of pickle sizes, then
 one uint8 tensor of the concatenated pickles), so peers that call torch's
-version interoperate, and decodes the bytes through the tensor's storage.
+version interoperate, and receives the bytes straight into a ``bytearray``.
+
+A receiver takes part in both broadcasts whatever it then decides about the
+bytes, so the sender needs no option and the group stays in step after a
+refusal. Safe mode unpickles with :class:`_PlainUnpickler`, which resolves no
+global except the few that rebuild a plain tensor (and those through checked,
+side-effect-free replacements), so nothing a payload names is ever called; the
+result is then checked to be plain data.
 """
 
 from __future__ import annotations
 
+import collections
+import io
 import pickle
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from rlightning_comm.errors import ObjectRefusedError
 
-def broadcast_objects(object_list: list[Any], src: int, group: dist.ProcessGroup, device: torch.device, loads: Callable[[bytes], Any] = pickle.loads) -> None:
-    """Broadcast ``object_list`` from global rank ``src``; receivers' entries are replaced by ``loads`` of each payload."""
+
+def broadcast_objects(object_list: list[Any], src: int, group: dist.ProcessGroup, device: torch.device) -> list[memoryview] | None:
+    """Broadcast the pickles of ``object_list`` from global rank ``src``.
+
+    Returns:
+        On a receiver, the ``len(object_list)`` payloads, not unpickled; ``None`` on ``src``
+        or for an empty list (no collective then).
+    """
     if not object_list:
-        return
+        return None
     is_src = dist.get_rank() == src
     if is_src:
         payloads = [pickle.dumps(obj) for obj in object_list]
@@ -30,17 +46,142 @@ def broadcast_objects(object_list: list[Any], src: int, group: dist.ProcessGroup
         data = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).to(device)
     else:
         # Receive into a bytearray (through a tensor view of it on CPU, so no copy at all): bytes(storage)
-        # would iterate element by element, and a parallel copy into fresh pages is slow on a busy host.
-        received = bytearray(int(sizes.sum().item()))
-        host = torch.frombuffer(received, dtype=torch.uint8)
-        data = host if device.type == "cpu" else torch.empty(len(received), dtype=torch.uint8, device=device)
+        # iterates element by element (8 s for 4 MiB), and a parallel copy into fresh pages is slow on a busy host.
+        buffer = bytearray(int(sizes.sum().item()))
+        host = torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0, dtype=torch.uint8)  # frombuffer refuses b""
+        data = host if device.type == "cpu" else torch.empty(len(buffer), dtype=torch.uint8, device=device)
     dist.broadcast(data, src=src, group=group)
     if is_src:
-        return
+        return None
     if data is not host:
         host.copy_(data)  # one device-to-host copy
-    raw = memoryview(received)
+    raw = memoryview(buffer)
+    received = []
     offset = 0
-    for i, size in enumerate(sizes.tolist()):
-        object_list[i] = loads(raw[offset : offset + size])
+    for size in sizes.tolist():
+        received.append(raw[offset : offset + size])
         offset += size
+    return received
+
+
+_default_safe = False
+_default_max_bytes: int | None = None
+
+_PLAIN_TYPES = (type(None), bool, int, float, str, bytes, list, tuple, dict, collections.OrderedDict, torch.Tensor)
+_PLAIN_NAMES = "None, bool, int, float, str, bytes, list, tuple, dict, torch.Tensor"
+
+
+def set_defaults(safe: bool, max_bytes: int | None) -> None:
+    """Set the process-wide defaults of ``safe`` and ``max_bytes`` (see :meth:`CommContext.set_object_defaults`)."""
+    global _default_safe, _default_max_bytes
+    _default_safe, _default_max_bytes = _validated(safe, max_bytes)
+
+
+def get_defaults() -> tuple[bool, int | None]:
+    """The process-wide defaults ``(safe, max_bytes)``."""
+    return _default_safe, _default_max_bytes
+
+
+def _validated(safe: Any, max_bytes: Any, mode: str | None = None) -> tuple[bool, int | None]:
+    where = "" if mode is None else f" (mode {mode!r})"
+    if not isinstance(safe, bool):
+        raise TypeError(f"safe must be a bool; got {type(safe).__name__} {safe!r}{where}")
+    if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0):
+        raise ValueError(f"max_bytes must be a positive int or None; got {max_bytes!r}{where}")
+    return safe, max_bytes
+
+
+def resolve_options(safe: bool | None, max_bytes: int | None, mode: str) -> tuple[bool, int | None]:
+    """Fill ``None`` options from the defaults and validate them."""
+    return _validated(_default_safe if safe is None else safe, _default_max_bytes if max_bytes is None else max_bytes, mode)
+
+
+def decode(payloads: list[memoryview], src: int, safe: bool, max_bytes: int | None, mode: str) -> list[Any]:
+    """Unpickle received payloads, all or none.
+
+    Raises:
+        ObjectRefusedError: over ``max_bytes``, or (safe) not plain data.
+    """
+    total = sum(len(p) for p in payloads)
+    if max_bytes is not None and total > max_bytes:
+        raise ObjectRefusedError(
+            f"broadcast_object_list on mode {mode!r} refused {total} bytes from rank {src}: over max_bytes={max_bytes}; "
+            "nothing was deserialised and the list is unchanged"
+        )
+    if not safe:
+        return [pickle.loads(p) for p in payloads]
+    out = []
+    for i, payload in enumerate(payloads):
+        try:
+            obj = _PlainUnpickler(io.BytesIO(payload)).load()
+            _check_plain(obj)
+        except Exception as err:  # noqa: BLE001 - whatever the payload makes the unpickler raise is a refusal
+            raise ObjectRefusedError(
+                f"broadcast_object_list on mode {mode!r} (safe) refused object {i} from rank {src}: {err}. "
+                f"Safe mode accepts only {_PLAIN_NAMES}; nothing in it was run and the list is unchanged"
+            ) from None
+        out.append(obj)
+    return out
+
+
+def _load_storage(data: bytes) -> Any:
+    # torch pickles a storage as a call to torch.storage._load_from_bytes, which
+    # runs torch.load(weights_only=False) on bytes the sender chose.
+    try:
+        storage = torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as err:  # noqa: BLE001 - torch.load raises many kinds; each is a refusal
+        reason = next((line.strip() for line in str(err).splitlines() if "WeightsUnpickler error" in line), str(err).splitlines()[0] if str(err) else repr(err))
+        raise pickle.UnpicklingError(f"a tensor's storage bytes are not a plain storage ({reason})") from None
+    if not isinstance(storage, torch.storage.TypedStorage):
+        raise pickle.UnpicklingError(f"a tensor's storage decoded to {type(storage).__name__}, not a storage")
+    return storage
+
+
+def _rebuild_tensor(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, metadata: Any = None) -> torch.Tensor:
+    if not isinstance(storage, torch.storage.TypedStorage):
+        raise pickle.UnpicklingError(f"a tensor was rebuilt from {type(storage).__name__}, not a storage")
+    if hooks:
+        raise pickle.UnpicklingError("a tensor carried backward hooks")
+    if metadata:
+        raise pickle.UnpicklingError("a tensor carried metadata")
+    # set_() checks that size, stride and offset stay inside the storage.
+    return torch._utils._rebuild_tensor_v2(storage, offset, size, stride, bool(requires_grad), collections.OrderedDict())
+
+
+_GLOBALS = {
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
+    ("torch.storage", "_load_from_bytes"): _load_storage,
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("torch", "Size"): torch.Size,
+}
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """An unpickler that resolves no global but the checked ones that rebuild a plain tensor."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return _GLOBALS[(module, name)]
+        except KeyError:
+            raise pickle.UnpicklingError(f"it names {module}.{name}, which safe mode does not resolve") from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("it holds a persistent id")
+
+
+def _check_plain(obj: Any) -> None:
+    """Raise ``UnpicklingError`` unless ``obj`` is plain data all the way down (iterative: payloads may nest deeply)."""
+    stack = [obj]
+    seen: set[int] = set()
+    while stack:
+        item = stack.pop()
+        kind = type(item)
+        if kind not in _PLAIN_TYPES:
+            raise pickle.UnpicklingError(f"it holds a {kind.__module__}.{kind.__qualname__}")
+        if kind in (list, tuple, dict, collections.OrderedDict) and id(item) not in seen:
+            seen.add(id(item))
+            if isinstance(item, dict):
+                stack.extend(item.keys())
+                stack.extend(item.values())
+            else:
+                stack.extend(item)

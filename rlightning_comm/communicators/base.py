@@ -12,8 +12,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+from rlightning_comm.communicators import _objects
 from rlightning_comm.communicators._objects import broadcast_objects
+from rlightning_comm.communicators._threads import ThreadOwned
 from rlightning_comm.errors import CommError
+from rlightning_comm.failures import WorkHandle, comm_failure
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -28,7 +31,7 @@ _COMPLEX_OPS = frozenset({ReduceOp.SUM, ReduceOp.AVG})
 _PLAIN_NUMBERS = frozenset({float, int})
 
 
-class Communicator(ABC):
+class Communicator(ThreadOwned, ABC):
     """Collectives on one process group, bound to one mode by :class:`CommContext`.
 
     Every method takes and returns what the torch.distributed function of the
@@ -37,6 +40,22 @@ class Communicator(ABC):
     starts (so a bad argument raises locally instead of hanging the peers), and
     on a rank that is not a member of the group every collective returns
     ``None`` and changes nothing.
+
+    Failures: a collective that a peer never joins raises
+    :class:`CommTimeoutError` after the group's ``timeout``; one that fails in
+    the backend (a peer died, the group broke) raises :class:`CommError`; both
+    name the mode and the op and chain the backend's error. An ``async_op``
+    call returns a :class:`~rlightning_comm.failures.WorkHandle` whose
+    ``wait()`` raises the same errors. Tensors must be contiguous: a strided
+    view is refused (``ValueError``) rather than copied, so no op ever reads or
+    writes the memory around a view.
+
+    Threads: the first thread that runs a collective on a communicator owns
+    it; a call from any other thread raises :class:`CommError` before anything
+    is sent, because two threads' calls could pair up differently on
+    different ranks with no error. Ownership passes to another thread when the
+    owner has ended or has called :meth:`release_thread`. Use one mode per
+    thread to communicate from several threads.
 
     Subclasses implement what differs between backends: :attr:`device`,
     :meth:`_check_device` and the class attributes :attr:`backend` and
@@ -47,6 +66,7 @@ class Communicator(ABC):
         group: The torch process group, or ``None`` on a rank that is not a member.
         ranks: Global ranks of the group, in group-rank order.
         mode: Name of the mode this communicator is bound to (used in messages).
+        timeout: The group's timeout in seconds (used in messages), if known.
     """
 
     backend: ClassVar[str]
@@ -58,8 +78,10 @@ class Communicator(ABC):
     integer_avg_supported: ClassVar[bool] = True
     """Whether ``ReduceOp.AVG`` works on integer tensors with this backend."""
 
-    def __init__(self, group: dist.ProcessGroup | None, ranks: Sequence[int], mode: str) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, ranks: Sequence[int], mode: str, timeout: float | None = None) -> None:
         self._group = group
+        self._timeout = None if timeout is None else float(timeout)
+        self._init_ownership()
         self._ranks = tuple(int(r) for r in ranks)
         self._rank_set = frozenset(self._ranks)
         self._mode = str(mode)
@@ -99,6 +121,11 @@ class Communicator(ABC):
         return self._world_size
 
     @property
+    def timeout(self) -> float | None:
+        """The group's timeout in seconds (``None`` when the creator did not pass it)."""
+        return self._timeout
+
+    @property
     def is_member(self) -> bool:
         """Whether this process is a member of the group."""
         return self._group is not None
@@ -121,6 +148,13 @@ class Communicator(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(mode={self._mode!r}, ranks={list(self._ranks)}, member={self.is_member})"
+
+    # ----------------------------------------------------------------- failures
+    def _failure(self, op: str, err: BaseException) -> CommError:
+        return comm_failure(err, self._mode, op, self._timeout)
+
+    def _handle(self, work: Any, op: str) -> WorkHandle:
+        return WorkHandle(work, self._mode, op, self._timeout)
 
     # --------------------------------------------------------------- validation
     @abstractmethod
@@ -185,15 +219,26 @@ class Communicator(ABC):
             A work handle if ``async_op``, else ``None``; ``None`` on a non-member.
 
         Raises:
+            CommTimeoutError: a peer did not join within the group's timeout (every op).
+            CommError: the backend failed (a peer died, the group broke), or
+                another thread owns this communicator (every op).
             TypeError: ``tensor`` is not a tensor.
             ValueError: non-contiguous tensor, wrong device, or ``op`` unsupported
                 by the backend or the dtype.
         """
-        if self._group is None:
+        try:
+            group = self._owned.group
+        except AttributeError:
+            group = self._enter()
+        if group is None:
             return None
         self._check_tensor(tensor, "tensor")
         self._check_reduce_op(op, tensor)
-        return dist.all_reduce(tensor, op=op, group=self._group, async_op=async_op)
+        try:
+            work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+        except RuntimeError as err:
+            raise self._failure("all_reduce", err) from err
+        return self._handle(work, "all_reduce") if async_op else None
 
     def all_gather(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, async_op: bool = False) -> Any | None:
         """Gather ``input_tensor`` from every rank into ``output_tensor``, concatenated along dim 0.
@@ -208,7 +253,11 @@ class Communicator(ABC):
         Returns:
             A work handle if ``async_op``, else ``None``; ``None`` on a non-member.
         """
-        if self._group is None:
+        try:
+            group = self._owned.group
+        except AttributeError:
+            group = self._enter()
+        if group is None:
             return None
         self._check_tensor(output_tensor, "output_tensor")
         self._check_tensor(input_tensor, "input_tensor")
@@ -223,8 +272,12 @@ class Communicator(ABC):
                 f"for an input of shape {shape} and world size {ws}; got shape {tuple(output_tensor.shape)}, "
                 f"{output_tensor.dtype} on {output_tensor.device} (mode {self._mode!r})"
             )
-        # Both tensors are contiguous, so the flat gather has the same memory layout as either output shape.
-        return _all_gather_flat(output_tensor.view(-1), input_tensor.view(-1), group=self._group, async_op=async_op)
+        try:
+            # Both tensors are contiguous, so the flat gather has the same memory layout as either output shape.
+            work = _all_gather_flat(output_tensor.view(-1), input_tensor.view(-1), group=group, async_op=async_op)
+        except RuntimeError as err:
+            raise self._failure("all_gather", err) from err
+        return self._handle(work, "all_gather") if async_op else None
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Any | None:
         """Copy ``tensor`` from global rank ``src`` into ``tensor`` on every rank.
@@ -235,11 +288,19 @@ class Communicator(ABC):
         Raises:
             ValueError: ``src`` is not a rank of the group.
         """
-        if self._group is None:
+        try:
+            group = self._owned.group
+        except AttributeError:
+            group = self._enter()
+        if group is None:
             return None
         self._check_tensor(tensor, "tensor")
         self._check_peer(src, "src")
-        return dist.broadcast(tensor, src=src, group=self._group, async_op=async_op)
+        try:
+            work = dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+        except RuntimeError as err:
+            raise self._failure("broadcast", err) from err
+        return self._handle(work, "broadcast") if async_op else None
 
     def gather(self, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int = 0, async_op: bool = False) -> Any | None:
         """Gather ``tensor`` from every rank into ``gather_list`` on global rank ``dst``.
@@ -254,7 +315,11 @@ class Communicator(ABC):
         Returns:
             A work handle if ``async_op``, else ``None``; ``None`` on a non-member.
         """
-        if self._group is None:
+        try:
+            group = self._owned.group
+        except AttributeError:
+            group = self._enter()
+        if group is None:
             return None
         self._check_tensor(tensor, "tensor")
         self._check_peer(dst, "dst")
@@ -263,7 +328,11 @@ class Communicator(ABC):
             gather_list = list(gather_list)
         else:
             gather_list = None
-        return dist.gather(tensor, gather_list, dst=dst, group=self._group, async_op=async_op)
+        try:
+            work = dist.gather(tensor, gather_list, dst=dst, group=group, async_op=async_op)
+        except RuntimeError as err:
+            raise self._failure("gather", err) from err
+        return self._handle(work, "gather") if async_op else None
 
     def scatter(self, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int = 0, async_op: bool = False) -> Any | None:
         """Send ``scatter_list[i]`` from global rank ``src`` to the group's i-th rank, into ``tensor``.
@@ -278,7 +347,11 @@ class Communicator(ABC):
         Returns:
             A work handle if ``async_op``, else ``None``; ``None`` on a non-member.
         """
-        if self._group is None:
+        try:
+            group = self._owned.group
+        except AttributeError:
+            group = self._enter()
+        if group is None:
             return None
         self._check_tensor(tensor, "tensor")
         self._check_peer(src, "src")
@@ -287,7 +360,11 @@ class Communicator(ABC):
             scatter_list = list(scatter_list)
         else:
             scatter_list = None
-        return dist.scatter(tensor, scatter_list, src=src, group=self._group, async_op=async_op)
+        try:
+            work = dist.scatter(tensor, scatter_list, src=src, group=group, async_op=async_op)
+        except RuntimeError as err:
+            raise self._failure("scatter", err) from err
+        return self._handle(work, "scatter") if async_op else None
 
     def reduce_scatter(self, output: torch.Tensor, input_: torch.Tensor, op: Any = _SUM, async_op: bool = False) -> Any | None:
         """Reduce ``input_`` across the group and leave this rank's dim-0 slice in ``output``.
@@ -301,7 +378,11 @@ class Communicator(ABC):
         Returns:
             A work handle if ``async_op``, else ``None``; ``None`` on a non-member.
         """
-        if self._group is None:
+        try:
+            group = self._owned.group
+        except AttributeError:
+            group = self._enter()
+        if group is None:
             return None
         self._check_tensor(output, "output")
         self._check_tensor(input_, "input_")
@@ -311,7 +392,11 @@ class Communicator(ABC):
                 f"input_ must hold world_size * output.numel() = {self._world_size * output.numel()} elements of {output.dtype}; "
                 f"got {input_.numel()} of {input_.dtype} (mode {self._mode!r})"
             )
-        return _reduce_scatter_flat(output.view(-1), input_.view(-1), op=op, group=self._group, async_op=async_op)
+        try:
+            work = _reduce_scatter_flat(output.view(-1), input_.view(-1), op=op, group=group, async_op=async_op)
+        except RuntimeError as err:
+            raise self._failure("reduce_scatter", err) from err
+        return self._handle(work, "reduce_scatter") if async_op else None
 
     def all_to_all_single(
         self,
@@ -328,7 +413,11 @@ class Communicator(ABC):
         Returns:
             A work handle if ``async_op``, else ``None``; ``None`` on a non-member.
         """
-        if self._group is None:
+        try:
+            group = self._owned.group
+        except AttributeError:
+            group = self._enter()
+        if group is None:
             return None
         self._check_tensor(output, "output")
         self._check_tensor(input_, "input_")
@@ -336,27 +425,66 @@ class Communicator(ABC):
             if sizes is None:
                 if t.dim() == 0 or t.shape[0] % self._world_size:
                     raise ValueError(f"dim 0 of a tensor split evenly must be divisible by the group size {self._world_size}; got shape {tuple(t.shape)} (mode {self._mode!r})")
-            elif len(sizes) != self._world_size or sum(sizes) != t.shape[0]:
+            elif (
+                not isinstance(sizes, (list, tuple))
+                or len(sizes) != self._world_size
+                or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes)
+                or sum(sizes) != t.shape[0]
+            ):
                 raise ValueError(f"{name} must have {self._world_size} entries summing to dim 0 = {t.shape[0]}; got {list(sizes)} (mode {self._mode!r})")
-        return dist.all_to_all_single(output, input_, output_split_sizes, input_split_sizes, group=self._group, async_op=async_op)
+        try:
+            work = dist.all_to_all_single(output, input_, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+        except RuntimeError as err:
+            raise self._failure("all_to_all_single", err) from err
+        return self._handle(work, "all_to_all_single") if async_op else None
 
-    def broadcast_object_list(self, object_list: list[Any], src: int = 0) -> None:
+    def broadcast_object_list(self, object_list: list[Any], src: int = 0, *, safe: bool | None = None, max_bytes: int | None = None) -> None:
         """Broadcast the picklable objects of ``object_list`` from global rank ``src``, in place.
 
         Every rank passes a list of the same length; receivers' entries are
-        replaced. Receiving unpickles what ``src`` sent, which can run
-        arbitrary code: only use it within a trusted job.
+        replaced (all of them, or none when a payload is refused). The bytes on
+        the wire are those of ``torch.distributed.broadcast_object_list``
+        whatever the options, so the options are each receiver's own choice.
+
+        By default receiving unpickles what ``src`` sent, which can run
+        arbitrary code: only use it within a trusted job. With ``safe=True`` a
+        receiver accepts only plain data (None, bool, int, float, str, bytes,
+        and lists, tuples and dicts of those, and tensors) and refuses anything
+        else without running any of it.
+
+        Args:
+            object_list: On ``src`` the objects to send; elsewhere a list of
+                the same length that receives them.
+            src: Global rank that sends.
+            safe: Accept only plain data; ``None`` means the context-wide
+                default (:meth:`CommContext.set_object_defaults`, off unless set).
+            max_bytes: Refuse a payload larger than this many serialised bytes;
+                ``None`` means the context-wide default (no limit unless set).
 
         Raises:
-            TypeError: ``object_list`` is not a list.
-            ValueError: ``src`` is not a rank of the group.
+            TypeError: ``object_list`` is not a list, or ``safe`` not a bool.
+            ValueError: ``src`` is not a rank of the group, or ``max_bytes`` is
+                not a positive int.
+            ObjectRefusedError: (receivers) the payload is not plain data in
+                safe mode or exceeds ``max_bytes``; ``object_list`` is left
+                unchanged and the group stays usable.
         """
-        if self._group is None:
+        try:
+            group = self._owned.group
+        except AttributeError:
+            group = self._enter()
+        if group is None:
             return None
         if not isinstance(object_list, list):
             raise TypeError(f"object_list must be a list (it is filled in place); got {type(object_list).__name__} (mode {self._mode!r})")
         self._check_peer(src, "src")
-        broadcast_objects(object_list, src, self._group, self.device)
+        safe, max_bytes = _objects.resolve_options(safe, max_bytes, self._mode)
+        try:
+            payloads = broadcast_objects(object_list, src, group, self.device)
+        except RuntimeError as err:
+            raise self._failure("broadcast_object_list", err) from err
+        if payloads is not None:
+            object_list[:] = _objects.decode(payloads, src, safe, max_bytes, self._mode)
         return None
 
     def all_reduce_dict(self, dictionary: Mapping[Any, Any], op: Any = _SUM, dtype: torch.dtype = torch.float32) -> dict[Any, Any] | None:
@@ -445,7 +573,14 @@ class Communicator(ABC):
 
     def barrier(self) -> None:
         """Block until every rank of the group reaches this call (no-op on a non-member)."""
-        if self._group is None:
+        try:
+            group = self._owned.group
+        except AttributeError:
+            group = self._enter()
+        if group is None:
             return None
-        dist.barrier(group=self._group)
+        try:
+            dist.barrier(group=group)
+        except RuntimeError as err:
+            raise self._failure("barrier", err) from err
         return None

@@ -49,7 +49,14 @@ class NcclCommunicator(Communicator):
 
     @override
     def barrier(self) -> None:
-        if self._group is None:
+        try:
+            group = self._owned.group
+        except AttributeError:
+            group = self._enter()
+        if group is None:
             return None
-        dist.barrier(group=self._group, device_ids=[torch.cuda.current_device()])
+        try:
+            dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
+        except RuntimeError as err:
+            raise self._failure("barrier", err) from err
         return None

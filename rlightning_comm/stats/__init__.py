@@ -9,7 +9,10 @@ attribute of each bound communicator, over each method of :data:`TRACKED_OPS`
 (so a subclass's override is what gets wrapped); communicators bound while
 stats are on are wrapped as they are bound; disabling deletes the instance
 attributes, so the communicator's methods are its class's own functions again
-and nothing of this module is left on the hot path.
+and nothing of this module is left on the hot path. Stats compose with debug
+mode (which shadows the same methods): each wrapper remembers what it wrapped
+and disabling puts exactly that back; when debug mode is switched, the context
+puts the stats wrappers back on top.
 
 What is recorded, per mode and op:
 
@@ -65,7 +68,7 @@ def is_enabled() -> bool:
 
 
 def on_bind(comm: Communicator) -> None:
-    """Called by the context for each communicator it binds: wraps it if stats are on."""
+    """Called by the context for each communicator it binds (or whose methods debug mode changed): wraps it if stats are on."""
     if _RECORDER.enabled:
         _RECORDER.attach(comm)
 

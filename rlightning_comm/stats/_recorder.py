@@ -32,6 +32,7 @@ TRACKED_OPS = (
 )
 """The communicator methods that stats record."""
 
+_NOT_OURS = object()
 _FOLD_EVERY = 1024  # outstanding CUDA records before completed ones are folded in
 _perf_counter = time.perf_counter
 
@@ -90,16 +91,34 @@ class _Recorder:
 
     # ------------------------------------------------------------- wrapping
     def attach(self, comm: Communicator) -> None:
-        if not self.enabled or not comm.is_member or comm in self._wrapped:
+        """Put a recording wrapper on top of each tracked method of ``comm`` (idempotent).
+
+        A wrapper wraps whatever the attribute resolves to now (the class's
+        method, or another instance-level wrapper such as debug mode's) and
+        remembers it, so :meth:`detach_all` puts back exactly what was there.
+        """
+        if not self.enabled or not comm.is_member:
             return
         for op in TRACKED_OPS:
-            setattr(comm, op, self._wrap(comm, op, getattr(comm, op)))
+            below = vars(comm).get(op)
+            if getattr(below, "_rlc_stats_below", _NOT_OURS) is not _NOT_OURS:
+                continue  # ours already on top
+            wrapper = self._wrap(comm, op, getattr(comm, op))
+            wrapper._rlc_stats_below = below  # type: ignore[attr-defined]
+            setattr(comm, op, wrapper)
         self._wrapped.add(comm)
 
     def detach_all(self) -> None:
         for comm in list(self._wrapped):
             for op in TRACKED_OPS:
-                comm.__dict__.pop(op, None)
+                current = vars(comm).get(op)
+                below = getattr(current, "_rlc_stats_below", _NOT_OURS)
+                if below is _NOT_OURS:
+                    continue  # replaced since (debug mode re-wrapped it): not ours to remove
+                if below is None:
+                    del vars(comm)[op]
+                else:
+                    setattr(comm, op, below)
         self._wrapped = weakref.WeakSet()
 
     def _wrap(self, comm: Communicator, op: str, inner: Callable[..., Any]) -> Callable[..., Any]:

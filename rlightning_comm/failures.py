@@ -1,0 +1,80 @@
+"""Backend failures as the library's errors, naming the mode, the op and the timeout.
+
+torch.distributed reports a timed-out or broken collective as a bare
+``RuntimeError`` (gloo: ``Timed out waiting 1500ms for recv operation to
+complete``, ``Connection reset by peer``, ``Application timeout caused pair
+closure``). The communicators catch it where the backend is called, in the call
+itself for a blocking op and in :meth:`WorkHandle.wait` for an async one, and
+raise what :func:`comm_failure` builds from it, chained to the original.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlightning_comm.errors import CommError, CommTimeoutError
+
+# After a timeout gloo closes the group's connections: the next op fails at
+# once with this text, which names a timeout but is not one.
+_BROKEN_MARKERS = ("pair closure", "connection reset", "connection closed", "closed by peer", "broken pipe", "connection refused")
+_TIMEOUT_MARKERS = ("timed out", "timeout")
+
+
+def comm_failure(err: BaseException, mode: str, op: str, timeout: float | None) -> CommError:
+    """Build the library's error for a backend error raised by ``op`` on ``mode``.
+
+    Args:
+        err: What the backend raised.
+        mode: The mode of the communicator that ran ``op``.
+        op: Name of the collective.
+        timeout: The group's timeout in seconds, if known.
+
+    Returns:
+        A :class:`CommTimeoutError` when the backend timed out waiting for a
+        peer, else a :class:`CommError`. The caller raises it ``from err``.
+    """
+    text = str(err).strip()
+    lowered = text.lower()
+    if not any(m in lowered for m in _BROKEN_MARKERS) and any(m in lowered for m in _TIMEOUT_MARKERS):
+        limit = "its timeout" if timeout is None else f"{timeout:g} s (the group's timeout)"
+        return CommTimeoutError(
+            f"{op} on mode {mode!r} timed out after {limit}: a peer did not join it "
+            f"(it skipped the call, is blocked elsewhere or died). The group is unusable now; destroy() the context. Backend: {text}"
+        )
+    return CommError(
+        f"{op} on mode {mode!r} failed: a peer is gone or an earlier failure broke the group. The group is unusable now; destroy() the context. Backend: {text}"
+    )
+
+
+class WorkHandle:
+    """The handle an ``async_op=True`` collective returns: torch's work object whose :meth:`wait` raises the library's errors.
+
+    Every other attribute (``is_completed``, ``get_future``, ...) is the
+    wrapped torch work's own.
+    """
+
+    __slots__ = ("_mode", "_op", "_timeout", "_work")
+
+    def __init__(self, work: Any, mode: str, op: str, timeout: float | None) -> None:
+        self._work = work
+        self._mode = mode
+        self._op = op
+        self._timeout = timeout
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        """Block until the collective completes, as torch's ``Work.wait``.
+
+        Raises:
+            CommTimeoutError: a peer did not join within the group's timeout.
+            CommError: the collective failed (a peer is gone, the group is broken).
+        """
+        try:
+            return self._work.wait(*args, **kwargs)
+        except RuntimeError as err:
+            raise comm_failure(err, self._mode, self._op, self._timeout) from err
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+    def __repr__(self) -> str:
+        return f"WorkHandle(op={self._op!r}, mode={self._mode!r}, work={self._work!r})"

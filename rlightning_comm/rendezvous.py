@@ -1,0 +1,93 @@
+"""World initialisation whose store listens on loopback only, when the rendezvous address is a loopback one.
+
+torch's ``TCPStore`` server listens on every interface whatever host the URL
+names, so ``tcp://127.0.0.1:29500`` exposes an unauthenticated key-value store
+(which the process groups trust) to the whole network. When the rendezvous
+address is loopback (``tcp://127.0.0.1:port``, ``tcp://localhost:port``,
+``tcp://[::1]:port``, or ``env://`` with such a ``MASTER_ADDR`` outside a
+torchrun agent), rank 0 binds the listening socket to that address itself and
+hands it to the store. Every other URL goes to torch unchanged.
+
+The backend's own connections are another matter: gloo listens on the
+interface its host name resolves to unless ``GLOO_SOCKET_IFNAME`` names one.
+:func:`pin_gloo_to_loopback` sets it for processes that are known to be
+single-node (``rlightning_comm.launch.run`` does so for the ranks it spawns).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from datetime import timedelta
+from urllib.parse import urlparse
+
+import torch.distributed as dist
+
+from rlightning_comm.errors import CommError
+
+
+def loopback_address(init_method: str) -> tuple[str, int] | None:
+    """The ``(host, port)`` of a loopback TCP rendezvous, or ``None`` for any other init method."""
+    url = urlparse(init_method)
+    if url.scheme == "tcp" and not url.query:
+        try:
+            host, port = url.hostname, url.port
+        except ValueError:
+            return None
+    elif url.scheme == "env" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        # Under a torchrun agent the agent already serves the store; workers only connect.
+        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    else:
+        return None
+    if host is None or port is None:
+        return None
+    if host == "localhost":
+        host = "127.0.0.1"
+    try:
+        if not ipaddress.ip_address(host).is_loopback:
+            return None
+        return host, int(port)
+    except ValueError:
+        return None  # not an IP literal, or a bad port: torch reports it
+
+
+def init_process_group(backend: str, init_method: str, world_size: int, rank: int, timeout: timedelta) -> None:
+    """``torch.distributed.init_process_group``, with a loopback-only store for a loopback rendezvous address.
+
+    Raises:
+        CommError: rank 0 could not listen on the loopback address.
+    """
+    address = loopback_address(init_method)
+    if address is None:
+        dist.init_process_group(backend=backend, init_method=init_method, world_size=world_size, rank=rank, timeout=timeout)
+        return
+    host, port = address
+    if rank == 0:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            fd = socket.create_server((host, port), family=family, backlog=max(128, world_size)).detach()
+        except OSError as err:
+            raise CommError(f"rank 0 could not listen on {host}:{port} for the store of {init_method!r}: {err}") from err
+        store = dist.TCPStore(host, port, world_size, True, timeout, master_listen_fd=fd, use_libuv=True)
+    else:
+        store = dist.TCPStore(host, port, world_size, False, timeout, use_libuv=True)
+    # The same key layout torch gives the store it creates from a URL.
+    dist.init_process_group(backend=backend, store=dist.PrefixStore("default_pg", store), world_size=world_size, rank=rank, timeout=timeout)
+
+
+def loopback_interface() -> str | None:
+    """The name of the loopback network interface (``lo`` on Linux, ``lo0`` on macOS), or ``None`` if there is none."""
+    names = [name for _, name in getattr(socket, "if_nameindex", list)()]
+    return next((name for name in names if name in ("lo", "lo0")), None)
+
+
+def pin_gloo_to_loopback() -> None:
+    """Make gloo listen on the loopback interface in this process, unless ``GLOO_SOCKET_IFNAME`` is set already.
+
+    Only for processes whose peers all run on this host; call it before the
+    world is initialised.
+    """
+    name = loopback_interface()
+    if name is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", name)
