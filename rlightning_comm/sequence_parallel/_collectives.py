@@ -60,21 +60,70 @@ def _unpack(buf: torch.Tensor, shapes: list[tuple[int, ...]], dim: int) -> torch
     return torch.cat(blocks, dim)
 
 
-def all_to_all(x: torch.Tensor, send_dim: int, send_sizes: list[int], recv_dim: int, recv_sizes: list[int], group: Group) -> torch.Tensor:
-    """Send chunk j of ``x`` along ``send_dim`` to rank j; concatenate what arrives along ``recv_dim``.
+def _pack_many(xs: list[torch.Tensor], dim: int, sizes: list[list[int]], in_splits: list[int]) -> torch.Tensor:
+    """One flat buffer holding, for each rank j in turn, chunk j of every tensor of ``xs`` along ``dim``."""
+    ws = len(in_splits)
+    buf = torch.empty(sum(in_splits), dtype=xs[0].dtype, device=xs[0].device)
+    if buf.numel() and all(len(set(s)) == 1 for s in sizes):
+        # Every rank gets the same amount: one strided copy per tensor into its columns of a [ws, per-rank] view.
+        rows, col = buf.view(ws, -1), 0
+        for x, s in zip(xs, sizes):
+            chunk = _with(x.shape, dim, s[0])
+            n = math.prod(chunk)
+            rows[:, col : col + n].view(ws, *chunk).copy_(x.unflatten(dim, (ws, s[0])).movedim(dim, 0))
+            col += n
+        return buf
+    offset = 0
+    starts = [[sum(s[:j]) for j in range(ws)] for s in sizes]
+    for j in range(ws):
+        for x, s, st in zip(xs, sizes, starts):
+            chunk = x.narrow(dim, st[j], s[j])
+            buf[offset : offset + chunk.numel()].view(chunk.shape).copy_(chunk)
+            offset += chunk.numel()
+    return buf
 
-    ``send_sizes`` is the same list on every rank; ``recv_sizes[j]`` is rank
-    j's ``x.shape[recv_dim]``. One ``all_to_all_single`` on one flat buffer.
+
+def _unpack_many(buf: torch.Tensor, shapes: list[list[tuple[int, ...]]], dim: int, out_splits: list[int]) -> list[torch.Tensor]:
+    """Inverse layout of :func:`_pack_many`: ``shapes[t][j]`` is the block of tensor t from rank j; concatenate along ``dim``."""
+    ws = len(out_splits)
+    outs = []
+    if buf.numel() and all(len(set(ts)) == 1 for ts in shapes):
+        rows, col = buf.view(ws, -1), 0
+        for ts in shapes:
+            n = math.prod(ts[0])
+            blocks = rows[:, col : col + n].view(ws, *ts[0])
+            outs.append(blocks.movedim(0, dim).reshape(_with(ts[0], dim, ws * ts[0][dim])))
+            col += n
+        return outs
+    starts = [sum(out_splits[:j]) for j in range(ws)]
+    for t, ts in enumerate(shapes):
+        blocks = []
+        for j, shape in enumerate(ts):
+            offset = starts[j] + sum(math.prod(shapes[u][j]) for u in range(t))
+            blocks.append(buf[offset : offset + math.prod(shape)].view(shape))
+        outs.append(torch.cat(blocks, dim))
+    return outs
+
+
+def all_to_all(
+    xs: list[torch.Tensor], send_dim: int, send_sizes: list[list[int]], recv_dim: int, recv_sizes: list[list[int]], group: Group
+) -> list[torch.Tensor]:
+    """For each tensor t of ``xs``: send chunk j along ``send_dim`` to rank j, concatenate what arrives along ``recv_dim``.
+
+    ``send_sizes[t]`` is the same list on every rank; ``recv_sizes[t][j]`` is
+    rank j's ``xs[t].shape[recv_dim]``. The tensors share a dtype and device
+    and travel together: one ``all_to_all_single`` on one flat buffer.
     """
-    rank = group.rank
-    send = _pack(x, send_dim, send_sizes)
-    per_row = math.prod(_with(x.shape, send_dim, 1))
-    in_splits = [per_row * s for s in send_sizes]
-    shapes = [_with(_with(x.shape, send_dim, send_sizes[rank]), recv_dim, n) for n in recv_sizes]
-    out_splits = [math.prod(s) for s in shapes]
-    recv = torch.empty(sum(out_splits), dtype=x.dtype, device=x.device)
+    rank, ws = group.rank, group.world_size
+    shapes = [[_with(_with(x.shape, send_dim, ss[rank]), recv_dim, n) for n in rs] for x, ss, rs in zip(xs, send_sizes, recv_sizes)]
+    in_splits = [sum(math.prod(_with(x.shape, send_dim, ss[j])) for x, ss in zip(xs, send_sizes)) for j in range(ws)]
+    out_splits = [sum(math.prod(ts[j]) for ts in shapes) for j in range(ws)]
+    send = _pack(xs[0], send_dim, send_sizes[0]) if len(xs) == 1 else _pack_many(xs, send_dim, send_sizes, in_splits)
+    recv = torch.empty(sum(out_splits), dtype=xs[0].dtype, device=xs[0].device)
     dist.all_to_all_single(recv, send, out_splits, in_splits, group=group.pg)
-    return _unpack(recv, shapes, recv_dim)
+    if len(xs) == 1:
+        return [_unpack(recv, shapes[0], recv_dim)]
+    return _unpack_many(recv, shapes, recv_dim, out_splits)
 
 
 def split(x: torch.Tensor, dim: int, sizes: list[int], group: Group) -> torch.Tensor:

@@ -24,17 +24,20 @@ def _scaled(grad: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 class _AllToAll(Function):
-    """forward: all-to-all (chunks along ``send_dim`` out, concatenation along ``recv_dim`` in); backward: the inverse all-to-all."""
+    """forward: all-to-all of one or more tensors (chunks along ``send_dim`` out, concatenation along ``recv_dim`` in),
+    all in one collective; backward: the inverse all-to-all of their gradients, again in one."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group, send_dim: int, send_sizes: list[int], recv_dim: int, recv_sizes: list[int]) -> torch.Tensor:
+    def forward(
+        ctx: Any, group: Group, send_dim: int, send_sizes: list[list[int]], recv_dim: int, recv_sizes: list[list[int]], *xs: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         ctx.args = (group, send_dim, send_sizes, recv_dim, recv_sizes)
-        return C.all_to_all(x, send_dim, send_sizes, recv_dim, recv_sizes, group)
+        return tuple(C.all_to_all(list(xs), send_dim, send_sizes, recv_dim, recv_sizes, group))
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         group, send_dim, send_sizes, recv_dim, recv_sizes = ctx.args
-        return (_AllToAll.apply(grad, group, recv_dim, recv_sizes, send_dim, send_sizes), *_NONE4, None)
+        return (None, None, None, None, None, *_AllToAll.apply(group, recv_dim, recv_sizes, send_dim, send_sizes, *grads))
 
 
 class _Split(Function):

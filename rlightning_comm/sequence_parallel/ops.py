@@ -90,7 +90,8 @@ def all_to_all(
     recv_sizes = local_sizes(input_, gather_dim, g, gather_sizes, "gather_sizes")
     if g.world_size == 1:
         return input_
-    return _AllToAll.apply(input_, g, scatter_dim, send_sizes, gather_dim, recv_sizes)
+    (out,) = _AllToAll.apply(g, scatter_dim, [send_sizes], gather_dim, [recv_sizes], input_)
+    return out
 
 
 def scatter_to_sequence_parallel_region(

@@ -50,13 +50,14 @@ def ulysses_attention(
 ) -> torch.Tensor:
     """Attention over the full sequence on sequence-sharded inputs (DeepSpeed Ulysses).
 
-    Each of ``query``, ``key``, ``value`` goes through :func:`all_to_all` from
-    ``[batch, seq/P, heads, head_dim]`` (sequence-sharded, rank r holding chunk r
-    of the sequence) to ``[batch, seq, heads/P, head_dim]`` (head-sharded); then
-    ``attn_fn`` runs on the full sequence for this rank's heads, and one more
-    all-to-all brings the result back to sequence-sharded. Gradients are exact
-    with no assumption (each all-to-all's backward is its inverse), so the
-    result and its gradients equal attention on the whole sequence on one rank.
+    ``query``, ``key`` and ``value`` go together through one all-to-all (as
+    :func:`all_to_all` does for one tensor) from ``[batch, seq/P, heads,
+    head_dim]`` (sequence-sharded, rank r holding chunk r of the sequence) to
+    ``[batch, seq, heads/P, head_dim]`` (head-sharded); then ``attn_fn`` runs on
+    the full sequence for this rank's heads, and one more all-to-all brings the
+    result back to sequence-sharded. Gradients are exact with no assumption
+    (each all-to-all's backward is its inverse), so the result and its
+    gradients equal attention on the whole sequence on one rank.
 
     The function keeps no state between calls: models with different head
     counts, groups or attention functions can share a process.
@@ -90,17 +91,20 @@ def ulysses_attention(
     if g.world_size == 1:
         return fn(query, key, value, **attn_kwargs)
     ws = g.world_size
-
-    def to_heads(t: torch.Tensor) -> torch.Tensor:
-        return _AllToAll.apply(t, g, _HEADS, [t.shape[_HEADS] // ws] * ws, _SEQ, lens)
-
-    out = fn(to_heads(query), to_heads(key), to_heads(value), **attn_kwargs)
+    qkv = (query, key, value)
+    even = [[t.shape[_HEADS] // ws] * ws for t in qkv]
+    if len({(t.dtype, t.device) for t in qkv}) == 1:  # one buffer, one collective for all three
+        heads = _AllToAll.apply(g, _HEADS, even, _SEQ, [lens] * 3, *qkv)
+    else:
+        heads = [_AllToAll.apply(g, _HEADS, [e], _SEQ, [lens], t)[0] for t, e in zip(qkv, even)]
+    out = fn(*heads, **attn_kwargs)
     expected = (query.shape[0], sum(lens), query.shape[_HEADS] // ws)
     if not isinstance(out, torch.Tensor) or out.dim() != 4 or tuple(out.shape[:3]) != expected:
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise ValueError(f"attn_fn must return [batch, seq, heads/P, head_dim_v] with leading dims {expected}; got {got}")
     # Every rank checked the same shapes, so all ranks raise alike and none is left in a collective.
-    return _AllToAll.apply(out, g, _SEQ, lens, _HEADS, [out.shape[_HEADS]] * ws)
+    (back,) = _AllToAll.apply(g, _SEQ, [lens], _HEADS, [[out.shape[_HEADS]] * ws], out)
+    return back
 
 
 class UlyssesAttention(torch.nn.Module):
