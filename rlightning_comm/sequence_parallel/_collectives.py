@@ -33,9 +33,19 @@ def _leading(shape: torch.Size | tuple[int, ...], dim: int) -> bool:
 
 def _pack(x: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
     """One flat buffer holding the chunks of ``x`` along ``dim``, each contiguous, in rank order (a view when it can be)."""
-    if len(set(sizes)) == 1:
-        # One strided copy (none when the chunks already lie in order).
-        return x.unflatten(dim, (len(sizes), sizes[0])).movedim(dim, 0).reshape(-1)
+    ws = len(sizes)
+    if x.numel() == 0:
+        return x.new_empty(0)
+    if sizes.count(sizes[0]) == ws:
+        if x.is_contiguous():
+            pre = math.prod(x.shape[:dim])
+            if pre == 1:
+                return x.view(-1)  # the chunks already lie in order
+            # [pre, ws, rest] -> [ws, pre, rest]: one strided copy
+            buf = torch.empty(x.numel(), dtype=x.dtype, device=x.device)
+            buf.view(ws, pre, -1).copy_(x.view(pre, ws, -1).transpose(0, 1))
+            return buf
+        return x.unflatten(dim, (ws, sizes[0])).movedim(dim, 0).reshape(-1)
     if _leading(x.shape, dim) and x.is_contiguous():
         return x.view(-1)
     buf = torch.empty(x.numel(), dtype=x.dtype, device=x.device)
@@ -105,24 +115,52 @@ def _unpack_many(buf: torch.Tensor, shapes: list[list[tuple[int, ...]]], dim: in
     return outs
 
 
+def all_to_all_one(x: torch.Tensor, send_dim: int, send_sizes: list[int], recv_dim: int, recv_sizes: list[int], group: Group) -> torch.Tensor:
+    """Send chunk j of ``x`` along ``send_dim`` to rank j; concatenate what arrives along ``recv_dim``.
+
+    ``send_sizes`` is the same list on every rank; ``recv_sizes[j]`` is rank
+    j's ``x.shape[recv_dim]``. One ``all_to_all_single`` on one flat buffer.
+    This is Ulysses' hot path, kept to integer arithmetic besides the copies:
+    on small tensors the Python around the collective is what costs.
+    """
+    shape = x.shape
+    mine = send_sizes[group.rank]
+    n, m = shape[send_dim], shape[recv_dim]
+    other = x.numel() // (n * m) if n and m else math.prod(_with(_with(shape, send_dim, 1), recv_dim, 1))
+    block = _with(shape, send_dim, mine)
+    out = torch.empty(_with(block, recv_dim, sum(recv_sizes)), dtype=x.dtype, device=x.device)
+    send = _pack(x, send_dim, send_sizes)
+    if send_sizes.count(mine) == len(send_sizes) and recv_sizes.count(m) == len(recv_sizes):
+        out_splits = in_splits = None  # equal splits: the collective's plain form
+    else:
+        in_splits = [other * m * s for s in send_sizes]
+        out_splits = [other * mine * r for r in recv_sizes]
+    if _leading(block, recv_dim):  # the received blocks lie in order: receive straight into the result
+        dist.all_to_all_single(out.view(-1), send, out_splits, in_splits, group=group.pg)
+        return out
+    recv = torch.empty(out.numel(), dtype=x.dtype, device=x.device)
+    dist.all_to_all_single(recv, send, out_splits, in_splits, group=group.pg)
+    return _unpack(recv, [_with(block, recv_dim, r) for r in recv_sizes], recv_dim)
+
+
 def all_to_all(
     xs: list[torch.Tensor], send_dim: int, send_sizes: list[list[int]], recv_dim: int, recv_sizes: list[list[int]], group: Group
 ) -> list[torch.Tensor]:
-    """For each tensor t of ``xs``: send chunk j along ``send_dim`` to rank j, concatenate what arrives along ``recv_dim``.
+    """:func:`all_to_all_one` for each tensor of ``xs``, all in one collective.
 
-    ``send_sizes[t]`` is the same list on every rank; ``recv_sizes[t][j]`` is
-    rank j's ``xs[t].shape[recv_dim]``. The tensors share a dtype and device
-    and travel together: one ``all_to_all_single`` on one flat buffer.
+    ``send_sizes[t]`` and ``recv_sizes[t]`` are tensor t's lists. The tensors
+    share a dtype and device and travel together: one ``all_to_all_single``
+    on one flat buffer, chunk j of each tensor in turn for rank j.
     """
+    if len(xs) == 1:
+        return [all_to_all_one(xs[0], send_dim, send_sizes[0], recv_dim, recv_sizes[0], group)]
     rank, ws = group.rank, group.world_size
     shapes = [[_with(_with(x.shape, send_dim, ss[rank]), recv_dim, n) for n in rs] for x, ss, rs in zip(xs, send_sizes, recv_sizes)]
     in_splits = [sum(math.prod(_with(x.shape, send_dim, ss[j])) for x, ss in zip(xs, send_sizes)) for j in range(ws)]
     out_splits = [sum(math.prod(ts[j]) for ts in shapes) for j in range(ws)]
-    send = _pack(xs[0], send_dim, send_sizes[0]) if len(xs) == 1 else _pack_many(xs, send_dim, send_sizes, in_splits)
+    send = _pack_many(xs, send_dim, send_sizes, in_splits)
     recv = torch.empty(sum(out_splits), dtype=xs[0].dtype, device=xs[0].device)
     dist.all_to_all_single(recv, send, out_splits, in_splits, group=group.pg)
-    if len(xs) == 1:
-        return [_unpack(recv, shapes[0], recv_dim)]
     return _unpack_many(recv, shapes, recv_dim, out_splits)
 
 

@@ -14,12 +14,19 @@ from rlightning_comm.errors import CommError
 
 
 class Group(NamedTuple):
-    """A resolved group: the torch process group, its size, this process's rank in it, and a name for messages."""
+    """A resolved group: the torch process group, its size, this process's rank in it, and what the caller passed."""
 
     pg: Any
     world_size: int
     rank: int
-    name: str
+    source: Any
+
+    @property
+    def name(self) -> str:
+        """The group as error messages name it (built only when one is raised)."""
+        if isinstance(self.source, Communicator):
+            return f"mode {self.source.mode!r}"
+        return f"process group {getattr(self.source, 'group_name', '?')!r}"
 
 
 def resolve_group(group: Any) -> Group:
@@ -35,12 +42,9 @@ def resolve_group(group: Any) -> Group:
     if isinstance(group, Communicator):
         if not group.is_member:
             raise CommError(f"this process is not a member of mode {group.mode!r} (ranks {list(group.ranks)}); sequence-parallel ops need a member")
-        return Group(group.group, group.world_size, group.rank, f"mode {group.mode!r}")
+        return Group(group.group, group.world_size, group.rank, group)
     if isinstance(group, dist.ProcessGroup):
-        rank = dist.get_rank(group)
-        if rank < 0:
-            raise CommError("this process is not a member of the given ProcessGroup; sequence-parallel ops need a member")
-        return Group(group, dist.get_world_size(group), rank, f"process group {group.group_name!r}")
+        return Group(group, group.size(), group.rank(), group)  # non-members hold NON_GROUP_MEMBER, not a ProcessGroup
     if group is dist.GroupMember.NON_GROUP_MEMBER:
         raise CommError("this process is not a member of the given group (got GroupMember.NON_GROUP_MEMBER); sequence-parallel ops need a member")
     raise TypeError(
@@ -49,11 +53,17 @@ def resolve_group(group: Any) -> Group:
     )
 
 
+def _is_nccl(group: Group) -> bool:
+    if isinstance(group.source, Communicator):
+        return group.source.backend == "nccl"
+    return group.pg.name() == "nccl"  # a cpu:gloo,cuda:nccl group takes CPU tensors
+
+
 def check_input(input_: Any, group: Group, name: str = "input_") -> None:
     """Raise ``TypeError`` for a non-tensor and ``ValueError`` for a CPU tensor on an NCCL group."""
     if not isinstance(input_, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor; got {type(input_).__name__} ({group.name})")
-    if group.world_size > 1 and input_.device.type != "cuda" and "nccl" in str(dist.get_backend(group.pg)):
+    if group.world_size > 1 and input_.device.type != "cuda" and _is_nccl(group):
         raise ValueError(f"{name} is on {input_.device}, but {group.name} uses NCCL, which needs CUDA tensors. Hint: move it with .cuda()")
 
 

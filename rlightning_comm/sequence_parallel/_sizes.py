@@ -35,6 +35,8 @@ def sequence_split_sizes(length: int, world_size: int) -> list[int]:
 
 
 def _as_sizes(sizes: Any, group: Group, name: str) -> list[int]:
+    if type(sizes) is list and len(sizes) == group.world_size and all(type(s) is int and s >= 0 for s in sizes):
+        return list(sizes)  # the common case, checked quickly; a copy, so later edits by the caller cannot reach backward
     if isinstance(sizes, (str, bytes, torch.Tensor)) or not isinstance(sizes, Sequence):
         raise TypeError(f"{name} must be a list of {group.world_size} ints, one per rank of {group.name}; got {type(sizes).__name__}")
     try:
