@@ -44,7 +44,7 @@ def seed_all_to_all(x: torch.Tensor, world_size: int) -> torch.Tensor:
 
 
 def _iterations(nbytes: int) -> int:
-    return 1000 if nbytes <= 64 << 10 else 200 if nbytes <= 1 << 20 else 40
+    return 1000 if nbytes <= 64 << 10 else 200 if nbytes <= 1 << 20 else 60
 
 
 def bench(rank: int, world_size: int, url: str, batch: int) -> None:

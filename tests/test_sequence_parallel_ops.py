@@ -31,6 +31,7 @@ def _check_all_to_all(chk: Checks, mode, P: int, r: int, seed: int, lens: list[i
     chk.equal(tag + "forward", y, outs[r])
     chk.close(tag + "grad", x.grad, grads[r])
     chk.equal(tag + "input untouched", x.detach(), xs[r])
+    chk.equal(tag + "non-contiguous input", all_to_all(_strided(xs[r]), gd, sd, mode, gather_sizes=lens if pass_sizes else None), outs[r])
 
     # The way back (uneven scatter_sizes): sharded along sd -> sharded along gd.
     ys = [o.detach().clone().requires_grad_() for o in outs]
@@ -42,6 +43,13 @@ def _check_all_to_all(chk: Checks, mode, P: int, r: int, seed: int, lens: list[i
     (back * vs[r]).sum().backward()
     chk.equal(tag + "inverse forward", back, xs[r])
     chk.close(tag + "inverse grad", y.grad, grads[r])
+
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """The same values in a non-contiguous layout (reversed dim order in memory)."""
+    dims = list(range(t.dim()))[::-1]
+    out = t.permute(dims).contiguous().permute(dims)
+    return out
 
 
 def _check_regions(chk: Checks, mode, P: int, r: int, seed: int, S: int, dim: int, shape, lens: list[int] | None) -> None:
@@ -94,6 +102,13 @@ def _check_regions(chk: Checks, mode, P: int, r: int, seed: int, S: int, dim: in
     chk.close(f"{tag}reduce_scatter forward", y, outs[r])
     chk.close(f"{tag}reduce_scatter grad", x.grad, grads[r])
     chk.equal(f"{tag}reduce_scatter input untouched", x.detach(), parts[r])
+
+    # Non-contiguous inputs give the same values.
+    chunk = X.split(split, dim)[r]
+    chk.equal(f"{tag}strided scatter", sp.scatter_to_sequence_parallel_region(_strided(X), False, dim=dim, mode=mode, seq_lens=lens), chunk)
+    chk.equal(f"{tag}strided gather", sp.gather_from_sequence_parallel_region(_strided(chunk), False, dim=dim, mode=mode, seq_lens=lens), X)
+    chk.equal(f"{tag}strided all_gather", sp.all_gather_from_sequence_parallel_region(_strided(chunk), dim=dim, mode=mode, seq_lens=lens), X)
+    chk.close(f"{tag}strided reduce_scatter", sp.reduce_scatter_to_sequence_parallel_region(_strided(parts[r]), dim=dim, mode=mode, seq_lens=lens), outs[r])
 
 
 def _battery(chk: Checks, mode, P: int, r: int, seed: int) -> None:

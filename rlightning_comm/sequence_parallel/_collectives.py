@@ -57,17 +57,17 @@ def _pack(x: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
     return buf
 
 
-def _unpack(buf: torch.Tensor, shapes: list[tuple[int, ...]], dim: int) -> torch.Tensor:
-    """Concatenate along ``dim`` the consecutive blocks of ``buf`` with the given shapes (a view when it can be)."""
+def _unpack(buf: torch.Tensor, shapes: list[tuple[int, ...]], dim: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Concatenate along ``dim`` the consecutive blocks of ``buf`` with the given shapes (a view when it can be, unless ``out`` is given)."""
     out_shape = _with(shapes[0], dim, sum(s[dim] for s in shapes))
-    if _leading(out_shape, dim):
+    if out is None and _leading(out_shape, dim):
         return buf.view(out_shape)
     blocks, offset = [], 0
     for shape in shapes:
         n = math.prod(shape)
         blocks.append(buf[offset : offset + n].view(shape))
         offset += n
-    return torch.cat(blocks, dim)
+    return torch.cat(blocks, dim) if out is None else torch.cat(blocks, dim, out=out)
 
 
 def _pack_many(xs: list[torch.Tensor], dim: int, sizes: list[list[int]], in_splits: list[int]) -> torch.Tensor:
@@ -130,17 +130,20 @@ def all_to_all_one(x: torch.Tensor, send_dim: int, send_sizes: list[int], recv_d
     block = _with(shape, send_dim, mine)
     out = torch.empty(_with(block, recv_dim, sum(recv_sizes)), dtype=x.dtype, device=x.device)
     send = _pack(x, send_dim, send_sizes)
-    if send_sizes.count(mine) == len(send_sizes) and recv_sizes.count(m) == len(recv_sizes):
-        out_splits = in_splits = None  # equal splits: the collective's plain form
-    else:
-        in_splits = [other * m * s for s in send_sizes]
-        out_splits = [other * mine * r for r in recv_sizes]
-    if _leading(block, recv_dim):  # the received blocks lie in order: receive straight into the result
+    even = send_sizes.count(mine) == len(send_sizes) and recv_sizes.count(m) == len(recv_sizes)
+    # Equal splits use the collective's plain form; otherwise, element counts per rank.
+    in_splits = None if even else [other * m * s for s in send_sizes]
+    out_splits = None if even else [other * mine * r for r in recv_sizes]
+    if _leading(block, recv_dim) or out.numel() == 0:  # the received blocks lie in order: receive straight into the result
         dist.all_to_all_single(out.view(-1), send, out_splits, in_splits, group=group.pg)
         return out
     recv = torch.empty(out.numel(), dtype=x.dtype, device=x.device)
     dist.all_to_all_single(recv, send, out_splits, in_splits, group=group.pg)
-    return _unpack(recv, [_with(block, recv_dim, r) for r in recv_sizes], recv_dim)
+    if even:  # [ws, pre, rest] -> [pre, ws, rest]: one strided copy into the result
+        pre = math.prod(block[:recv_dim])
+        out.view(pre, len(recv_sizes), -1).copy_(recv.view(len(recv_sizes), pre, -1).transpose(0, 1))
+        return out
+    return _unpack(recv, [_with(block, recv_dim, r) for r in recv_sizes], recv_dim, out=out)
 
 
 def all_to_all(
