@@ -1,7 +1,7 @@
 """Train a tiny attention model with Ulysses sequence parallelism and check it against single-process training.
 
 Run it on its own (it spawns 4 local gloo ranks that meet through a file store,
-no ports, no launcher), from the repository root or with the package installed::
+no launcher, gloo on loopback), from the repository root or with the package installed::
 
     PYTHONPATH=. python examples/ulysses_attention.py
 
@@ -20,16 +20,14 @@ hold 8, 8, 7 and 7 tokens.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 from functools import partial
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from rlightning_comm import CommContext, CommMode
+from rlightning_comm.launch import run
 from rlightning_comm.sequence_parallel import (
     gather_from_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
@@ -121,38 +119,25 @@ def train(rank: int, world_size: int, steps: int, seq: int) -> bool:
     return all_match
 
 
-def worker(rank: int, world_size: int, dist_url: str, steps: int, seq: int) -> None:
+def main(steps: int, seq: int) -> None:
+    """One rank's work; :func:`rlightning_comm.launch.run` has initialised the context."""
     torch.set_num_threads(1)  # the ranks share this machine's cores; more threads each would only contend
     ctx = CommContext()
-    ctx.init_distributed_env(world_size=world_size, rank=rank, backend="gloo", dist_url=dist_url)
-    try:
-        ctx.init_group(list(range(world_size)), SP)
-        ok = train(rank, world_size, steps, seq)
-    finally:
-        ctx.destroy()
-    if not ok:
-        sys.exit(1)
+    rank, world_size = ctx.get_global_rank(), ctx.get_world_size()
+    ctx.init_group(list(range(world_size)), SP)
+    if not train(rank, world_size, steps, seq):
+        raise SystemExit(1)
     if rank == 0:
         print(f"sequence-parallel training on {world_size} ranks matched single-process training for {steps} steps", flush=True)
 
 
-def main() -> int:
+if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--seq", type=int, default=30, help="sequence length (need not divide by the number of ranks)")
     parser.add_argument("--nprocs", type=int, default=4, help="ranks to spawn when not launched by torchrun")
     args = parser.parse_args()
-    if "RANK" in os.environ:  # torchrun (or any env:// launcher) started us
-        worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", args.steps, args.seq)
-        return 0
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            mp.spawn(worker, args=(args.nprocs, f"file://{tmp}/store", args.steps, args.seq), nprocs=args.nprocs)
-        except mp.ProcessException as err:
-            print(f"a rank failed: {err}", file=sys.stderr)
-            return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        run(main, args.nprocs, args.steps, args.seq)  # under torchrun: this process is one rank
+    except RuntimeError as err:
+        sys.exit(f"{err}")
