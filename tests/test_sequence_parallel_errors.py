@@ -114,6 +114,30 @@ def test_bad_input_raises_clearly_on_every_rank_without_hanging(world2) -> None:
     assert results[1]["not a member (ProcessGroup)"][0] == "CommError"
 
 
+def _task_peer_skips(rank: int, size: int, url: str) -> tuple[str, str]:
+    import torch
+
+    from rlightning_comm.sequence_parallel import all_to_all
+    from world import init_world
+
+    ctx = init_world(rank, size, url, timeout=2)
+    ctx.init_group(list(range(size)), SP)
+    if rank == 1:
+        return ("skipped", "")  # rank 1 never joins: rank 0 must fail within the group's timeout, not hang
+    try:
+        all_to_all(torch.zeros(1, 2, 4, 2), 1, 2, SP, gather_sizes=[2, 2])
+    except Exception as err:  # noqa: BLE001 - the parent checks type and message
+        return (type(err).__name__, str(err))
+    return ("no error", "")
+
+
+def test_a_peer_that_never_joins_fails_with_the_library_error(world2) -> None:
+    # A timeout if rank 1 is still connected, a broken-group error once it has left: both are the library's CommError.
+    kind, message = world2.run(_task_peer_skips, timeout=60)[0]
+    assert kind in ("CommTimeoutError", "CommError"), (kind, message)
+    assert "all_to_all on mode 'SEQUENCE_PARALLEL'" in message, message
+
+
 def test_sequence_split_sizes_rejects_negative_length() -> None:
     from rlightning_comm.sequence_parallel import sequence_split_sizes
 

@@ -9,6 +9,7 @@ its input.
 from __future__ import annotations
 
 import math
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,14 @@ from rlightning_comm.sequence_parallel._resolve import Group
 # torch 2.13 renamed the single-buffer collectives and deprecated the old names; older torch has only those.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _collective(op: str, fn: Callable[..., Any], group: Group, *args: Any) -> None:
+    """Run one torch.distributed collective on ``group``; a backend failure becomes the library's error, naming ``op``."""
+    try:
+        fn(*args, group=group.pg)
+    except RuntimeError as err:
+        raise group.failure(op, err) from err
 
 
 def _with(shape: torch.Size | tuple[int, ...], dim: int, size: int) -> tuple[int, ...]:
@@ -135,10 +144,10 @@ def all_to_all_one(x: torch.Tensor, send_dim: int, send_sizes: list[int], recv_d
     in_splits = None if even else [other * m * s for s in send_sizes]
     out_splits = None if even else [other * mine * r for r in recv_sizes]
     if _leading(block, recv_dim) or out.numel() == 0:  # the received blocks lie in order: receive straight into the result
-        dist.all_to_all_single(out.view(-1), send, out_splits, in_splits, group=group.pg)
+        _collective("all_to_all", dist.all_to_all_single, group, out.view(-1), send, out_splits, in_splits)
         return out
     recv = torch.empty(out.numel(), dtype=x.dtype, device=x.device)
-    dist.all_to_all_single(recv, send, out_splits, in_splits, group=group.pg)
+    _collective("all_to_all", dist.all_to_all_single, group, recv, send, out_splits, in_splits)
     if even:  # [ws, pre, rest] -> [pre, ws, rest]: one strided copy into the result
         pre = math.prod(block[:recv_dim])
         out.view(pre, len(recv_sizes), -1).copy_(recv.view(len(recv_sizes), pre, -1).transpose(0, 1))
@@ -163,7 +172,7 @@ def all_to_all(
     out_splits = [sum(math.prod(ts[j]) for ts in shapes) for j in range(ws)]
     send = _pack_many(xs, send_dim, send_sizes, in_splits)
     recv = torch.empty(sum(out_splits), dtype=xs[0].dtype, device=xs[0].device)
-    dist.all_to_all_single(recv, send, out_splits, in_splits, group=group.pg)
+    _collective("all_to_all", dist.all_to_all_single, group, recv, send, out_splits, in_splits)
     return _unpack_many(recv, shapes, recv_dim, out_splits)
 
 
@@ -185,7 +194,7 @@ def scatter_from_first(x: torch.Tensor, dim: int, sizes: list[int], group: Group
         send = x.new_empty(0)
         in_splits = [0] * ws
     out_splits = [out.numel() if j == 0 else 0 for j in range(ws)]
-    dist.all_to_all_single(out.view(-1), send, out_splits, in_splits, group=group.pg)
+    _collective("scatter (all_to_all)", dist.all_to_all_single, group, out.view(-1), send, out_splits, in_splits)
     return out
 
 
@@ -197,7 +206,7 @@ def gather_to_first(x: torch.Tensor, dim: int, sizes: list[int], group: Group) -
     in_splits = [send.numel() if j == 0 else 0 for j in range(ws)]
     out_splits = [math.prod(s) for s in shapes] if rank == 0 else [0] * ws
     recv = torch.empty(sum(out_splits), dtype=x.dtype, device=x.device)
-    dist.all_to_all_single(recv, send, out_splits, in_splits, group=group.pg)
+    _collective("gather (all_to_all)", dist.all_to_all_single, group, recv, send, out_splits, in_splits)
     if rank == 0:
         return _unpack(recv, shapes, dim)
     return x.new_zeros(_with(x.shape, dim, sum(sizes)))
@@ -207,7 +216,7 @@ def all_gather_flat(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Every rank's ``x`` (same shape everywhere), flattened and concatenated in rank order."""
     x = x.contiguous()
     out = torch.empty(group.world_size * x.numel(), dtype=x.dtype, device=x.device)
-    _all_gather_single(out, x.view(-1), group=group.pg)
+    _collective("all_gather", _all_gather_single, group, out, x.view(-1))
     return out
 
 
@@ -238,7 +247,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, sizes: list[int], group: Group) ->
             padded[j].narrow(dim, 0, sizes[j]).copy_(chunk)
         send = padded.view(-1)
     out = torch.empty(_with(x.shape, dim, longest), dtype=x.dtype, device=x.device)
-    _reduce_scatter_single(out.view(-1), send, group=group.pg)
+    _collective("reduce_scatter", _reduce_scatter_single, group, out.view(-1), send)
     if sizes[rank] == longest:
         return out
     return out.narrow(dim, 0, sizes[rank]).contiguous()

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from rlightning_comm.communicators.base import Communicator
 from rlightning_comm.context import CommContext
 from rlightning_comm.errors import CommError
+from rlightning_comm.failures import comm_failure
 
 
 class Group(NamedTuple):
@@ -27,6 +28,12 @@ class Group(NamedTuple):
         if isinstance(self.source, Communicator):
             return f"mode {self.source.mode!r}"
         return f"process group {getattr(self.source, 'group_name', '?')!r}"
+
+    def failure(self, op: str, err: BaseException) -> CommError:
+        """The library's error for a backend failure of ``op`` (a timeout or a broken group), as the communicators raise it."""
+        if isinstance(self.source, Communicator):
+            return self.source._failure(op, err)
+        return comm_failure(err, str(getattr(self.source, "group_name", "?")), op, None)
 
 
 def resolve_group(group: Any) -> Group:
