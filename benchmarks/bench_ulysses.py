@@ -58,7 +58,11 @@ def bench(rank: int, world_size: int, url: str, batch: int) -> None:
     }
     if rank == 0:
         print(f"world size {world_size}, batch {batch}, heads {HEADS}, head_dim {HEAD_DIM}, float32, gloo")
-        print(f"{'bytes/rank':>11} {'local shape':>22} {'iters':>5} " + " ".join(f"{m + ' ms':>16}" for m in methods) + f" {'ours/seed':>10} {'ours+exch/seed':>15}")
+        print(
+            f"{'bytes/rank':>11} {'local shape':>22} {'iters':>5} "
+            + " ".join(f"{m + ' ms':>16}" for m in methods)
+            + f" {'ours/seed':>10} {'ours+exch/seed':>15}"
+        )
     for nbytes in SIZES:
         seq_local = max(1, nbytes // (4 * batch * HEADS * HEAD_DIM))
         lens = [seq_local] * world_size

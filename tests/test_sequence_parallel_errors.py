@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from sp_oracle import SP, init_sp
 
 
@@ -68,7 +67,10 @@ def _task_errors(rank: int, size: int, url: str) -> dict[str, tuple[str, str]]:
     # Nobody was left inside a collective: a real one still lines up and is right.
     x = torch.arange(8.0).view(1, 2, 4) + 10 * rank
     y = all_to_all(x, 1, 2, "SEQUENCE_PARALLEL")
-    out["still in step"] = ("ok" if torch.equal(y, torch.cat([torch.arange(8.0).view(1, 2, 4)[..., 2 * rank : 2 * rank + 2] + 10 * r for r in range(size)], 1)) else "wrong", "")
+    out["still in step"] = (
+        "ok" if torch.equal(y, torch.cat([torch.arange(8.0).view(1, 2, 4)[..., 2 * rank : 2 * rank + 2] + 10 * r for r in range(size)], 1)) else "wrong",
+        "",
+    )
     return out
 
 
@@ -116,9 +118,9 @@ def test_bad_input_raises_clearly_on_every_rank_without_hanging(world2) -> None:
 
 def _task_peer_skips(rank: int, size: int, url: str) -> tuple[str, str]:
     import torch
+    from world import init_world
 
     from rlightning_comm.sequence_parallel import all_to_all
-    from world import init_world
 
     ctx = init_world(rank, size, url, timeout=2)
     ctx.init_group(list(range(size)), SP)

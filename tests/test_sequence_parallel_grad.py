@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from sp_oracle import SP, Checks, assert_all_within, data, init_sp
 
 B, E, HID = 2, 5, 6
@@ -91,17 +90,19 @@ def _check_legacy_alone(chk: Checks, P: int, r: int) -> None:
     import rlightning_comm.sequence_parallel as sp
 
     X, W = data(42, (B, 5, E), (B, 5, E))
-    for legacy in (False, True):
+
+    def scatter_grad(legacy: bool) -> torch.Tensor:
         x = X.clone().requires_grad_()
         (sp.scatter_to_sequence_parallel_region(x, False, legacy_grad_scale=legacy) * W.tensor_split(P, 1)[r]).sum().backward()
-        if legacy:
-            chk.close("legacy scatter grad = exact / P", x.grad, exact_s / P)
-        exact_s = x.grad
-        xs = X.tensor_split(P, 1)[r].clone().requires_grad_()
-        (sp.gather_from_sequence_parallel_region(xs, False, legacy_grad_scale=legacy) * W).sum().backward()
-        if legacy:
-            chk.close("legacy gather grad = exact * P", xs.grad, exact_g * P)
-        exact_g = xs.grad
+        return x.grad
+
+    def gather_grad(legacy: bool) -> torch.Tensor:
+        x = X.tensor_split(P, 1)[r].clone().requires_grad_()
+        (sp.gather_from_sequence_parallel_region(x, False, legacy_grad_scale=legacy) * W).sum().backward()
+        return x.grad
+
+    chk.close("legacy scatter grad = exact / P", scatter_grad(True), scatter_grad(False) / P)
+    chk.close("legacy gather grad = exact * P", gather_grad(True), gather_grad(False) * P)
 
 
 def _gradchecks(chk: Checks, P: int) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from sp_oracle import SP, Checks, assert_all_within
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL sequence-parallel tests need two CUDA devices")
@@ -16,8 +15,9 @@ pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL sequ
 def _task_nccl(rank: int, size: int, url: str) -> dict[str, float]:
     import os
 
-    import rlightning_comm.sequence_parallel as sp
     from world import init_world
+
+    import rlightning_comm.sequence_parallel as sp
 
     os.environ["LOCAL_RANK"] = str(rank)  # NcclCommunicator picks this rank's GPU from it
     ctx = init_world(rank, size, url, backend="nccl")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from sp_oracle import SP, Checks, assert_all_within, data, init_sp, with_dim
 
 # Sequence lengths per world size: even, uneven, and (where P allows) shorter than P so a rank holds nothing.
@@ -163,8 +162,6 @@ def test_ops_on_partitioned_groups(world4) -> None:
 def _task_world1_no_collective(rank: int, size: int, url: str) -> dict[str, float]:
     import torch.distributed as dist
 
-    import rlightning_comm.sequence_parallel as sp
-
     init_sp(rank, size, url)
 
     import rlightning_comm.sequence_parallel._collectives as C
@@ -215,8 +212,8 @@ def test_world_size_one_is_identity_without_collectives(world1) -> None:
 
 def test_exports() -> None:
     import rlightning_comm
-    import rlightning_comm.collective as collective
     import rlightning_comm.sequence_parallel as sp
+    from rlightning_comm import collective
 
     expected = [
         "UlyssesAttention",
@@ -241,7 +238,7 @@ def test_exports() -> None:
 def test_sequence_split_sizes_matches_tensor_split() -> None:
     from rlightning_comm.sequence_parallel import sequence_split_sizes
 
-    for length in range(0, 11):
+    for length in range(11):
         for ws in range(1, 6):
             assert sequence_split_sizes(length, ws) == [len(c) for c in torch.arange(length).tensor_split(ws)]
     with pytest.raises(ValueError, match="world_size"):

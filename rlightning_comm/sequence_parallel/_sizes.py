@@ -67,9 +67,7 @@ def local_sizes(input_: torch.Tensor, dim: int, group: Group, sizes: Any, name: 
         return [input_.shape[dim]] if group.world_size == 1 else exchange_sizes(input_, dim, group)
     out = _as_sizes(sizes, group, name)
     if out[group.rank] != input_.shape[dim]:
-        raise ValueError(
-            f"{name}[{group.rank}] must be this rank's input length along dim {dim}, {input_.shape[dim]}; got {out[group.rank]} ({group.name})"
-        )
+        raise ValueError(f"{name}[{group.rank}] must be this rank's input length along dim {dim}, {input_.shape[dim]}; got {out[group.rank]} ({group.name})")
     return out
 
 

@@ -200,9 +200,7 @@ def gather_from_sequence_parallel_region(
     return (_GatherFirstGrad if rank0_only else _Gather).apply(input_, g, dim, sizes, scale)
 
 
-def all_gather_from_sequence_parallel_region(
-    input_: torch.Tensor, *, dim: int = 1, mode: Any = _SP, seq_lens: Sequence[int] | None = None
-) -> torch.Tensor:
+def all_gather_from_sequence_parallel_region(input_: torch.Tensor, *, dim: int = 1, mode: Any = _SP, seq_lens: Sequence[int] | None = None) -> torch.Tensor:
     """Concatenate every rank's chunk along ``dim``, with the gradient summed over the ranks (Megatron's pair).
 
     forward: all-gather; backward: reduce-scatter (sum) of every rank's
@@ -229,9 +227,7 @@ def all_gather_from_sequence_parallel_region(
     return _AllGather.apply(input_, g, dim, sizes)
 
 
-def reduce_scatter_to_sequence_parallel_region(
-    input_: torch.Tensor, *, dim: int = 1, mode: Any = _SP, seq_lens: Sequence[int] | None = None
-) -> torch.Tensor:
+def reduce_scatter_to_sequence_parallel_region(input_: torch.Tensor, *, dim: int = 1, mode: Any = _SP, seq_lens: Sequence[int] | None = None) -> torch.Tensor:
     """Sum ``input_`` over the group and keep chunk r along ``dim`` on rank r (Megatron's pair).
 
     forward: reduce-scatter (sum); backward: all-gather of the chunks'

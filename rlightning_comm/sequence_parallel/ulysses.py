@@ -120,6 +120,8 @@ class UlyssesAttention(torch.nn.Module):
         self.attn_fn = attn_fn
         self.mode = mode
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, seq_lens: Sequence[int] | None = None, **attn_kwargs: Any) -> torch.Tensor:
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, seq_lens: Sequence[int] | None = None, **attn_kwargs: Any
+    ) -> torch.Tensor:
         """Run :func:`ulysses_attention` with this module's function and group."""
         return ulysses_attention(query, key, value, self.attn_fn, mode=self.mode, seq_lens=seq_lens, **attn_kwargs)
