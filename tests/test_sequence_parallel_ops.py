@@ -6,6 +6,8 @@ dims, every group form), so the spawned ranks are reused.
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from sp_oracle import SP, Checks, assert_all_within, data, init_sp, with_dim
@@ -231,8 +233,17 @@ def test_exports() -> None:
     for name in expected:
         if name != "sdpa_bshd":
             assert getattr(rlightning_comm, name) is getattr(sp, name)
-    for name in ("all_to_all", "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region"):
-        assert getattr(collective, name) is getattr(sp, name)
+    seed = {
+        "all_to_all": ["input_", "gather_dim", "scatter_dim", "group"],
+        "scatter_to_sequence_parallel_region": ["input_", "rank0_only"],
+        "gather_from_sequence_parallel_region": ["input_", "rank0_only"],
+    }
+    for name, params in seed.items():
+        fn = getattr(collective, name)
+        assert fn is getattr(sp, name)
+        assert list(inspect.signature(fn).parameters)[: len(params)] == params, name
+    assert inspect.signature(sp.scatter_to_sequence_parallel_region).parameters["rank0_only"].default is True
+    assert inspect.signature(sp.gather_from_sequence_parallel_region).parameters["rank0_only"].default is True
 
 
 def test_sequence_split_sizes_matches_tensor_split() -> None:
