@@ -1,6 +1,7 @@
 """rlightning_comm: communicators bound per named group, thin collective facades, sequence-parallel autograd ops."""
 
 from rlightning_comm import collective
+from rlightning_comm import sequence_parallel
 from rlightning_comm.communicators import Communicator, GlooCommunicator, NcclCommunicator, register_communicator
 from rlightning_comm.config import ParallelConfig
 from rlightning_comm.context import CommContext
@@ -8,6 +9,16 @@ from rlightning_comm.errors import CommError, CommMismatchError, CommTimeoutErro
 from rlightning_comm.failures import WorkHandle
 from rlightning_comm.layout import ModeLayout, describe_layout, format_layout
 from rlightning_comm.modes import CommMode, ParallelMode
+from rlightning_comm.sequence_parallel import (
+    UlyssesAttention,
+    all_gather_from_sequence_parallel_region,
+    all_to_all,
+    gather_from_sequence_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+    sequence_split_sizes,
+    ulysses_attention,
+)
 from rlightning_comm.weight_transfer import broadcast_state_dict
 
 __all__ = [
@@ -24,10 +35,19 @@ __all__ = [
     "ObjectRefusedError",
     "ParallelConfig",
     "ParallelMode",
+    "UlyssesAttention",
     "WorkHandle",
+    "all_gather_from_sequence_parallel_region",
+    "all_to_all",
     "broadcast_state_dict",
     "collective",
     "describe_layout",
     "format_layout",
+    "gather_from_sequence_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
     "register_communicator",
+    "scatter_to_sequence_parallel_region",
+    "sequence_parallel",
+    "sequence_split_sizes",
+    "ulysses_attention",
 ]

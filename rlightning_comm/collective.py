@@ -14,6 +14,7 @@ from torch.distributed import ReduceOp
 
 from rlightning_comm.context import CommContext
 from rlightning_comm.modes import CommMode
+from rlightning_comm.sequence_parallel import all_to_all, gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region  # noqa: F401  (the seed's autograd ops)
 
 _context = CommContext()
 

@@ -27,6 +27,16 @@ EXPECTED = {
     "describe_layout",
     "format_layout",
     "register_communicator",
+    # sequence parallelism
+    "UlyssesAttention",
+    "all_gather_from_sequence_parallel_region",
+    "all_to_all",
+    "gather_from_sequence_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region",
+    "scatter_to_sequence_parallel_region",
+    "sequence_parallel",
+    "sequence_split_sizes",
+    "ulysses_attention",
 }
 
 SEED_SIGNATURES = {
