@@ -1,7 +1,6 @@
 """rlightning_comm: communicators bound per named group, thin collective facades, sequence-parallel autograd ops."""
 
-from rlightning_comm import collective
-from rlightning_comm import sequence_parallel
+from rlightning_comm import collective, sequence_parallel
 from rlightning_comm.communicators import Communicator, GlooCommunicator, NcclCommunicator, register_communicator
 from rlightning_comm.config import ParallelConfig
 from rlightning_comm.context import CommContext

@@ -7,7 +7,8 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from rlightning_comm.context import CommContext
 from rlightning_comm.rendezvous import pin_gloo_to_loopback

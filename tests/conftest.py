@@ -7,7 +7,6 @@ from collections.abc import Iterator
 
 import pytest
 import torch.distributed as dist
-
 from world import World
 
 _worlds: dict[int, World] = {}

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
-
-from rlightning_comm import CommContext, CommMode, ParallelMode, collective
 from world import init_world
+
+from rlightning_comm import CommMode, ParallelMode, collective
 
 # (op, dtypes) that gloo implements, the oracle being raw torch.distributed.
 GLOO_REDUCTIONS = [

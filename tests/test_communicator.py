@@ -159,7 +159,7 @@ def test_bad_inputs_fail_locally_before_any_collective(ctx, monkeypatch):
     for name in ("all_reduce", "all_gather_single", "all_gather_into_tensor", "broadcast", "gather", "scatter", "broadcast_object_list", "reduce_scatter_single", "reduce_scatter_tensor", "all_to_all_single", "barrier"):
         if hasattr(dist, name):
             monkeypatch.setattr(dist, name, lambda *a, _n=name, **k: started.append(_n))
-    import rlightning_comm.communicators.base as base
+    from rlightning_comm.communicators import base
 
     monkeypatch.setattr(base, "_all_gather_flat", lambda *a, **k: started.append("all_gather"))
     monkeypatch.setattr(base, "_reduce_scatter_flat", lambda *a, **k: started.append("reduce_scatter"))

@@ -28,7 +28,7 @@ def _check_quickstart(out: str, world: int) -> None:
     for rank in range(world):
         mine = [line for line in out.splitlines() if line.startswith(f"[rank {rank}]")]
         text = "\n".join(mine)
-        assert re.search(rf"all_reduce\(SUM\) of rank\+1 +-> {world * (world + 1) // 2}$", text, re.M), text
+        assert re.search(rf"all_reduce\(SUM\) of rank\+1 +-> {world * (world + 1) // 2}$", text, re.MULTILINE), text
         pair = [rank - rank % 2, rank - rank % 2 + 1]
         assert f"DATA_PARALLEL pair {pair} -> {pair[0] + pair[1] + 2}" in text, text
         assert f"all_gather of rank*10            -> {[10 * r for r in range(world)]}" in text, text

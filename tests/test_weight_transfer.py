@@ -51,7 +51,7 @@ class Recorder:
     def __init__(self) -> None:
         import torch.distributed as dist
 
-        import rlightning_comm.communicators.base as base
+        from rlightning_comm.communicators import base
 
         self.calls: list[tuple[str, int | None]] = []
         self._depth = 0  # calls made inside a recorded call are part of it

@@ -18,7 +18,8 @@ import queue
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 DEFAULT_TIMEOUT = 60.0
 # After one rank fails, peers blocked in a collective it skipped never report:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import array
-import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
@@ -14,6 +12,7 @@ from torch.distributed import ReduceOp
 
 from rlightning_comm.communicators import _objects
 from rlightning_comm.communicators._objects import broadcast_objects
+from rlightning_comm.communicators._packing import pack
 from rlightning_comm.communicators._threads import ThreadOwned
 from rlightning_comm.errors import CommError
 from rlightning_comm.failures import WorkHandle, comm_failure
@@ -28,7 +27,6 @@ _BITWISE = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
 # torch views a complex tensor as real pairs, which is only exact for these ops.
 _COMPLEX_OPS = frozenset({ReduceOp.SUM, ReduceOp.AVG})
 # Exact types checked before the (slow, ABC-based) numbers.Number test; bool stays on the general path.
-_PLAIN_NUMBERS = frozenset({float, int})
 
 
 class Communicator(ThreadOwned, ABC):
@@ -156,6 +154,21 @@ class Communicator(ThreadOwned, ABC):
     def _handle(self, work: Any, op: str) -> WorkHandle:
         return WorkHandle(work, self._mode, op, self._timeout)
 
+    def _active_group(self) -> dist.ProcessGroup | None:
+        # The thread check: one attribute read in the owning thread (see _threads.py).
+        try:
+            return self._owned.group
+        except AttributeError:
+            return self._enter()
+
+    def _run(self, name: str, fn: Any, async_op: bool, /, *args: Any, **kwargs: Any) -> Any | None:
+        """Call the backend collective ``fn`` (op ``name``); translate its failures and wrap an async handle."""
+        try:
+            work = fn(*args, async_op=async_op, **kwargs)
+        except RuntimeError as err:
+            raise self._failure(name, err) from err
+        return self._handle(work, name) if async_op else None
+
     # --------------------------------------------------------------- validation
     @abstractmethod
     def _check_device(self, tensor: torch.Tensor, name: str) -> None:
@@ -226,19 +239,12 @@ class Communicator(ThreadOwned, ABC):
             ValueError: non-contiguous tensor, wrong device, or ``op`` unsupported
                 by the backend or the dtype.
         """
-        try:
-            group = self._owned.group
-        except AttributeError:
-            group = self._enter()
+        group = self._active_group()
         if group is None:
             return None
         self._check_tensor(tensor, "tensor")
         self._check_reduce_op(op, tensor)
-        try:
-            work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
-        except RuntimeError as err:
-            raise self._failure("all_reduce", err) from err
-        return self._handle(work, "all_reduce") if async_op else None
+        return self._run("all_reduce", dist.all_reduce, async_op, tensor, op=op, group=group)
 
     def all_gather(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, async_op: bool = False) -> Any | None:
         """Gather ``input_tensor`` from every rank into ``output_tensor``, concatenated along dim 0.
@@ -253,10 +259,7 @@ class Communicator(ThreadOwned, ABC):
         Returns:
             A work handle if ``async_op``, else ``None``; ``None`` on a non-member.
         """
-        try:
-            group = self._owned.group
-        except AttributeError:
-            group = self._enter()
+        group = self._active_group()
         if group is None:
             return None
         self._check_tensor(output_tensor, "output_tensor")
@@ -272,12 +275,8 @@ class Communicator(ThreadOwned, ABC):
                 f"for an input of shape {shape} and world size {ws}; got shape {tuple(output_tensor.shape)}, "
                 f"{output_tensor.dtype} on {output_tensor.device} (mode {self._mode!r})"
             )
-        try:
-            # Both tensors are contiguous, so the flat gather has the same memory layout as either output shape.
-            work = _all_gather_flat(output_tensor.view(-1), input_tensor.view(-1), group=group, async_op=async_op)
-        except RuntimeError as err:
-            raise self._failure("all_gather", err) from err
-        return self._handle(work, "all_gather") if async_op else None
+        # Both tensors are contiguous, so the flat gather has the same memory layout as either output shape.
+        return self._run("all_gather", _all_gather_flat, async_op, output_tensor.view(-1), input_tensor.view(-1), group=group)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Any | None:
         """Copy ``tensor`` from global rank ``src`` into ``tensor`` on every rank.
@@ -288,19 +287,12 @@ class Communicator(ThreadOwned, ABC):
         Raises:
             ValueError: ``src`` is not a rank of the group.
         """
-        try:
-            group = self._owned.group
-        except AttributeError:
-            group = self._enter()
+        group = self._active_group()
         if group is None:
             return None
         self._check_tensor(tensor, "tensor")
         self._check_peer(src, "src")
-        try:
-            work = dist.broadcast(tensor, src=src, group=group, async_op=async_op)
-        except RuntimeError as err:
-            raise self._failure("broadcast", err) from err
-        return self._handle(work, "broadcast") if async_op else None
+        return self._run("broadcast", dist.broadcast, async_op, tensor, src=src, group=group)
 
     def gather(self, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int = 0, async_op: bool = False) -> Any | None:
         """Gather ``tensor`` from every rank into ``gather_list`` on global rank ``dst``.
@@ -315,10 +307,7 @@ class Communicator(ThreadOwned, ABC):
         Returns:
             A work handle if ``async_op``, else ``None``; ``None`` on a non-member.
         """
-        try:
-            group = self._owned.group
-        except AttributeError:
-            group = self._enter()
+        group = self._active_group()
         if group is None:
             return None
         self._check_tensor(tensor, "tensor")
@@ -328,11 +317,7 @@ class Communicator(ThreadOwned, ABC):
             gather_list = list(gather_list)
         else:
             gather_list = None
-        try:
-            work = dist.gather(tensor, gather_list, dst=dst, group=group, async_op=async_op)
-        except RuntimeError as err:
-            raise self._failure("gather", err) from err
-        return self._handle(work, "gather") if async_op else None
+        return self._run("gather", dist.gather, async_op, tensor, gather_list, dst=dst, group=group)
 
     def scatter(self, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int = 0, async_op: bool = False) -> Any | None:
         """Send ``scatter_list[i]`` from global rank ``src`` to the group's i-th rank, into ``tensor``.
@@ -347,10 +332,7 @@ class Communicator(ThreadOwned, ABC):
         Returns:
             A work handle if ``async_op``, else ``None``; ``None`` on a non-member.
         """
-        try:
-            group = self._owned.group
-        except AttributeError:
-            group = self._enter()
+        group = self._active_group()
         if group is None:
             return None
         self._check_tensor(tensor, "tensor")
@@ -360,11 +342,7 @@ class Communicator(ThreadOwned, ABC):
             scatter_list = list(scatter_list)
         else:
             scatter_list = None
-        try:
-            work = dist.scatter(tensor, scatter_list, src=src, group=group, async_op=async_op)
-        except RuntimeError as err:
-            raise self._failure("scatter", err) from err
-        return self._handle(work, "scatter") if async_op else None
+        return self._run("scatter", dist.scatter, async_op, tensor, scatter_list, src=src, group=group)
 
     def reduce_scatter(self, output: torch.Tensor, input_: torch.Tensor, op: Any = _SUM, async_op: bool = False) -> Any | None:
         """Reduce ``input_`` across the group and leave this rank's dim-0 slice in ``output``.
@@ -378,10 +356,7 @@ class Communicator(ThreadOwned, ABC):
         Returns:
             A work handle if ``async_op``, else ``None``; ``None`` on a non-member.
         """
-        try:
-            group = self._owned.group
-        except AttributeError:
-            group = self._enter()
+        group = self._active_group()
         if group is None:
             return None
         self._check_tensor(output, "output")
@@ -392,11 +367,7 @@ class Communicator(ThreadOwned, ABC):
                 f"input_ must hold world_size * output.numel() = {self._world_size * output.numel()} elements of {output.dtype}; "
                 f"got {input_.numel()} of {input_.dtype} (mode {self._mode!r})"
             )
-        try:
-            work = _reduce_scatter_flat(output.view(-1), input_.view(-1), op=op, group=group, async_op=async_op)
-        except RuntimeError as err:
-            raise self._failure("reduce_scatter", err) from err
-        return self._handle(work, "reduce_scatter") if async_op else None
+        return self._run("reduce_scatter", _reduce_scatter_flat, async_op, output.view(-1), input_.view(-1), op=op, group=group)
 
     def all_to_all_single(
         self,
@@ -413,10 +384,7 @@ class Communicator(ThreadOwned, ABC):
         Returns:
             A work handle if ``async_op``, else ``None``; ``None`` on a non-member.
         """
-        try:
-            group = self._owned.group
-        except AttributeError:
-            group = self._enter()
+        group = self._active_group()
         if group is None:
             return None
         self._check_tensor(output, "output")
@@ -432,11 +400,7 @@ class Communicator(ThreadOwned, ABC):
                 or sum(sizes) != t.shape[0]
             ):
                 raise ValueError(f"{name} must have {self._world_size} entries summing to dim 0 = {t.shape[0]}; got {list(sizes)} (mode {self._mode!r})")
-        try:
-            work = dist.all_to_all_single(output, input_, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
-        except RuntimeError as err:
-            raise self._failure("all_to_all_single", err) from err
-        return self._handle(work, "all_to_all_single") if async_op else None
+        return self._run("all_to_all_single", dist.all_to_all_single, async_op, output, input_, output_split_sizes, input_split_sizes, group=group)
 
     def broadcast_object_list(self, object_list: list[Any], src: int = 0, *, safe: bool | None = None, max_bytes: int | None = None) -> None:
         """Broadcast the picklable objects of ``object_list`` from global rank ``src``, in place.
@@ -469,12 +433,9 @@ class Communicator(ThreadOwned, ABC):
                 safe mode or exceeds ``max_bytes``; ``object_list`` is left
                 unchanged and the group stays usable.
         """
-        try:
-            group = self._owned.group
-        except AttributeError:
-            group = self._enter()
+        group = self._active_group()
         if group is None:
-            return None
+            return
         if not isinstance(object_list, list):
             raise TypeError(f"object_list must be a list (it is filled in place); got {type(object_list).__name__} (mode {self._mode!r})")
         self._check_peer(src, "src")
@@ -485,7 +446,7 @@ class Communicator(ThreadOwned, ABC):
             raise self._failure("broadcast_object_list", err) from err
         if payloads is not None:
             object_list[:] = _objects.decode(payloads, src, safe, max_bytes, self._mode)
-        return None
+        return
 
     def all_reduce_dict(self, dictionary: Mapping[Any, Any], op: Any = _SUM, dtype: torch.dtype = torch.float32) -> dict[Any, Any] | None:
         """Reduce every value of ``dictionary`` across the group with one collective.
@@ -512,75 +473,19 @@ class Communicator(ThreadOwned, ABC):
             raise TypeError(f"dictionary must be a Mapping; got {type(dictionary).__name__} (mode {self._mode!r})")
         if self._group is None:
             return None
-        try:
-            keys = sorted(dictionary)
-        except TypeError:
-            keys = list(dictionary)
-        device = self.device
-        values = list(map(dictionary.__getitem__, keys))
-        if set(map(type, values)) <= _PLAIN_NUMBERS:
-            # Only plain numbers (the metrics case): one buffer, one collective, one host transfer back.
-            if not values:
-                return {}
-            if dtype.is_floating_point:  # array("d") converts like float(), ~3x faster than torch.tensor(list)
-                flat = torch.frombuffer(array.array("d", values), dtype=torch.float64).to(device=device, dtype=dtype, copy=True)
-            else:
-                flat = torch.tensor(values, dtype=dtype, device=device)
-            self.all_reduce(flat, op=op)
-            return dict(zip(keys, flat.tolist()))
-        segments: list[torch.Tensor] = []
-        run: list[Any] = []
-        layout: list[tuple[Any, torch.Tensor | None]] = []  # None marks a number
-        number_positions: list[int] = []
-        offset = 0
-        for key, value in zip(keys, values):
-            if isinstance(value, torch.Tensor):
-                if run:
-                    segments.append(torch.tensor(run, dtype=dtype, device=device))
-                    run = []
-                segments.append(value.detach().to(device=device, dtype=dtype).reshape(-1))
-                layout.append((key, value))
-                offset += value.numel()
-            elif type(value) in _PLAIN_NUMBERS or isinstance(value, numbers.Number):
-                run.append(value)
-                layout.append((key, None))
-                number_positions.append(offset)
-                offset += 1
-            else:
-                raise TypeError(f"all_reduce_dict value for key {key!r} must be a number or a tensor; got {type(value).__name__} (mode {self._mode!r})")
-        if run:
-            segments.append(torch.tensor(run, dtype=dtype, device=device))
-        if not segments:
+        flat, unpack = pack(dictionary, dtype, self.device, self._mode)
+        if flat is None:
             return {}
-        flat = torch.cat(segments)  # always a fresh buffer: the caller's tensors stay untouched
         self.all_reduce(flat, op=op)
-        # One host transfer for all the numbers, not one .item() per key.
-        if len(number_positions) == flat.numel():
-            numbers_out = iter(flat.tolist())
-        else:
-            numbers_out = iter(flat[torch.tensor(number_positions, dtype=torch.long, device=device)].tolist())
-        result: dict[Any, Any] = {}
-        offset = 0
-        for key, value in layout:
-            if value is None:
-                result[key] = next(numbers_out)
-                offset += 1
-            else:
-                n = value.numel()
-                result[key] = flat[offset : offset + n].view_as(value).to(value.device)
-                offset += n
-        return result
+        return unpack(flat)
 
     def barrier(self) -> None:
         """Block until every rank of the group reaches this call (no-op on a non-member)."""
-        try:
-            group = self._owned.group
-        except AttributeError:
-            group = self._enter()
+        group = self._active_group()
         if group is None:
             return None
-        try:
-            dist.barrier(group=group)
-        except RuntimeError as err:
-            raise self._failure("barrier", err) from err
+        return self._run("barrier", dist.barrier, False, group=group, device_ids=self._barrier_device_ids())
+
+    def _barrier_device_ids(self) -> list[int] | None:
+        """Devices a barrier synchronises (NCCL needs this rank's GPU); ``None`` for host backends."""
         return None

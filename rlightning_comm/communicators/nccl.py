@@ -6,7 +6,6 @@ import os
 from typing import ClassVar
 
 import torch
-import torch.distributed as dist
 from torch.distributed import ReduceOp
 from typing_extensions import override
 
@@ -48,15 +47,5 @@ class NcclCommunicator(Communicator):
             raise ValueError(f"{name} is on {tensor.device}; NcclCommunicator (mode {self._mode!r}) expects a CUDA tensor. Hint: move it with .cuda()")
 
     @override
-    def barrier(self) -> None:
-        try:
-            group = self._owned.group
-        except AttributeError:
-            group = self._enter()
-        if group is None:
-            return None
-        try:
-            dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
-        except RuntimeError as err:
-            raise self._failure("barrier", err) from err
-        return None
+    def _barrier_device_ids(self) -> list[int] | None:
+        return [torch.cuda.current_device()]
