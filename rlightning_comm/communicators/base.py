@@ -264,15 +264,14 @@ class Communicator(ThreadOwned, ABC):
             return None
         self._check_tensor(output_tensor, "output_tensor")
         self._check_tensor(input_tensor, "input_tensor")
-        shape = tuple(input_tensor.shape)
-        ws = self._world_size
-        allowed = [(ws,) + shape]
-        if shape:
-            allowed.insert(0, (ws * shape[0],) + shape[1:])
-        if tuple(output_tensor.shape) not in allowed or output_tensor.dtype != input_tensor.dtype or output_tensor.device != input_tensor.device:
+        shape, out_shape, ws = input_tensor.shape, output_tensor.shape, self._world_size
+        concatenated = bool(shape) and out_shape[0] == ws * shape[0] and out_shape[1:] == shape[1:]
+        if not (concatenated or out_shape == (ws, *shape)) or output_tensor.dtype != input_tensor.dtype or output_tensor.device != input_tensor.device:
+            allowed = [(ws * shape[0], *shape[1:])] if shape else []
+            allowed.append((ws, *shape))
             raise ValueError(
                 f"output_tensor must have shape {' or '.join(map(str, allowed))}, {input_tensor.dtype} on {input_tensor.device} "
-                f"for an input of shape {shape} and world size {ws}; got shape {tuple(output_tensor.shape)}, "
+                f"for an input of shape {tuple(shape)} and world size {ws}; got shape {tuple(out_shape)}, "
                 f"{output_tensor.dtype} on {output_tensor.device} (mode {self._mode!r})"
             )
         # Both tensors are contiguous, so the flat gather has the same memory layout as either output shape.
