@@ -6,16 +6,18 @@ import os
 import threading
 import warnings
 from datetime import timedelta
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch.distributed as dist
 
-from rlightning_comm import debug, layout, rendezvous
+from rlightning_comm import debug, rendezvous
 from rlightning_comm import stats as _stats
+from rlightning_comm._context_layouts import ContextLayouts
+from rlightning_comm._context_policies import ContextPolicies
 from rlightning_comm.communicators import _objects
 from rlightning_comm.communicators.base import Communicator
 from rlightning_comm.communicators.registry import get_communicator_class
-from rlightning_comm.config import DistributedConfig, GroupConfig, ParallelConfig
+from rlightning_comm.config import DistributedConfig, GroupConfig
 from rlightning_comm.errors import CommError, ModeNotBoundError
 from rlightning_comm.failures import comm_failure
 from rlightning_comm.modes import CommMode, mode_name
@@ -43,7 +45,7 @@ def _env_int(name: str, argument: str) -> int:
         raise ValueError(f"environment variable {name} must be an integer; got {value!r}") from None
 
 
-class CommContext:
+class CommContext(ContextLayouts, ContextPolicies):
     """The one process-wide registry that binds a :class:`Communicator` to each mode.
 
     ``CommContext()`` always returns the same object. Initialise the world
@@ -238,83 +240,6 @@ class CommContext:
             return comm
 
     # -------------------------------------------------------- declared layouts
-    def init_parallel_groups(
-        self, config: ParallelConfig, backend: str | None = None, use_cpu: bool = False, timeout: float | timedelta | None = None
-    ) -> dict[str, Communicator]:
-        """Create every group of ``config``'s tensor-, sequence- and data-parallel modes and bind this rank's.
-
-        Every rank calls this with the same arguments. The layout is
-        :func:`rlightning_comm.topology.parallel_partitions` (Megatron's rank
-        order: the first axis of ``config.order`` varies fastest).
-
-        Args:
-            config: The declared layout; ``TRAIN_DATA_PARALLEL`` is bound too
-                when ``config.bind_train_data_parallel``.
-            backend, use_cpu, timeout: As for :meth:`init_group`, for every mode.
-
-        Returns:
-            Mode name -> this rank's communicator.
-
-        Raises:
-            TypeError: ``config`` is not a :class:`ParallelConfig`.
-            ValueError: the sizes do not tile the world (before any group is created).
-            CommError: not initialised, or a mode is already bound to other ranks.
-        """
-        return layout.init_parallel_groups(self, config, backend, use_cpu, timeout)
-
-    def init_node_groups(
-        self,
-        node_rank: int | None = None,
-        local_rank: int | None = None,
-        local_world_size: int | None = None,
-        backend: str | None = None,
-        use_cpu: bool = False,
-        timeout: float | timedelta | None = None,
-    ) -> dict[str, Communicator]:
-        """Bind ``INTRA_NODE`` (the ranks on this node) and ``INTER_NODE`` (the ranks with this local rank on every node).
-
-        Every rank's placement is exchanged over ``GLOBAL`` first (one
-        object all-gather), so a bad or uneven placement raises the same
-        ``ValueError`` on every rank before any group is created.
-
-        Args:
-            node_rank: This node's index; ``None`` reads ``GROUP_RANK`` (torchrun) or ``NODE_RANK``.
-            local_rank: This process's index on its node; ``None`` reads ``LOCAL_RANK``.
-            local_world_size: Processes per node; ``None`` reads ``LOCAL_WORLD_SIZE``.
-            backend, use_cpu, timeout: As for :meth:`init_group`.
-
-        Returns:
-            ``{"INTRA_NODE": ..., "INTER_NODE": ...}``: this rank's communicators.
-
-        Raises:
-            ValueError: a placement is missing or not an int on some rank, or
-                the nodes are uneven (see :func:`rlightning_comm.topology.node_partitions`).
-            CommError: not initialised, or a mode is already bound to other ranks.
-        """
-        return layout.init_node_groups(self, node_rank, local_rank, local_world_size, backend, use_cpu, timeout)
-
-    def init_weight_transfer_group(
-        self, src: int, dst_ranks: list[int], backend: str | None = None, use_cpu: bool = False, timeout: float | timedelta | None = None
-    ) -> Communicator:
-        """Bind ``WEIGHT_TRANSFER``: one group of ``src`` and ``dst_ranks``; other ranks are non-members.
-
-        The group's ranks are numbered in global-rank order, as torch does; the
-        source is remembered as :meth:`get_transfer_source` (the default ``src``
-        of :func:`broadcast_state_dict`).
-
-        Use it with :func:`rlightning_comm.broadcast_state_dict`.
-
-        Args:
-            src: Global rank that sends weights (for example trainer rank 0).
-            dst_ranks: Global ranks that receive them (for example the rollout workers).
-            backend, use_cpu, timeout: As for :meth:`init_group`.
-
-        Raises:
-            TypeError, ValueError: bad ranks (before any group is created).
-            CommError: not initialised, or the mode is already bound to other ranks.
-        """
-        return layout.init_weight_transfer_group(self, src, dst_ranks, backend, use_cpu, timeout)
-
     def destroy(self) -> None:
         """Destroy every group this context created (and the world if it created it), and unbind every mode.
 
@@ -339,60 +264,6 @@ class CommContext:
             finally:
                 self._reset()
 
-    # --------------------------------------------------------------- policies
-    def set_debug(self, enabled: bool = True) -> None:
-        """Switch debug mode on or off for every bound communicator and those bound later.
-
-        On, every collective first exchanges a fingerprint of the call (op,
-        shapes, dtypes, reduce op, src/dst, dictionary keys, split sizes, a
-        per-group sequence number) through the world's store, and raises
-        :class:`CommMismatchError` on every rank of the group when they
-        disagree, or :class:`CommTimeoutError` naming the ranks that did not
-        arrive within the group's timeout. Off (the default), communicators
-        run no extra code at all. Every rank must switch at the same point of
-        its sequence of collectives. ``RLIGHTNING_COMM_DEBUG=1`` switches it on
-        when the world is initialised. :meth:`destroy` switches it off.
-
-        Raises:
-            TypeError: ``enabled`` is not a bool.
-        """
-        if not isinstance(enabled, bool):
-            raise TypeError(f"enabled must be a bool; got {type(enabled).__name__} {enabled!r}")
-        with self._lock:
-            self._debug = enabled
-            for name, comm in self._comms.items():
-                if enabled:
-                    debug.enable(comm, self._configs[name].timeout)
-                else:
-                    debug.disable(comm)
-                _stats.on_bind(comm)  # debug mode replaced or removed the methods: stats go back on top
-
-    def is_debug(self) -> bool:
-        """Whether debug mode is on (see :meth:`set_debug`)."""
-        return self._debug
-
-    def set_object_defaults(self, safe: bool = False, max_bytes: int | None = None) -> None:
-        """Set what ``broadcast_object_list`` does when a call leaves ``safe`` or ``max_bytes`` out.
-
-        Args:
-            safe: Receivers accept only plain data (None, bool, int, float,
-                str, bytes, lists, tuples and dicts of those, tensors) and
-                refuse anything else without running it.
-            max_bytes: Receivers refuse payloads over this many serialised
-                bytes; ``None`` means no limit.
-
-        :meth:`destroy` restores ``safe=False, max_bytes=None``.
-
-        Raises:
-            TypeError: ``safe`` is not a bool.
-            ValueError: ``max_bytes`` is not a positive int or ``None``.
-        """
-        _objects.set_defaults(safe, max_bytes)
-
-    def get_object_defaults(self) -> tuple[bool, int | None]:
-        """The ``(safe, max_bytes)`` defaults of ``broadcast_object_list``."""
-        return _objects.get_defaults()
-
     # ----------------------------------------------------------------- lookups
     def get_communicator(self, mode: CommMode | str = CommMode.GLOBAL) -> Communicator:
         """Return the communicator bound to ``mode`` on this rank.
@@ -416,11 +287,6 @@ class CommContext:
     def get_group(self, mode: CommMode | str = CommMode.GLOBAL) -> dist.ProcessGroup | None:
         """The torch process group of ``mode`` (``None`` on a non-member rank)."""
         return self.get_communicator(mode).group
-
-    def get_transfer_source(self, mode: CommMode | str = CommMode.WEIGHT_TRANSFER) -> int | None:
-        """The source global rank declared by :meth:`init_weight_transfer_group` for ``mode``, or ``None``."""
-        self.get_communicator(mode)
-        return self._transfer_sources.get(mode_name(mode))
 
     def get_group_config(self, mode: CommMode | str = CommMode.GLOBAL) -> GroupConfig:
         """The validated arguments ``mode`` was bound with: its full partition, backend name and timeout.
@@ -468,32 +334,3 @@ class CommContext:
         if config is None:
             raise CommError("CommContext is not initialised; call CommContext().init_distributed_env(...) first")
         return config
-
-    # ------------------------------------------------------------------- stats
-    def enable_stats(self) -> None:
-        """Record count, bytes, time and bandwidth of every collective, per mode and op.
-
-        Off by default; while off nothing wraps the communicators. Modes bound
-        later are recorded too. See :mod:`rlightning_comm.stats` for what is
-        measured and how (async and CUDA work included).
-        """
-        _stats.enable(self._comms.values())
-
-    def disable_stats(self) -> None:
-        """Stop recording and unwrap every communicator; the figures stay until :meth:`reset_stats`."""
-        _stats.disable()
-
-    def stats(self) -> dict[str, dict[str, dict[str, Any]]]:
-        """The recorded figures as plain data: ``{mode: {op: {"count", "bytes", "total_time_s", ...}}}``.
-
-        See :func:`rlightning_comm.stats.snapshot` for the fields.
-        """
-        return _stats.snapshot()
-
-    def reset_stats(self) -> None:
-        """Forget the recorded figures (recording goes on if enabled)."""
-        _stats.reset()
-
-    def stats_table(self) -> str:
-        """The recorded figures as a fixed-width table, one line per mode and op, ready to log."""
-        return _stats.format_table()
