@@ -306,17 +306,7 @@ class Communicator(ThreadOwned, ABC):
         Returns:
             A work handle if ``async_op``, else ``None``; ``None`` on a non-member.
         """
-        group = self._active_group()
-        if group is None:
-            return None
-        self._check_tensor(tensor, "tensor")
-        self._check_peer(dst, "dst")
-        if self._global_rank == dst:
-            self._check_list(gather_list, tensor, "gather_list")
-            gather_list = list(gather_list)
-        else:
-            gather_list = None
-        return self._run("gather", dist.gather, async_op, tensor, gather_list, dst=dst, group=group)
+        return self._rooted("gather", dist.gather, tensor, gather_list, "dst", dst, async_op)
 
     def scatter(self, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int = 0, async_op: bool = False) -> Any | None:
         """Send ``scatter_list[i]`` from global rank ``src`` to the group's i-th rank, into ``tensor``.
@@ -331,17 +321,21 @@ class Communicator(ThreadOwned, ABC):
         Returns:
             A work handle if ``async_op``, else ``None``; ``None`` on a non-member.
         """
+        return self._rooted("scatter", dist.scatter, tensor, scatter_list, "src", src, async_op)
+
+    def _rooted(self, name: str, fn: Any, tensor: torch.Tensor, tensors: Any, root_name: str, root: int, async_op: bool) -> Any | None:
+        """gather and scatter: ``tensors`` (one per rank, shaped like ``tensor``) matter on the root only."""
         group = self._active_group()
         if group is None:
             return None
         self._check_tensor(tensor, "tensor")
-        self._check_peer(src, "src")
-        if self._global_rank == src:
-            self._check_list(scatter_list, tensor, "scatter_list")
-            scatter_list = list(scatter_list)
+        self._check_peer(root, root_name)
+        if self._global_rank == root:
+            self._check_list(tensors, tensor, f"{name}_list")
+            tensors = list(tensors)
         else:
-            scatter_list = None
-        return self._run("scatter", dist.scatter, async_op, tensor, scatter_list, src=src, group=group)
+            tensors = None
+        return self._run(name, fn, async_op, tensor, tensors, group=group, **{root_name: root})
 
     def reduce_scatter(self, output: torch.Tensor, input_: torch.Tensor, op: Any = _SUM, async_op: bool = False) -> Any | None:
         """Reduce ``input_`` across the group and leave this rank's dim-0 slice in ``output``.
