@@ -12,8 +12,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-import torch.distributed as dist
-
+from rlightning_comm.communicators._objects import all_gather_objects
 from rlightning_comm.config import ParallelConfig
 from rlightning_comm.errors import CommError
 from rlightning_comm.modes import CommMode
@@ -102,8 +101,7 @@ def init_node_groups(
     global_comm = context.get_communicator(CommMode.GLOBAL)
     mine = _local_placement(node_rank, local_rank, local_world_size)
     # Every rank's placement (or its local problem) reaches every rank, so all raise alike instead of some hanging.
-    placements: list[NodePlacement | str | None] = [None] * global_comm.world_size
-    dist.all_gather_object(placements, mine, group=global_comm.group)
+    placements: list[NodePlacement | str] = all_gather_objects(mine, global_comm.group, global_comm.device)
     problems = [f"rank {r}: {p}" for r, p in enumerate(placements) if isinstance(p, str)]
     if problems:
         raise ValueError("cannot build the node groups; " + "; ".join(problems))

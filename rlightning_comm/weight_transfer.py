@@ -6,9 +6,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from rlightning_comm.communicators._objects import all_gather_objects
 from rlightning_comm.context import CommContext
 from rlightning_comm.modes import CommMode, ParallelMode
 
@@ -145,8 +145,7 @@ def broadcast_state_dict(
     if offer[0] is not None and items is not None and not is_source:
         mismatch = _mismatch(offer[0][0], _manifest(items))
         problem = (ValueError, f"these tensors do not match the source's ({mismatch})") if mismatch else None
-    verdicts: list[Any] = [None] * comm.world_size
-    dist.all_gather_object(verdicts, problem, group=comm.group)
+    verdicts = all_gather_objects(problem, comm.group, comm.device)
     _raise_problems(list(zip(comm.ranks, verdicts)))
     manifest, bucket_bytes = offer[0]
     with torch.no_grad():

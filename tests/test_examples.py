@@ -81,7 +81,7 @@ NO_NUMPY_SCRIPT = '''
 import sys
 sys.modules["numpy"] = None  # as on a fresh install: torch without numpy
 
-from rlightning_comm import CommContext, collective
+from rlightning_comm import CommContext, broadcast_state_dict, collective
 from rlightning_comm.launch import run
 
 
@@ -92,6 +92,14 @@ def main():
     objs = [{"rank": rank, "t": torch.arange(3)}, "x" * 1000] if rank == 1 else [None, None]
     collective.broadcast_object_list(objs, "GLOBAL", src=1)
     assert objs[0]["rank"] == 1 and objs[0]["t"].tolist() == [0, 1, 2] and objs[1] == "x" * 1000, objs
+    # The library's own object exchanges: node placements and the weight-transfer verdicts.
+    ctx = CommContext()
+    ctx.init_node_groups(node_rank=rank, local_rank=0, local_world_size=1)
+    assert ctx.get_ranks_in_group("INTER_NODE") == [0, 1] and ctx.get_ranks_in_group("INTRA_NODE") == [rank]
+    ctx.init_weight_transfer_group(src=0, dst_ranks=[1])
+    weights = {"w": torch.full((4,), float(rank)), "n": torch.tensor([rank])}
+    broadcast_state_dict(weights)
+    assert weights["w"].tolist() == [0.0] * 4 and weights["n"].tolist() == [0], weights
     print(f"rank {rank} ok", flush=True)
 
 
@@ -100,8 +108,8 @@ if __name__ == "__main__":
 '''
 
 
-def test_broadcast_object_list_works_without_numpy(tmp_path):
-    # torch.distributed.broadcast_object_list needs numpy to receive; ours must not.
+def test_object_collectives_work_without_numpy(tmp_path):
+    # torch.distributed's object collectives need numpy to receive; the library's must not.
     script = tmp_path / "no_numpy.py"
     script.write_text(NO_NUMPY_SCRIPT)
     out = _run(sys.executable, str(script))

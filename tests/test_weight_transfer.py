@@ -51,15 +51,20 @@ class Recorder:
     def __init__(self) -> None:
         import torch.distributed as dist
 
+        import importlib
+
         from rlightning_comm.communicators import base
+
+        weight_transfer = importlib.import_module("rlightning_comm.weight_transfer")
 
         self.calls: list[tuple[str, int | None]] = []
         self._depth = 0  # calls made inside a recorded call are part of it
-        self._targets = [(dist, name) for name in self.NAMES] + [(base, "broadcast_objects")]
+        self._targets = [(dist, name) for name in self.NAMES] + [(base, "broadcast_objects"), (weight_transfer, "all_gather_objects")]
         self._originals = {(mod, name): getattr(mod, name) for mod, name in self._targets}
+        # The library's numpy-free object collectives count as torch's.
+        aliases = {"broadcast_objects": "broadcast_object_list", "all_gather_objects": "all_gather_object"}
         for (mod, name), fn in self._originals.items():
-            # The library's numpy-free object broadcast is a broadcast_object_list.
-            setattr(mod, name, self._wrap("broadcast_object_list" if name == "broadcast_objects" else name, fn))
+            setattr(mod, name, self._wrap(aliases.get(name, name), fn))
 
     def _wrap(self, name, fn):
         def call(*args, **kwargs):

@@ -25,6 +25,8 @@ DEFAULT_TIMEOUT = 60.0
 # After one rank fails, peers blocked in a collective it skipped never report:
 # wait this long for them instead of the full timeout.
 FAILURE_GRACE = 5.0
+# How long a rank that finished waits for the go-ahead to tear down (the parent sends it once every rank reported).
+CLEANUP_WAIT = 300.0
 
 
 class WorldError(AssertionError):
@@ -68,17 +70,30 @@ def _worker_main(rank: int, size: int, tasks: Any, results: Any) -> None:
         except BaseException:  # noqa: BLE001 - every failure goes back to the parent
             report = (task_id, rank, False, traceback.format_exc())
         try:
+            results.put(("report", *report))
+        except Exception:  # noqa: BLE001 - an unpicklable result
+            report = (task_id, rank, False, "could not send the result back:\n" + traceback.format_exc())
+            results.put(("report", *report))
+        if report[2]:
+            # A rank that finished must not tear its groups down while a peer is still opening connections
+            # to them (gloo's connectFullMesh then fails on the peer): wait for the parent's go-ahead. A rank
+            # that failed tears down at once, so peers blocked in a collective it skipped fail fast.
+            try:
+                message = tasks.get(timeout=CLEANUP_WAIT)
+            except queue.Empty:
+                message = ("cleanup", task_id)
+            if message is None:
+                _cleanup()
+                return
+        cleaned: tuple[bool, str] = (True, "")
+        try:
             _cleanup()
         except BaseException:  # noqa: BLE001
-            if report[2]:
-                report = (task_id, rank, False, "cleanup failed:\n" + traceback.format_exc())
+            cleaned = (False, "cleanup failed:\n" + traceback.format_exc())
         finally:
             os.environ.clear()
             os.environ.update(saved)
-        try:
-            results.put(report)
-        except Exception:  # noqa: BLE001 - an unpicklable result
-            results.put((task_id, rank, False, "could not send the result back:\n" + traceback.format_exc()))
+        results.put(("cleaned", task_id, rank, *cleaned))
 
 
 class World:
@@ -118,25 +133,46 @@ class World:
         for q in self._tasks:
             q.put((self._task_id, fn, args, url, dict(env or {})))
         reports: dict[int, tuple[bool, Any]] = {}
+        cleaned: dict[int, tuple[bool, str]] = {}
         deadline = time.monotonic() + timeout
         while len(reports) < self.size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            try:
-                task_id, rank, ok, payload = self._results.get(timeout=min(remaining, 0.5))
-            except queue.Empty:
+            message = self._next(deadline)
+            if message is None:
                 dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in reports]
                 for r in dead:
                     reports[r] = (False, f"process died with exit code {self._procs[r].exitcode}")
                 if dead:
                     deadline = min(deadline, time.monotonic() + FAILURE_GRACE)
+                if time.monotonic() >= deadline:
+                    break
                 continue
+            kind, task_id, rank, ok, payload = message
             if task_id != self._task_id:
+                continue
+            if kind == "cleaned":
+                cleaned[rank] = (ok, payload)
                 continue
             reports[rank] = (ok, payload)
             if not ok:
                 deadline = min(deadline, time.monotonic() + FAILURE_GRACE)
+        if len(reports) == self.size:
+            for r, (ok, _) in reports.items():
+                if ok:
+                    self._tasks[r].put(("cleanup", self._task_id))
+            cleanup_deadline = time.monotonic() + 30
+            alive = {r for r, p in enumerate(self._procs) if p.is_alive()}
+            while not alive <= set(cleaned) and time.monotonic() < cleanup_deadline:
+                message = self._next(cleanup_deadline)
+                if message is not None and message[0] == "cleaned" and message[1] == self._task_id:
+                    cleaned[message[2]] = (message[3], message[4])
+                alive = {r for r, p in enumerate(self._procs) if p.is_alive()}
+            for r in range(self.size):
+                if not reports[r][0]:
+                    continue  # its failure is the report
+                if r not in cleaned:
+                    reports[r] = (False, "did not finish its cleanup (destroying its groups) within 30 s")
+                elif not cleaned[r][0]:
+                    reports[r] = (False, cleaned[r][1])
         if len(reports) == self.size and all(ok for ok, _ in reports.values()):
             return [reports[r][1] for r in range(self.size)]
         lines = [f"{getattr(fn, '__name__', fn)} failed on a world of {self.size}:"]
@@ -147,9 +183,16 @@ class World:
                 lines.append(f"--- rank {r}:\n{reports[r][1]}")
             else:
                 lines.append(f"--- rank {r}: ok")
-        if len(reports) < self.size or any(not p.is_alive() for p in self._procs):
+        if len(reports) < self.size or len(cleaned) < self.size or any(not p.is_alive() for p in self._procs):
             self.close()
         raise WorldError("\n".join(lines))
+
+    def _next(self, deadline: float) -> tuple[Any, ...] | None:
+        """The next message from a rank, or ``None`` after half a second (or at ``deadline``) without one."""
+        try:
+            return self._results.get(timeout=max(0.01, min(deadline - time.monotonic(), 0.5)))
+        except queue.Empty:
+            return None
 
     def close(self) -> None:
         """Stop every rank (politely, then by force) and forget the queues."""

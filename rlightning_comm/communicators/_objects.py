@@ -64,6 +64,31 @@ def broadcast_objects(object_list: list[Any], src: int, group: dist.ProcessGroup
     return received
 
 
+def all_gather_objects(obj: Any, group: dist.ProcessGroup, device: torch.device) -> list[Any]:
+    """Every group rank's ``obj``, in group-rank order: torch's ``all_gather_object`` without numpy.
+
+    For the library's own exchanges between trusted ranks (it unpickles what
+    peers send): two all-gathers, of the pickle sizes and of the pickles
+    padded to the longest, received straight into one ``bytearray``.
+    """
+    payload = pickle.dumps(obj)
+    world = dist.get_world_size(group)
+    sizes = [torch.empty(1, dtype=torch.long, device=device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([len(payload)], dtype=torch.long, device=device), group=group)
+    lengths = [int(t.item()) for t in sizes]
+    width = max(lengths)
+    mine = torch.zeros(width, dtype=torch.uint8, device=device)
+    mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    buffer = bytearray(world * width)
+    host = torch.frombuffer(buffer, dtype=torch.uint8).view(world, width)
+    data = host if device.type == "cpu" else torch.empty(world, width, dtype=torch.uint8, device=device)
+    dist.all_gather(list(data.unbind(0)), mine, group=group)
+    if data is not host:
+        host.copy_(data)
+    raw = memoryview(buffer)
+    return [pickle.loads(raw[r * width : r * width + n]) for r, n in enumerate(lengths)]
+
+
 _default_safe = False
 _default_max_bytes: int | None = None
 
