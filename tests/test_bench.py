@@ -211,3 +211,22 @@ def test_plot_draws_busbw_per_op(tmp_path):
     path = tmp_path / "bench.png"
     report.write_plot(str(path), rows, "test")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _no_numpy_task(rank, size, url, path):
+    from rlightning_comm.bench import runner
+
+    # As on a fresh install: torch's own object collectives cannot receive without numpy.
+    real = runner.torch_objects_available
+    runner.torch_objects_available = lambda: False
+    try:
+        return runner.run_rank(rank, size, url, BenchConfig(sizes=(64,), ops=("all_reduce", "broadcast_object_list"), iters=1, warmup=0, json_path=path))
+    finally:
+        runner.torch_objects_available = real  # the world's processes are reused
+
+
+def test_without_numpy_broadcast_object_list_is_skipped_with_a_reason(world2, tmp_path):
+    path = str(tmp_path / "bench.json")
+    assert world2.run(_no_numpy_task, path) == [0, 0]
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert [r["op"] for r in rows] == ["all_reduce"]

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from rlightning_comm.bandwidth import bus_factor, gbps
 from rlightning_comm.bench import report
-from rlightning_comm.bench.cases import CASES, Case
+from rlightning_comm.bench.cases import CASES, Case, torch_objects_available
 from rlightning_comm.bench.config import BenchConfig
 from rlightning_comm.communicators.base import Communicator
 from rlightning_comm.communicators.registry import get_communicator_class
@@ -71,6 +71,9 @@ def sweep(comm: Communicator, cfg: BenchConfig, device: torch.device, world_size
     out(report.header(cfg, world_size, comm.world_size), flush=True)
     rows = []
     for op in cfg.ops:
+        if op == "broadcast_object_list" and not torch_objects_available():
+            out(f"# {op}: skipped: its raw side, torch.distributed.broadcast_object_list, needs numpy (pip install numpy); the library's own does not", flush=True)
+            continue
         out(report.op_header(op, comm.world_size), flush=True)
         for size in cfg.sizes:
             case = CASES[op](comm, cfg.mode, size, cfg.torch_dtype, device, cfg.dict_keys)
