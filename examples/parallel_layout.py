@@ -104,6 +104,24 @@ class _Mixed(nn.Module):
         self.register_buffer("mask", torch.zeros(5, dtype=torch.bool))
 
 
+def _gather_objects(ctx: CommContext, obj: object) -> list[object]:
+    """Every rank's ``obj`` on every rank, through the library's broadcast_object_list (which, unlike torch's, needs no numpy)."""
+    out = []
+    for r in range(ctx.get_world_size()):
+        box = [obj if r == ctx.get_global_rank() else None]
+        collective.broadcast_object_list(box, CommMode.GLOBAL, src=r)
+        out.append(box[0])
+    return out
+
+
+def _raw_bytes(t: torch.Tensor) -> bytes:
+    flat = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    buf = bytearray(flat.numel())
+    if buf:
+        torch.frombuffer(buf, dtype=torch.uint8).copy_(flat)
+    return bytes(buf)
+
+
 def _check_weight_transfer(ctx: CommContext, failures: list[str]) -> str:
     me = ctx.get_global_rank()
     torch.manual_seed(me)
@@ -112,10 +130,10 @@ def _check_weight_transfer(ctx: CommContext, failures: list[str]) -> str:
     model.mask.bernoulli_(0.5)
     broadcast_state_dict(model, bucket_bytes=64)
     # Compare raw bytes with the source's, gathered over GLOBAL: identical means bit-identical.
-    blob = b"".join(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() for t in model.state_dict().values())
-    blobs: list[bytes | None] = [None] * ctx.get_world_size()
-    torch.distributed.all_gather_object(blobs, blob, group=ctx.get_group())
-    src, dsts = ctx.get_ranks_in_group(CommMode.WEIGHT_TRANSFER)[0], ctx.get_ranks_in_group(CommMode.WEIGHT_TRANSFER)[1:]
+    blob = b"".join(_raw_bytes(t) for t in model.state_dict().values())
+    blobs = _gather_objects(ctx, blob)
+    src = ctx.get_transfer_source()
+    dsts = [r for r in ctx.get_ranks_in_group(CommMode.WEIGHT_TRANSFER) if r != src]
     bad = [r for r in dsts if blobs[r] != blobs[src]]
     if bad:
         failures.append(f"rank {me} WEIGHT_TRANSFER broadcast_state_dict: ranks {bad} differ from source {src}")
@@ -145,8 +163,7 @@ def run(args: argparse.Namespace, dist_url: str = "env://", world_size: int | No
         t = torch.tensor([float(me)], device=ctx.get_communicator(mode).device)
         collective.all_reduce(t, mode)
         sums[mode] = int(t.item())
-    views: list[object] = [None] * world
-    torch.distributed.all_gather_object(views, ({m: list(v.ranks) for m, v in layout.items()}, sums, failures), group=ctx.get_group())
+    views = _gather_objects(ctx, ({m: list(v.ranks) for m, v in layout.items()}, sums, failures))
     groups = {m: sorted({tuple(view[0][m]) for view in views}) for m in layout}
     for m in layout:  # every member of a group must report that same group
         for r, view in enumerate(views):

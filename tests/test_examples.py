@@ -114,3 +114,17 @@ def test_object_collectives_work_without_numpy(tmp_path):
     script.write_text(NO_NUMPY_SCRIPT)
     out = _run(sys.executable, str(script))
     assert "rank 0 ok" in out and "rank 1 ok" in out, out
+
+
+def test_parallel_layout_example_runs_without_numpy(tmp_path):
+    # A numpy that cannot be imported, first on the path of this process's children and theirs.
+    fake = tmp_path / "no_numpy" / "numpy"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ModuleNotFoundError('numpy is hidden by the test', name='numpy')\n")
+    env = {**os.environ, "PYTHONPATH": f"{fake.parent}{os.pathsep}{ROOT}"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, "examples/parallel_layout.py", "--nproc", "4", "--simulated-nodes", "2", "--tp", "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Failed to initialize NumPy" in proc.stderr  # numpy really was missing
+    assert "checks: all passed" in proc.stdout and "bit-identical" in proc.stdout, proc.stdout
