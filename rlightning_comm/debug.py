@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from rlightning_comm.communicators.base import COLLECTIVES
 from rlightning_comm.errors import CommMismatchError, CommTimeoutError
 
 if TYPE_CHECKING:
@@ -94,7 +95,7 @@ _DESCRIBE: dict[str, Callable[[dict[str, Any], int], tuple[dict[str, Any], Any]]
     "all_reduce_dict": _all_reduce_dict,
     "barrier": lambda a, ws: ({}, None),
 }
-OPS = tuple(_DESCRIBE)
+OPS = COLLECTIVES
 
 
 class _Checker:
@@ -176,10 +177,7 @@ def _checked(comm: Communicator, name: str, checker: _Checker) -> Callable[..., 
     def checked(*args: Any, **kwargs: Any) -> Any:
         if checker.depth:
             return method(comm, *args, **kwargs)
-        try:
-            _ = comm._owned.group
-        except AttributeError:
-            comm._enter()  # refuse a second thread before anything is exchanged
+        comm._active_group()  # refuse a second thread before anything is exchanged
         try:
             bound = signature.bind(comm, *args, **kwargs)
         except TypeError:

@@ -210,3 +210,29 @@ def test_communicator_properties_and_extra_ops(ctx):
     out = torch.empty(3)
     comm.all_to_all_single(out, torch.tensor([1.0, 2.0, 3.0]))
     assert torch.equal(out, torch.tensor([1.0, 2.0, 3.0]))
+
+
+def test_debug_mode_and_stats_cover_every_collective():
+    import inspect as _inspect
+
+    from rlightning_comm import debug
+    from rlightning_comm.communicators.base import COLLECTIVES
+    from rlightning_comm.stats import TRACKED_OPS
+
+    # Every public method that takes part in a collective is in the one list both features read.
+    public = {n for n, f in _inspect.getmembers(Communicator, _inspect.isfunction) if not n.startswith("_")} - {"setup_process", "release_thread"}
+    assert set(COLLECTIVES) == public
+    assert debug.OPS == TRACKED_OPS == COLLECTIVES
+    assert set(debug._DESCRIBE) == set(COLLECTIVES)  # each has a fingerprint
+
+
+def test_sequence_parallel_ops_apply_the_communicators_device_rule(ctx, monkeypatch):
+    from rlightning_comm.sequence_parallel import all_to_all
+
+    started = []
+    monkeypatch.setattr(dist, "all_to_all_single", lambda *a, **k: started.append(1))
+    # An NCCL communicator that claims two ranks: the op must refuse a CPU tensor before any collective.
+    nccl = NcclCommunicator(dist.group.WORLD, [0, 1], "fake-nccl")
+    with pytest.raises(ValueError, match="input_ is on cpu; NcclCommunicator \\(mode 'fake-nccl'\\) expects a CUDA tensor"):
+        all_to_all(torch.ones(1, 4, 2, 3), 1, 2, nccl)
+    assert started == []

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
+from world import free_port
 
 from rlightning_comm import CommContext, CommError, CommMode, GlooCommunicator, ModeNotBoundError, ParallelMode, collective
 
@@ -21,12 +20,6 @@ def ctx(url) -> CommContext:
     context = CommContext()
     context.init_distributed_env(world_size=1, rank=0, backend="gloo", dist_url=url, timeout=30)
     return context
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_context_is_a_process_wide_singleton():
@@ -66,7 +59,7 @@ def test_nccl_without_cuda_is_a_clear_error(url):
 
 
 def test_env_url_reads_world_size_and_rank_from_the_environment(monkeypatch):
-    for name, value in {"WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}.items():
+    for name, value in {"WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
         monkeypatch.setenv(name, value)
     comm = CommContext().init_distributed_env(backend="gloo")
     assert isinstance(comm, GlooCommunicator) and comm.world_size == 1 and CommContext().get_global_rank() == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 
 import pytest
+from world import free_port
 
 from rlightning_comm.rendezvous import loopback_address, loopback_interface
 
@@ -76,15 +77,9 @@ def _store_task(rank, size, url, port, use_env):
     return t.tolist(), sorted(_listening_addresses(port))
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("use_env", [False, True], ids=["tcp", "env"])
 def test_loopback_store_listens_on_loopback_only(world2, use_env):
-    port = _free_port()
+    port = free_port()
     results = world2.run(_store_task, port, use_env, timeout=60)
     for values, listening in results:
         assert values == [2.0, 2.0]

@@ -5,23 +5,17 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from layout_oracle import expected_groups
+from world import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "parallel_layout.py"
 BOUND = 150.0  # seconds for the whole job, launch included
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -41,7 +35,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _launch(args: list[str], tmp_path: Path, nodes: int = 2, per_node: int = 2) -> tuple[list[int | None], list[str]]:
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env["OMP_NUM_THREADS"] = "1"

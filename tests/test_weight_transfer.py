@@ -49,9 +49,9 @@ class Recorder:
     NAMES = ("broadcast", "broadcast_object_list", "all_gather_object", "all_gather", "all_gather_into_tensor", "all_reduce", "send", "recv", "barrier")
 
     def __init__(self) -> None:
-        import torch.distributed as dist
-
         import importlib
+
+        import torch.distributed as dist
 
         from rlightning_comm.communicators import base
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import socket
 import tempfile
 import time
 import traceback
@@ -31,6 +32,13 @@ CLEANUP_WAIT = 300.0
 
 class WorldError(AssertionError):
     """A task failed or timed out on at least one rank; the message holds every rank's report."""
+
+
+def free_port() -> int:
+    """A loopback port the OS reports free now (another process may still take it before it is used)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def init_world(rank: int, world_size: int, url: str, backend: str = "gloo", timeout: float = 60):

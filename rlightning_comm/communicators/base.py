@@ -24,6 +24,20 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 _SUM = ReduceOp.SUM
 
+COLLECTIVES = (
+    "all_gather",
+    "all_reduce",
+    "all_reduce_dict",
+    "all_to_all_single",
+    "barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "reduce_scatter",
+    "scatter",
+)
+"""Names of the :class:`Communicator` methods that run a collective (what debug mode checks and stats record)."""
+
 
 class Communicator(InputChecks, ThreadOwned, ABC):
     """Collectives on one process group, bound to one mode by :class:`CommContext`.

@@ -60,17 +60,20 @@ def resolve_group(group: Any) -> Group:
     )
 
 
-def _is_nccl(group: Group) -> bool:
-    if isinstance(group.source, Communicator):
-        return group.source.backend == "nccl"
-    return group.pg.name() == "nccl"  # a cpu:gloo,cuda:nccl group takes CPU tensors
-
-
 def check_input(input_: Any, group: Group, name: str = "input_") -> None:
-    """Raise ``TypeError`` for a non-tensor and ``ValueError`` for a CPU tensor on an NCCL group."""
+    """Raise ``TypeError`` for a non-tensor and ``ValueError`` for a device the group's backend cannot use.
+
+    A communicator applies its own backend's device rule; a raw process group
+    refuses CPU tensors when it is a plain NCCL group (a ``cpu:gloo,cuda:nccl``
+    group takes them). Strided inputs are fine: the ops copy into one buffer.
+    """
     if not isinstance(input_, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor; got {type(input_).__name__} ({group.name})")
-    if group.world_size > 1 and input_.device.type != "cuda" and _is_nccl(group):
+    if group.world_size == 1:
+        return
+    if isinstance(group.source, Communicator):
+        group.source._check_device(input_, name)
+    elif input_.device.type != "cuda" and group.pg.name() == "nccl":
         raise ValueError(f"{name} is on {input_.device}, but {group.name} uses NCCL, which needs CUDA tensors. Hint: move it with .cuda()")
 
 

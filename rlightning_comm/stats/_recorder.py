@@ -14,23 +14,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rlightning_comm.bandwidth import bus_factor, gbps
+from rlightning_comm.communicators.base import COLLECTIVES
 
 if TYPE_CHECKING:
     from rlightning_comm.communicators.base import Communicator
 
-TRACKED_OPS = (
-    "all_gather",
-    "all_reduce",
-    "all_reduce_dict",
-    "all_to_all_single",
-    "barrier",
-    "broadcast",
-    "broadcast_object_list",
-    "gather",
-    "reduce_scatter",
-    "scatter",
-)
-"""The communicator methods that stats record."""
+TRACKED_OPS = COLLECTIVES
+"""The communicator methods that stats record: every collective."""
 
 _NOT_OURS = object()
 _FOLD_EVERY = 1024  # outstanding CUDA records before completed ones are folded in
