@@ -156,7 +156,19 @@ def _raises(error, message, fn, *args, **kwargs):
 
 def test_bad_inputs_fail_locally_before_any_collective(ctx, monkeypatch):
     started = []
-    for name in ("all_reduce", "all_gather_single", "all_gather_into_tensor", "broadcast", "gather", "scatter", "broadcast_object_list", "reduce_scatter_single", "reduce_scatter_tensor", "all_to_all_single", "barrier"):
+    for name in (
+        "all_reduce",
+        "all_gather_single",
+        "all_gather_into_tensor",
+        "broadcast",
+        "gather",
+        "scatter",
+        "broadcast_object_list",
+        "reduce_scatter_single",
+        "reduce_scatter_tensor",
+        "all_to_all_single",
+        "barrier",
+    ):
         if hasattr(dist, name):
             monkeypatch.setattr(dist, name, lambda *a, _n=name, **k: started.append(_n))
     from rlightning_comm.communicators import base
@@ -170,23 +182,55 @@ def test_bad_inputs_fail_locally_before_any_collective(ctx, monkeypatch):
     _raises(ValueError, r"tensor must be contiguous; got a tensor of shape \(4,\) with stride \(2,\)", collective.all_reduce, base_tensor[::2], g)
     _raises(ValueError, "not defined on complex tensors", collective.all_reduce, torch.ones(2, dtype=torch.complex64), g, ReduceOp.MAX)
     _raises(ValueError, "bitwise reduce op .* needs an integer or bool tensor; got torch.float32", collective.all_reduce, torch.ones(2), g, ReduceOp.BAND)
-    _raises(ValueError, "AVG needs a floating-point tensor with GlooCommunicator; got torch.int64", collective.all_reduce, torch.ones(2, dtype=torch.int64), g, ReduceOp.AVG)
+    _raises(
+        ValueError,
+        "AVG needs a floating-point tensor with GlooCommunicator; got torch.int64",
+        collective.all_reduce,
+        torch.ones(2, dtype=torch.int64),
+        g,
+        ReduceOp.AVG,
+    )
     _raises(ValueError, "not supported by GlooCommunicator", collective.all_reduce, torch.ones(2), g, "SUM")
     _raises(ValueError, r"output_tensor must have shape \(2, 3\) or \(1, 2, 3\)", collective.all_gather, torch.empty(3, 3), torch.ones(2, 3), g)
     _raises(ValueError, "torch.float64", collective.all_gather, torch.empty(2, 3, dtype=torch.float64), torch.ones(2, 3), g)
     _raises(ValueError, r"src=1 is not a global rank of mode 'GLOBAL'; expected one of \[0\]", collective.broadcast, torch.ones(1), g, 1)
-    _raises(ValueError, "src=True is not a global rank", collective.broadcast, torch.ones(1), g, True)
+    _raises(TypeError, "src=True is not a global rank of mode 'GLOBAL': expected an int", collective.broadcast, torch.ones(1), g, True)
     _raises(ValueError, "dst=-1 is not a global rank", collective.gather, torch.ones(1), g, [torch.ones(1)], -1)
     _raises(TypeError, "gather_list must be a list of 1 tensors; got NoneType", collective.gather, torch.ones(1), g, None, 0)
     _raises(ValueError, "gather_list must hold one tensor per rank: expected 1; got 2", collective.gather, torch.ones(1), g, [torch.ones(1)] * 2, 0)
     _raises(ValueError, r"gather_list\[0\] must match the tensor argument: expected shape \(1,\)", collective.gather, torch.ones(1), g, [torch.ones(2)], 0)
-    _raises(ValueError, r"scatter_list\[0\] must match the tensor argument.*torch.int64", collective.scatter, torch.ones(1), g, [torch.ones(1, dtype=torch.int64)], 0)
+    _raises(
+        ValueError,
+        r"scatter_list\[0\] must match the tensor argument.*torch.int64",
+        collective.scatter,
+        torch.ones(1),
+        g,
+        [torch.ones(1, dtype=torch.int64)],
+        0,
+    )
     _raises(TypeError, "object_list must be a list", collective.broadcast_object_list, ("a",), g)
     _raises(TypeError, "dictionary must be a Mapping; got list", collective.all_reduce_dict, [1], g)
     _raises(TypeError, "value for key 'b' must be a number or a tensor; got str", collective.all_reduce_dict, {"a": 1, "b": "x"}, g)
     _raises(ValueError, "input_ must hold world_size", comm.reduce_scatter, torch.ones(2), torch.ones(3))
     _raises(ValueError, "input_split_sizes must have 1 entries summing to dim 0 = 3", comm.all_to_all_single, torch.ones(3), torch.ones(3), None, [2])
     assert started == [], f"a collective started despite bad input: {started}"
+
+
+def test_every_collective_has_a_local_check_with_its_parameters(ctx, monkeypatch):
+    import inspect
+
+    from rlightning_comm.communicators.base import COLLECTIVES
+
+    for op in COLLECTIVES:
+        public, check = inspect.signature(getattr(Communicator, op)), inspect.signature(getattr(Communicator, f"_check_{op}"))
+        assert [(p.name, p.kind, p.default) for p in public.parameters.values()] == [(p.name, p.kind, p.default) for p in check.parameters.values()], op
+    # A check raises the op's own error and never communicates; on good input it returns None.
+    started = []
+    monkeypatch.setattr(dist, "all_to_all_single", lambda *a, **k: started.append(1))
+    comm = ctx.get_communicator()
+    _raises(TypeError, "output_split_sizes must be a list of 1 ints .*; got int 4", comm._check_all_to_all_single, torch.ones(4), torch.ones(4), 4)
+    assert comm._check_all_to_all_single(torch.ones(4), torch.ones(4), [4], [4]) is None
+    assert comm._check_gather(torch.ones(1), [torch.ones(1)], 0) is None and started == []
 
 
 def test_nccl_communicator_refuses_cpu_tensors_before_any_collective(ctx, monkeypatch):
@@ -196,7 +240,7 @@ def test_nccl_communicator_refuses_cpu_tensors_before_any_collective(ctx, monkey
     with pytest.raises(ValueError, match="tensor is on cpu; NcclCommunicator \\(mode 'gpu'\\) expects a CUDA tensor"):
         nccl.all_reduce(torch.ones(1))
     with pytest.raises(ValueError, match="not supported by NcclCommunicator"):
-        nccl._check_reduce_op(ReduceOp.BAND, torch.ones(1, dtype=torch.int64))
+        nccl._check_reduce_op(ReduceOp.BAND, torch.int64)
     assert started == []
 
 

@@ -1,70 +1,192 @@
-"""Threads: a communicator refuses a second thread (never a silent mispairing); the context stays consistent under concurrent use."""
+"""Threads: any thread may call, one call at a time; an overlapping call is refused (never a silent mispairing); the context stays consistent."""
 
 from __future__ import annotations
 
 import threading
 
+import pytest
+import torch
 from counting import backend_calls
 from world import init_world
 
 
-def _in_thread(fn, name):
-    box = {}
+class _Pool:
+    """``n`` live threads, each running what it is handed, one call at a time (as a Ray actor's thread pool does)."""
 
-    def run():
-        try:
-            box["value"] = fn()
-        except Exception as err:  # noqa: BLE001 - handed back to the test
-            box["error"] = err
+    def __init__(self, n):
+        import queue
 
-    t = threading.Thread(target=run, name=name)
-    t.start()
-    t.join(timeout=30)
-    if t.is_alive():
-        raise RuntimeError(f"thread {name} did not finish")
-    return box
+        self.inboxes = [queue.SimpleQueue() for _ in range(n)]
+        self.threads = [threading.Thread(target=self._serve, args=(box,), name=f"pool-{i}", daemon=True) for i, box in enumerate(self.inboxes)]
+        for t in self.threads:
+            t.start()
+
+    @staticmethod
+    def _serve(box):
+        while (job := box.get()) is not None:
+            fn, reply = job
+            try:
+                reply.put(("ok", fn()))
+            except Exception as err:  # noqa: BLE001 - handed back to the caller
+                reply.put(("error", err))
+
+    def call(self, i, fn):
+        import queue
+
+        reply = queue.SimpleQueue()
+        self.inboxes[i].put((fn, reply))
+        kind, value = reply.get(timeout=30)
+        if kind == "error":
+            raise value
+        return value
+
+    def close(self):
+        for box in self.inboxes:
+            box.put(None)
+        for t in self.threads:
+            t.join(30)
 
 
-def _ownership_task(rank, size, url):
+def _pool_task(rank, size, url):
+    import torch
+    import torch.distributed as dist
+
+    from rlightning_comm import collective
+
+    ctx = init_world(rank, size, url, timeout=30)
+    group = ctx.get_communicator("GLOBAL").group
+    pool = _Pool(4)
+    mismatches, calls = [], 0
+    try:
+        collective.barrier("GLOBAL")  # the main thread first, then every pool thread in turn
+        for step in range(12):
+            i = step % 4
+            ours = torch.arange(5, dtype=torch.float64) * (rank + 1) + step
+            raw = ours.clone()
+            pool.call(i, lambda t=ours: collective.all_reduce(t, "GLOBAL"))
+            dist.all_reduce(raw, group=group)
+            out = torch.empty(size * 5, dtype=torch.float64)
+            raw_out = torch.empty_like(out)
+            pool.call((i + 1) % 4, lambda o=out, t=ours: collective.all_gather(o, t, "GLOBAL"))
+            dist.all_gather_into_tensor(raw_out, raw, group=group)
+            calls += 2
+            if not (torch.equal(ours, raw) and torch.equal(out, raw_out)):
+                mismatches.append(step)
+        pool.call(3, lambda: collective.barrier("GLOBAL"))
+        x = torch.full((2,), float(rank))
+        collective.broadcast(x, "GLOBAL", src=size - 1)  # back on the main thread
+    finally:
+        pool.close()
+    return {"mismatches": mismatches, "calls": calls, "alive": sum(t.is_alive() for t in pool.threads), "broadcast": x.tolist()}
+
+
+def test_sequential_calls_from_a_pool_of_live_threads_work(world2):
+    for out in world2.run(_pool_task, timeout=60):
+        assert out == {"mismatches": [], "calls": 24, "alive": 0, "broadcast": [1.0, 1.0]}
+
+
+def _overlap_task(rank, size, url):
+    import time
+
     import torch
 
     from rlightning_comm import CommError, collective
 
     ctx = init_world(rank, size, url, timeout=30)
+    ctx.init_group([0, 1], "SIDE")  # a second communicator: rank 1 waits on it, so rank 0's first call stays in flight
     glob = ctx.get_communicator("GLOBAL")
+    first = torch.full((3,), float(rank + 1))
     out = {}
-    t = torch.ones(2)
-    collective.all_reduce(t, "GLOBAL")  # the main thread owns GLOBAL now
-    with backend_calls() as calls:
-        box = _in_thread(lambda: collective.all_reduce(torch.ones(2), "GLOBAL"), "intruder")
-    out["intruder"] = (type(box.get("error")).__name__, str(box.get("error")), dict(calls))
-    collective.all_reduce(t, "GLOBAL")  # still in step: the refusal sent nothing
-    out["after_refusal"] = t.tolist()
+    if rank == 0:
+        box = {}
+        th = threading.Thread(target=lambda: box.setdefault("r", collective.all_reduce(first, "GLOBAL")), name="first")
+        th.start()
+        deadline = time.monotonic() + 20
+        while not glob._lock.locked() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        late = torch.full((3,), 100.0)
+        with backend_calls() as calls:
+            try:
+                collective.all_reduce(late, "GLOBAL")
+                out["late"] = "no error"
+            except CommError as err:
+                out["late"] = str(err)
+        out["late_calls"], out["late_tensor"] = dict(calls), late.tolist()
+        collective.barrier("SIDE")  # now rank 1 joins the first call
+        th.join(30)
+        out["first_alive"] = th.is_alive()
+    else:
+        collective.barrier("SIDE")
+        collective.all_reduce(first, "GLOBAL")
+    out["first"] = first.tolist()
+    after = torch.full((2,), float(rank))
+    collective.all_reduce(after, "GLOBAL")  # the group is in step: nothing of the late call was sent
+    out["after"] = after.tolist()
+    return out
 
-    # Hand-over: release in the owner, use in another thread; a live owner still excludes others.
-    glob.release_thread()
-    ready, done = threading.Event(), threading.Event()
 
-    def worker():
-        x = torch.ones(2)
-        collective.all_reduce(x, "GLOBAL")
-        ready.set()
-        done.wait(30)
-        return x.tolist()
+def test_an_overlapping_call_from_another_thread_is_refused_and_the_first_loses_nothing(world2):
+    r0, r1 = world2.run(_overlap_task, timeout=60)
+    assert "all_reduce on mode 'GLOBAL' from thread 'MainThread' overlaps a call (all_reduce) that thread 'first' has in flight" in r0["late"], r0
+    assert "nothing was sent" in r0["late"]
+    assert r0["late_calls"] == {} and r0["late_tensor"] == [100.0] * 3 and not r0["first_alive"]
+    assert r0["first"] == r1["first"] == [3.0] * 3
+    assert r0["after"] == r1["after"] == [1.0, 1.0]
 
-    th = threading.Thread(target=lambda: out.__setitem__("worker", worker()), name="worker")
+
+def _backward_hook_task(rank, size, url, device):
+    import torch
+    import torch.distributed as dist
+
+    from rlightning_comm import collective
+
+    ctx = init_world(rank, size, url, timeout=30)
+    group = ctx.get_communicator("GLOBAL").group
+    collective.barrier("GLOBAL")  # the main thread used GLOBAL last
+    seen = {}
+
+    def hook(grad):
+        seen["thread"] = threading.current_thread().name
+        g = grad.contiguous().clone()
+        collective.all_reduce(g, "GLOBAL")
+        return g
+
+    def step():
+        w = torch.arange(4, dtype=torch.float64, device=device).requires_grad_()
+        y = w * (rank + 2)
+        y.register_hook(hook)
+        (y * y).sum().backward()
+        return w
+
+    w = step()
+    raw = (2 * (torch.arange(4, dtype=torch.float64, device=device) * (rank + 2))).contiguous()
+    dist.all_reduce(raw, group=group)
+    expected = raw * (rank + 2)
+    box = {}
+    th = threading.Thread(target=lambda: box.setdefault("w", step()), name="trainer")  # backward from another thread, too
     th.start()
-    ready.wait(30)
-    try:
-        collective.all_reduce(torch.ones(2), "GLOBAL")
-        out["main_while_worker_owns"] = "no error"
-    except CommError as err:
-        out["main_while_worker_owns"] = str(err)
-    done.set()
     th.join(30)
-    collective.all_reduce(t, "GLOBAL")  # the worker ended: ownership passes back
-    out["main_after_worker"] = t.tolist()
+    return {"main": torch.equal(w.grad, expected), "thread": torch.equal(box["w"].grad, expected), "hook_thread": seen["thread"]}
 
+
+def test_a_collective_inside_backward_works(world2):
+    for out in world2.run(_backward_hook_task, "cpu", timeout=60):
+        assert out["main"] and out["thread"], out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: autograd runs a CUDA backward on its own device thread")
+def test_a_collective_inside_backward_works_on_autograd_device_threads(world2):
+    for out in world2.run(_backward_hook_task, "cuda", timeout=60):
+        assert out["main"] and out["thread"], out
+        assert out["hook_thread"] not in ("MainThread", "trainer"), out  # it really ran on autograd's thread
+
+
+def _per_mode_task(rank, size, url):
+    import torch
+
+    from rlightning_comm import collective
+
+    ctx = init_world(rank, size, url, timeout=30)
     # One mode per thread: both run at once and every result is exact.
     ctx.init_group([0, 1], "A")
     ctx.init_group([0, 1], "B")
@@ -83,20 +205,13 @@ def _ownership_task(rank, size, url):
         th.start()
     for th in threads:
         th.join(30)
-    out["per_mode"] = boxes
-    return out
+    return boxes
 
 
-def test_second_thread_is_refused_and_one_mode_per_thread_works(world2):
-    for out in world2.run(_ownership_task, timeout=60):
-        kind, msg, backend_calls = out["intruder"]
-        assert kind == "CommError" and backend_calls == {}
-        assert "mode 'GLOBAL' is driven by thread 'MainThread'; thread 'intruder' may not run collectives on it too" in msg
-        assert out["after_refusal"] == [4.0, 4.0]
-        assert "is driven by thread 'worker'" in out["main_while_worker_owns"]
-        assert out["worker"] == [2.0, 2.0] and out["main_after_worker"] == [8.0, 8.0]
+def test_one_mode_per_thread_runs_concurrently(world2):
+    for out in world2.run(_per_mode_task, timeout=60):
         # rank 0 contributes scale*1 + i, rank 1 scale*2 + i.
-        assert out["per_mode"] == {"A": [3.0 + 2 * i for i in range(30)], "B": [3000.0 + 2 * i for i in range(30)]}
+        assert out == {"A": [3.0 + 2 * i for i in range(30)], "B": [3000.0 + 2 * i for i in range(30)]}
 
 
 def _context_task(rank, size, url):

@@ -1,15 +1,23 @@
 """Local checks of a communicator's arguments, made before any collective starts.
 
 A bad argument raises here, on the rank that passed it, instead of reaching
-the backend (where it could hang the peers or fail obscurely).
+the backend (where it could hang the peers or fail obscurely). Each
+collective ``op`` has one ``_check_<op>`` method taking the public method's
+parameters: it runs every local check the op makes, never communicates and
+changes nothing. Debug mode calls them before its fingerprint exchange.
 """
 
 from __future__ import annotations
 
+import numbers
+import operator
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
 from torch.distributed import ReduceOp
+
+from rlightning_comm.communicators import _objects
 
 _SUM = ReduceOp.SUM
 _AVG = ReduceOp.AVG
@@ -23,21 +31,36 @@ class InputChecks:
 
     _mode: str
     _world_size: int
-    _rank_set: frozenset[int]
+    _global_rank: int
+    _group_rank_of: dict[int, int]
     _ranks: tuple[int, ...]
     supported_reduce_ops: ClassVar[frozenset[Any]]
     integer_avg_supported: ClassVar[bool]
+    complex_rooted_supported: ClassVar[bool]
     # _check_device(tensor, name) is the backend's part, declared abstract on Communicator.
 
+    # ------------------------------------------------------------ primitives
     def _check_tensor(self, tensor: Any, name: str) -> None:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor; got {type(tensor).__name__} (mode {self._mode!r})")
-        if not tensor.is_contiguous():
-            raise ValueError(
-                f"{name} must be contiguous; got a tensor of shape {tuple(tensor.shape)} with stride {tensor.stride()} "
-                f"(mode {self._mode!r}). Hint: pass t.contiguous() and copy the result back into your view"
-            )
+        try:
+            contiguous = tensor.is_contiguous()
+        except RuntimeError:  # sparse compressed layouts have no strides at all
+            contiguous = False
+        if not contiguous:
+            self._refuse_layout(tensor, name)
         self._check_device(tensor, name)
+
+    def _refuse_layout(self, tensor: torch.Tensor, name: str) -> None:
+        if tensor.layout != torch.strided:
+            raise ValueError(
+                f"{name} is a sparse tensor (layout {tensor.layout}); {type(self).__name__} (mode {self._mode!r}) takes dense, contiguous tensors. "
+                "Hint: pass t.to_dense()"
+            )
+        raise ValueError(
+            f"{name} must be contiguous; got a tensor of shape {tuple(tensor.shape)} with stride {tensor.stride()} "
+            f"(mode {self._mode!r}). Hint: pass t.contiguous() and copy the result back into your view"
+        )
 
     def _check_like(self, tensor: Any, ref: torch.Tensor, name: str) -> None:
         self._check_tensor(tensor, name)
@@ -56,20 +79,122 @@ class InputChecks:
             self._check_like(t, ref, f"{name}[{i}]")
 
     def _check_peer(self, rank: Any, name: str) -> None:
-        if rank not in self._rank_set or isinstance(rank, bool):
-            raise ValueError(f"{name}={rank!r} is not a global rank of mode {self._mode!r}; expected one of {list(self._ranks)}")
+        if type(rank) is int and rank in self._group_rank_of:
+            return
+        expected = list(self._ranks)
+        if isinstance(rank, bool) or not hasattr(type(rank), "__index__"):
+            raise TypeError(f"{name}={rank!r} is not a global rank of mode {self._mode!r}: expected an int, one of {expected}; got {type(rank).__name__}")
+        if operator.index(rank) not in self._group_rank_of:
+            raise ValueError(f"{name}={rank!r} is not a global rank of mode {self._mode!r}; expected one of {expected}")
 
-    def _check_reduce_op(self, op: Any, tensor: torch.Tensor) -> None:
+    def _check_reduce_op(self, op: Any, dtype: torch.dtype) -> None:
         if op is _SUM:
             return
         if op not in self.supported_reduce_ops:
             supported = sorted(str(o).rsplit(".", 1)[-1] for o in self.supported_reduce_ops)
             raise ValueError(f"reduce op {op!r} is not supported by {type(self).__name__} (mode {self._mode!r}); supported: {supported}")
-        if tensor.is_complex():
+        if dtype.is_complex:
             if op not in _COMPLEX_OPS:
-                raise ValueError(f"reduce op {op!r} is not defined on complex tensors ({tensor.dtype}, mode {self._mode!r}); expected SUM or AVG")
+                raise ValueError(f"reduce op {op!r} is not defined on complex tensors ({dtype}, mode {self._mode!r}); expected SUM or AVG")
         elif op in _BITWISE:
-            if tensor.is_floating_point():
-                raise ValueError(f"bitwise reduce op {op!r} needs an integer or bool tensor; got {tensor.dtype} (mode {self._mode!r})")
-        elif op is _AVG and not tensor.is_floating_point() and not self.integer_avg_supported:
-            raise ValueError(f"reduce op AVG needs a floating-point tensor with {type(self).__name__}; got {tensor.dtype} (mode {self._mode!r})")
+            if dtype.is_floating_point:
+                raise ValueError(f"bitwise reduce op {op!r} needs an integer or bool tensor; got {dtype} (mode {self._mode!r})")
+        elif op is _AVG and not dtype.is_floating_point and not self.integer_avg_supported:
+            raise ValueError(f"reduce op AVG needs a floating-point tensor with {type(self).__name__}; got {dtype} (mode {self._mode!r})")
+
+    def _check_rooted(self, name: str, tensor: Any, tensors: Any, root_name: str, root: Any) -> None:
+        self._check_tensor(tensor, "tensor")
+        self._check_peer(root, root_name)
+        if tensor.is_complex() and not self.complex_rooted_supported:
+            raise ValueError(
+                f"{name} of complex tensors is not supported by {type(self).__name__} (mode {self._mode!r}); got {tensor.dtype}. Hint: pass torch.view_as_real(t)"
+            )
+        if self._global_rank == root:
+            self._check_list(tensors, tensor, f"{name}_list")
+
+    def _check_splits(self, sizes: Any, t: torch.Tensor, name: str, tensor_name: str) -> None:
+        ws = self._world_size
+        if sizes is None:
+            if t.dim() == 0 or t.shape[0] % ws:
+                raise ValueError(
+                    f"dim 0 of a tensor split evenly must be divisible by the group size {ws}; got {tensor_name} of shape {tuple(t.shape)} (mode {self._mode!r})"
+                )
+            return
+        if not isinstance(sizes, (list, tuple)):
+            raise TypeError(f"{name} must be a list of {ws} ints (or None for an even split); got {type(sizes).__name__} {sizes!r} (mode {self._mode!r})")
+        if t.dim() == 0:
+            raise ValueError(f"{name} splits dim 0, so {tensor_name} needs at least one dimension; got a 0-d tensor (mode {self._mode!r})")
+        if len(sizes) != ws or not all(type(n) is int and n >= 0 for n in sizes) or sum(sizes) != t.shape[0]:
+            raise ValueError(
+                f"{name} must have {ws} entries summing to dim 0 = {t.shape[0]} of {tensor_name}, each a non-negative int; got {list(sizes)} (mode {self._mode!r})"
+            )
+
+    # ------------------------------------------------------------ per op
+    def _check_all_reduce(self, tensor: Any, op: Any = _SUM, async_op: bool = False) -> None:
+        self._check_tensor(tensor, "tensor")
+        self._check_reduce_op(op, tensor.dtype)
+
+    def _check_all_gather(self, output_tensor: Any, input_tensor: Any, async_op: bool = False) -> None:
+        self._check_tensor(output_tensor, "output_tensor")
+        self._check_tensor(input_tensor, "input_tensor")
+        shape, out_shape, ws = input_tensor.shape, output_tensor.shape, self._world_size
+        concatenated = bool(shape) and out_shape[0] == ws * shape[0] and out_shape[1:] == shape[1:]
+        if not (concatenated or out_shape == (ws, *shape)) or output_tensor.dtype != input_tensor.dtype or output_tensor.device != input_tensor.device:
+            allowed = [(ws * shape[0], *shape[1:])] if shape else []
+            allowed.append((ws, *shape))
+            raise ValueError(
+                f"output_tensor must have shape {' or '.join(map(str, allowed))}, {input_tensor.dtype} on {input_tensor.device} "
+                f"for an input of shape {tuple(shape)} and world size {ws}; got shape {tuple(out_shape)}, "
+                f"{output_tensor.dtype} on {output_tensor.device} (mode {self._mode!r})"
+            )
+
+    def _check_broadcast(self, tensor: Any, src: Any = 0, async_op: bool = False) -> None:
+        self._check_tensor(tensor, "tensor")
+        self._check_peer(src, "src")
+
+    def _check_gather(self, tensor: Any, gather_list: Any = None, dst: Any = 0, async_op: bool = False) -> None:
+        self._check_rooted("gather", tensor, gather_list, "dst", dst)
+
+    def _check_scatter(self, tensor: Any, scatter_list: Any = None, src: Any = 0, async_op: bool = False) -> None:
+        self._check_rooted("scatter", tensor, scatter_list, "src", src)
+
+    def _check_reduce_scatter(self, output: Any, input_: Any, op: Any = _SUM, async_op: bool = False) -> None:
+        self._check_tensor(output, "output")
+        self._check_tensor(input_, "input_")
+        self._check_reduce_op(op, input_.dtype)
+        if input_.numel() != output.numel() * self._world_size or input_.dtype != output.dtype or input_.device != output.device:
+            raise ValueError(
+                f"input_ must hold world_size * output.numel() = {self._world_size * output.numel()} elements of {output.dtype} on {output.device}; "
+                f"got {input_.numel()} of {input_.dtype} on {input_.device} (mode {self._mode!r})"
+            )
+
+    def _check_all_to_all_single(self, output: Any, input_: Any, output_split_sizes: Any = None, input_split_sizes: Any = None, async_op: bool = False) -> None:
+        self._check_tensor(output, "output")
+        self._check_tensor(input_, "input_")
+        if output.dtype != input_.dtype or output.device != input_.device or output.shape[1:].numel() != input_.shape[1:].numel():
+            raise ValueError(
+                f"output must have input_'s dtype and device and as many elements per dim-0 row: expected {input_.dtype} on {input_.device}, "
+                f"{input_.shape[1:].numel()} per row (input_ shape {tuple(input_.shape)}); got {output.dtype} on {output.device}, "
+                f"{output.shape[1:].numel()} per row (output shape {tuple(output.shape)}) (mode {self._mode!r})"
+            )
+        self._check_splits(output_split_sizes, output, "output_split_sizes", "output")
+        self._check_splits(input_split_sizes, input_, "input_split_sizes", "input_")
+
+    def _check_barrier(self) -> None:
+        return None
+
+    def _check_broadcast_object_list(self, object_list: Any, src: Any = 0, *, safe: bool | None = None, max_bytes: int | None = None) -> None:
+        if not isinstance(object_list, list):
+            raise TypeError(f"object_list must be a list (it is filled in place); got {type(object_list).__name__} (mode {self._mode!r})")
+        self._check_peer(src, "src")
+        _objects.resolve_options(safe, max_bytes, self._mode)
+
+    def _check_all_reduce_dict(self, dictionary: Any, op: Any = _SUM, dtype: Any = torch.float32) -> None:
+        if not isinstance(dictionary, Mapping):
+            raise TypeError(f"dictionary must be a Mapping; got {type(dictionary).__name__} (mode {self._mode!r})")
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype such as torch.float64; got {type(dtype).__name__} {dtype!r} (mode {self._mode!r})")
+        self._check_reduce_op(op, dtype)
+        for key, value in dictionary.items():
+            if not isinstance(value, (torch.Tensor, numbers.Number)):
+                raise TypeError(f"all_reduce_dict value for key {key!r} must be a number or a tensor; got {type(value).__name__} (mode {self._mode!r})")

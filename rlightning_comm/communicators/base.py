@@ -10,17 +10,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+from rlightning_comm._compat import all_gather_single as _all_gather_flat
+from rlightning_comm._compat import reduce_scatter_single as _reduce_scatter_flat
 from rlightning_comm.communicators import _objects
 from rlightning_comm.communicators._checks import InputChecks
 from rlightning_comm.communicators._objects import broadcast_objects
 from rlightning_comm.communicators._packing import pack
-from rlightning_comm.communicators._threads import ThreadOwned
+from rlightning_comm.communicators._threads import InFlight
 from rlightning_comm.errors import CommError
 from rlightning_comm.failures import WorkHandle, comm_failure
-
-# torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _SUM = ReduceOp.SUM
 
@@ -39,7 +37,7 @@ COLLECTIVES = (
 """Names of the :class:`Communicator` methods that run a collective (what debug mode checks and stats record)."""
 
 
-class Communicator(InputChecks, ThreadOwned, ABC):
+class Communicator(InputChecks, InFlight, ABC):
     """Collectives on one process group, bound to one mode by :class:`CommContext`.
 
     Every method takes and returns what the torch.distributed function of the
@@ -58,12 +56,19 @@ class Communicator(InputChecks, ThreadOwned, ABC):
     view is refused (``ValueError``) rather than copied, so no op ever reads or
     writes the memory around a view.
 
-    Threads: the first thread that runs a collective on a communicator owns
-    it; a call from any other thread raises :class:`CommError` before anything
-    is sent, because two threads' calls could pair up differently on
-    different ranks with no error. Ownership passes to another thread when the
-    owner has ended or has called :meth:`release_thread`. Use one mode per
-    thread to communicate from several threads.
+    Threads: any thread may call, one call at a time. A call that starts while
+    another thread's call is in flight on the same communicator raises
+    :class:`CommError` naming both threads, before anything is sent, because
+    two threads' calls could pair up differently on different ranks with no
+    error; the call in flight is not disturbed. Calls that follow each other
+    may come from any threads (a pool, a weight-updater thread, a gradient
+    hook on autograd's threads).
+
+    Where this differs from torch.distributed: ``all_gather`` takes one
+    output tensor (torch's list form is refused: pass a tensor of shape
+    ``(world_size, *input.shape)``), and ``gather``/``scatter`` read their
+    list on the root only (torch refuses a list on other ranks; it is ignored
+    here).
 
     Subclasses implement what differs between backends: :attr:`device`,
     :meth:`_check_device` and the class attributes :attr:`backend` and
@@ -86,16 +91,19 @@ class Communicator(InputChecks, ThreadOwned, ABC):
     integer_avg_supported: ClassVar[bool] = True
     """Whether ``ReduceOp.AVG`` works on integer tensors with this backend."""
 
+    complex_rooted_supported: ClassVar[bool] = True
+    """Whether ``gather`` and ``scatter`` work on complex tensors with this backend."""
+
     def __init__(self, group: dist.ProcessGroup | None, ranks: Sequence[int], mode: str, timeout: float | None = None) -> None:
         self._group = group
         self._timeout = None if timeout is None else float(timeout)
-        self._init_ownership()
+        self._init_claim()
         self._ranks = tuple(int(r) for r in ranks)
-        self._rank_set = frozenset(self._ranks)
+        self._group_rank_of = {r: i for i, r in enumerate(self._ranks)}
         self._mode = str(mode)
         self._world_size = len(self._ranks)
         self._global_rank = dist.get_rank() if dist.is_initialized() else 0
-        if group is not None and self._global_rank not in self._rank_set:
+        if group is not None and self._global_rank not in self._group_rank_of:
             raise ValueError(f"global rank {self._global_rank} has a group for mode {self._mode!r} but is not in its ranks {list(self._ranks)}")
         self._rank = self._ranks.index(self._global_rank) if group is not None else -1
 
@@ -164,19 +172,16 @@ class Communicator(InputChecks, ThreadOwned, ABC):
     def _handle(self, work: Any, op: str) -> WorkHandle:
         return WorkHandle(work, self._mode, op, self._timeout)
 
-    def _active_group(self) -> dist.ProcessGroup | None:
-        # The thread check: one attribute read in the owning thread (see _threads.py).
-        try:
-            return self._owned.group
-        except AttributeError:
-            return self._enter()
-
     def _run(self, name: str, fn: Any, async_op: bool, /, *args: Any, **kwargs: Any) -> Any | None:
-        """Call the backend collective ``fn`` (op ``name``); translate its failures and wrap an async handle."""
+        """Call the backend collective ``fn`` (op ``name``) holding the claim; translate its failures and wrap an async handle."""
+        claimed = self._claim(name)
         try:
             work = fn(*args, async_op=async_op, **kwargs)
         except RuntimeError as err:
             raise self._failure(name, err) from err
+        finally:
+            if claimed:
+                self._release()
         return self._handle(work, name) if async_op else None
 
     # --------------------------------------------------------------- validation
@@ -199,16 +204,15 @@ class Communicator(InputChecks, ThreadOwned, ABC):
         Raises:
             CommTimeoutError: a peer did not join within the group's timeout (every op).
             CommError: the backend failed (a peer died, the group broke), or
-                another thread owns this communicator (every op).
+                another thread's call is in flight on this communicator (every op).
             TypeError: ``tensor`` is not a tensor.
             ValueError: non-contiguous tensor, wrong device, or ``op`` unsupported
                 by the backend or the dtype.
         """
-        group = self._active_group()
+        group = self._group
         if group is None:
             return None
-        self._check_tensor(tensor, "tensor")
-        self._check_reduce_op(op, tensor)
+        self._check_all_reduce(tensor, op, async_op)
         return self._run("all_reduce", dist.all_reduce, async_op, tensor, op=op, group=group)
 
     def all_gather(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, async_op: bool = False) -> Any | None:
@@ -224,21 +228,10 @@ class Communicator(InputChecks, ThreadOwned, ABC):
         Returns:
             A work handle if ``async_op``, else ``None``; ``None`` on a non-member.
         """
-        group = self._active_group()
+        group = self._group
         if group is None:
             return None
-        self._check_tensor(output_tensor, "output_tensor")
-        self._check_tensor(input_tensor, "input_tensor")
-        shape, out_shape, ws = input_tensor.shape, output_tensor.shape, self._world_size
-        concatenated = bool(shape) and out_shape[0] == ws * shape[0] and out_shape[1:] == shape[1:]
-        if not (concatenated or out_shape == (ws, *shape)) or output_tensor.dtype != input_tensor.dtype or output_tensor.device != input_tensor.device:
-            allowed = [(ws * shape[0], *shape[1:])] if shape else []
-            allowed.append((ws, *shape))
-            raise ValueError(
-                f"output_tensor must have shape {' or '.join(map(str, allowed))}, {input_tensor.dtype} on {input_tensor.device} "
-                f"for an input of shape {tuple(shape)} and world size {ws}; got shape {tuple(out_shape)}, "
-                f"{output_tensor.dtype} on {output_tensor.device} (mode {self._mode!r})"
-            )
+        self._check_all_gather(output_tensor, input_tensor, async_op)
         # Both tensors are contiguous, so the flat gather has the same memory layout as either output shape.
         return self._run("all_gather", _all_gather_flat, async_op, output_tensor.view(-1), input_tensor.view(-1), group=group)
 
@@ -251,11 +244,10 @@ class Communicator(InputChecks, ThreadOwned, ABC):
         Raises:
             ValueError: ``src`` is not a rank of the group.
         """
-        group = self._active_group()
+        group = self._group
         if group is None:
             return None
-        self._check_tensor(tensor, "tensor")
-        self._check_peer(src, "src")
+        self._check_broadcast(tensor, src, async_op)
         return self._run("broadcast", dist.broadcast, async_op, tensor, src=src, group=group)
 
     def gather(self, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int = 0, async_op: bool = False) -> Any | None:
@@ -271,7 +263,11 @@ class Communicator(InputChecks, ThreadOwned, ABC):
         Returns:
             A work handle if ``async_op``, else ``None``; ``None`` on a non-member.
         """
-        return self._rooted("gather", dist.gather, tensor, gather_list, "dst", dst, async_op)
+        group = self._group
+        if group is None:
+            return None
+        self._check_gather(tensor, gather_list, dst, async_op)
+        return self._run("gather", dist.gather, async_op, tensor, list(gather_list) if self._global_rank == dst else None, dst=dst, group=group)
 
     def scatter(self, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int = 0, async_op: bool = False) -> Any | None:
         """Send ``scatter_list[i]`` from global rank ``src`` to the group's i-th rank, into ``tensor``.
@@ -286,21 +282,11 @@ class Communicator(InputChecks, ThreadOwned, ABC):
         Returns:
             A work handle if ``async_op``, else ``None``; ``None`` on a non-member.
         """
-        return self._rooted("scatter", dist.scatter, tensor, scatter_list, "src", src, async_op)
-
-    def _rooted(self, name: str, fn: Any, tensor: torch.Tensor, tensors: Any, root_name: str, root: int, async_op: bool) -> Any | None:
-        """gather and scatter: ``tensors`` (one per rank, shaped like ``tensor``) matter on the root only."""
-        group = self._active_group()
+        group = self._group
         if group is None:
             return None
-        self._check_tensor(tensor, "tensor")
-        self._check_peer(root, root_name)
-        if self._global_rank == root:
-            self._check_list(tensors, tensor, f"{name}_list")
-            tensors = list(tensors)
-        else:
-            tensors = None
-        return self._run(name, fn, async_op, tensor, tensors, group=group, **{root_name: root})
+        self._check_scatter(tensor, scatter_list, src, async_op)
+        return self._run("scatter", dist.scatter, async_op, tensor, list(scatter_list) if self._global_rank == src else None, src=src, group=group)
 
     def reduce_scatter(self, output: torch.Tensor, input_: torch.Tensor, op: Any = _SUM, async_op: bool = False) -> Any | None:
         """Reduce ``input_`` across the group and leave this rank's dim-0 slice in ``output``.
@@ -314,17 +300,10 @@ class Communicator(InputChecks, ThreadOwned, ABC):
         Returns:
             A work handle if ``async_op``, else ``None``; ``None`` on a non-member.
         """
-        group = self._active_group()
+        group = self._group
         if group is None:
             return None
-        self._check_tensor(output, "output")
-        self._check_tensor(input_, "input_")
-        self._check_reduce_op(op, input_)
-        if input_.numel() != output.numel() * self._world_size or input_.dtype != output.dtype:
-            raise ValueError(
-                f"input_ must hold world_size * output.numel() = {self._world_size * output.numel()} elements of {output.dtype}; "
-                f"got {input_.numel()} of {input_.dtype} (mode {self._mode!r})"
-            )
+        self._check_reduce_scatter(output, input_, op, async_op)
         return self._run("reduce_scatter", _reduce_scatter_flat, async_op, output.view(-1), input_.view(-1), op=op, group=group)
 
     def all_to_all_single(
@@ -342,22 +321,10 @@ class Communicator(InputChecks, ThreadOwned, ABC):
         Returns:
             A work handle if ``async_op``, else ``None``; ``None`` on a non-member.
         """
-        group = self._active_group()
+        group = self._group
         if group is None:
             return None
-        self._check_tensor(output, "output")
-        self._check_tensor(input_, "input_")
-        for sizes, t, name in ((output_split_sizes, output, "output_split_sizes"), (input_split_sizes, input_, "input_split_sizes")):
-            if sizes is None:
-                if t.dim() == 0 or t.shape[0] % self._world_size:
-                    raise ValueError(f"dim 0 of a tensor split evenly must be divisible by the group size {self._world_size}; got shape {tuple(t.shape)} (mode {self._mode!r})")
-            elif (
-                not isinstance(sizes, (list, tuple))
-                or len(sizes) != self._world_size
-                or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes)
-                or sum(sizes) != t.shape[0]
-            ):
-                raise ValueError(f"{name} must have {self._world_size} entries summing to dim 0 = {t.shape[0]}; got {list(sizes)} (mode {self._mode!r})")
+        self._check_all_to_all_single(output, input_, output_split_sizes, input_split_sizes, async_op)
         return self._run("all_to_all_single", dist.all_to_all_single, async_op, output, input_, output_split_sizes, input_split_sizes, group=group)
 
     def broadcast_object_list(self, object_list: list[Any], src: int = 0, *, safe: bool | None = None, max_bytes: int | None = None) -> None:
@@ -391,17 +358,16 @@ class Communicator(InputChecks, ThreadOwned, ABC):
                 safe mode or exceeds ``max_bytes``; ``object_list`` is left
                 unchanged and the group stays usable.
         """
-        group = self._active_group()
+        group = self._group
         if group is None:
             return
-        if not isinstance(object_list, list):
-            raise TypeError(f"object_list must be a list (it is filled in place); got {type(object_list).__name__} (mode {self._mode!r})")
-        self._check_peer(src, "src")
+        self._check_broadcast_object_list(object_list, src, safe=safe, max_bytes=max_bytes)
         safe, max_bytes = _objects.resolve_options(safe, max_bytes, self._mode)
-        try:
-            payloads = broadcast_objects(object_list, src, group, self.device)
-        except RuntimeError as err:
-            raise self._failure("broadcast_object_list", err) from err
+        with self._exclusive("broadcast_object_list"):
+            try:
+                payloads = broadcast_objects(object_list, src, group, self.device)
+            except RuntimeError as err:
+                raise self._failure("broadcast_object_list", err) from err
         if payloads is not None:
             object_list[:] = _objects.decode(payloads, src, safe, max_bytes, self._mode)
         return
@@ -427,10 +393,9 @@ class Communicator(InputChecks, ThreadOwned, ABC):
         Raises:
             TypeError: not a mapping, or a value is neither a number nor a tensor.
         """
-        if not isinstance(dictionary, Mapping):
-            raise TypeError(f"dictionary must be a Mapping; got {type(dictionary).__name__} (mode {self._mode!r})")
         if self._group is None:
             return None
+        self._check_all_reduce_dict(dictionary, op, dtype)
         flat, unpack = pack(dictionary, dtype, self.device, self._mode)
         if flat is None:
             return {}
@@ -439,7 +404,7 @@ class Communicator(InputChecks, ThreadOwned, ABC):
 
     def barrier(self) -> None:
         """Block until every rank of the group reaches this call (no-op on a non-member)."""
-        group = self._active_group()
+        group = self._group
         if group is None:
             return None
         return self._run("barrier", dist.barrier, False, group=group, device_ids=self._barrier_device_ids())

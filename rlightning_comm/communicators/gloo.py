@@ -23,6 +23,7 @@ class GlooCommunicator(Communicator):
         {ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR}
     )
     integer_avg_supported: ClassVar[bool] = False
+    complex_rooted_supported: ClassVar[bool] = False
 
     @property
     @override
