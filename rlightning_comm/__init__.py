@@ -3,7 +3,7 @@
 from rlightning_comm import collective, sequence_parallel
 from rlightning_comm.communicators import Communicator, GlooCommunicator, NcclCommunicator, register_communicator
 from rlightning_comm.config import ParallelConfig
-from rlightning_comm.context import CommContext
+from rlightning_comm.context import CommContext, initialize_distributed_env
 from rlightning_comm.errors import CommError, CommMismatchError, CommTimeoutError, ModeNotBoundError, ObjectRefusedError
 from rlightning_comm.failures import WorkHandle
 from rlightning_comm.layout import ModeLayout, describe_layout, format_layout
@@ -43,6 +43,7 @@ __all__ = [
     "describe_layout",
     "format_layout",
     "gather_from_sequence_parallel_region",
+    "initialize_distributed_env",
     "reduce_scatter_to_sequence_parallel_region",
     "register_communicator",
     "scatter_to_sequence_parallel_region",

@@ -6,14 +6,11 @@ from datetime import timedelta
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from rlightning_comm.errors import CommError
+
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-def _sort_key(rank: object) -> tuple[int, object]:
-    # Sort ints by value and leave anything else (rejected by validation) in a stable place.
-    return (0, rank) if isinstance(rank, int) else (1, repr(rank))
 
 
 def _as_seconds(value: float | timedelta) -> float:
@@ -44,13 +41,13 @@ class DistributedConfig(_Frozen):
 
 
 class GroupConfig(_Frozen):
-    """Arguments of :meth:`CommContext.init_group`, in normalised form."""
+    """The groups declared for one mode, in normalised form (what :meth:`CommContext.init_group` builds up)."""
 
     partition: tuple[tuple[int, ...], ...]
-    """The groups to create: one tuple of global ranks each (a single group is a partition of one).
+    """The mode's groups declared so far, in declaration order: one tuple of global ranks each.
 
-    Each group's ranks are sorted: torch orders a group's ranks by global rank,
-    whatever order they were listed in, and group rank ``i`` is the i-th of them.
+    Each group keeps the order its ranks were declared in: group rank ``i`` is
+    the ``i``-th of them (``new_group(..., sort_ranks=False)``).
     """
     world_size: int = Field(ge=1)
     """Size of the world the ranks must lie in."""
@@ -64,15 +61,15 @@ class GroupConfig(_Frozen):
     @field_validator("partition", mode="before")
     @classmethod
     def _normalise_ranks(cls, ranks: object) -> object:
-        """Accept one list of ranks or a list of lists and return a tuple of tuples."""
+        """Accept one list of ranks or a list of lists and return a tuple of tuples, order kept."""
         if not isinstance(ranks, (list, tuple)) or not ranks:
             raise ValueError(f"ranks must be a non-empty list of global ranks or a list of such lists; got {ranks!r}")
         nested = [isinstance(r, (list, tuple)) for r in ranks]
         if all(nested):
-            return tuple(tuple(sorted(part, key=_sort_key)) for part in ranks)
+            return tuple(tuple(part) for part in ranks)
         if any(nested):
             raise ValueError(f"ranks mixes ranks and lists of ranks; got {ranks!r}")
-        return (tuple(sorted(ranks, key=_sort_key)),)
+        return (tuple(ranks),)
 
     @model_validator(mode="after")
     def _ranks_valid(self) -> GroupConfig:
@@ -93,6 +90,43 @@ class GroupConfig(_Frozen):
         if len(self.partition) == 1:
             return list(self.partition[0])
         return [list(part) for part in self.partition]
+
+    def extend(self, other: GroupConfig, mode: str) -> tuple[GroupConfig, tuple[tuple[int, ...], ...]]:
+        """This declaration with ``other``'s groups added, and which of them are new.
+
+        A group of ``other`` equal to a declared one (same ranks, same order)
+        is already there; one that shares no rank with a declared group is new.
+
+        Args:
+            other: A further declaration for the same mode.
+            mode: The mode's name (for messages).
+
+        Returns:
+            The extended declaration, and the groups of ``other`` not declared before.
+
+        Raises:
+            CommError: ``other`` has another backend, timeout or world size, or
+                declares a rank that is in a different group already.
+        """
+        if (other.backend, other.timeout, other.world_size) != (self.backend, self.timeout, self.world_size):
+            raise CommError(
+                f"mode {mode!r} is already bound to ranks {self.as_ranks()} (backend {self.backend!r}, timeout {self.timeout}s); "
+                f"every group of a mode uses one backend and timeout, got backend {other.backend!r}, timeout {other.timeout}s. "
+                "Call destroy() before binding the mode again"
+            )
+        owner = {r: part for part in self.partition for r in part}
+        new = []
+        for part in other.partition:
+            if part in self.partition:
+                continue
+            clash = next((r for r in part if r in owner), None)
+            if clash is not None:
+                raise CommError(
+                    f"mode {mode!r}: rank {clash} is declared in two different groups, {list(owner[clash])} (declared before) and {list(part)}; "
+                    "a rank belongs to at most one group of a mode (the same ranks in another order are another group). Call destroy() to redeclare the mode"
+                )
+            new.append(part)
+        return self.model_copy(update={"partition": self.partition + tuple(new)}), tuple(new)
 
 
 _PARALLEL_DIMS = {"tp": "tensor_parallel_size", "sp": "sequence_parallel_size", "dp": "data_parallel_size"}

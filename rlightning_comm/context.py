@@ -2,50 +2,45 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import warnings
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import ClassVar
 
 import torch.distributed as dist
+from typing_extensions import Self
 
 from rlightning_comm import debug, rendezvous
 from rlightning_comm import stats as _stats
 from rlightning_comm._context_layouts import ContextLayouts
+from rlightning_comm._context_lookups import ContextLookups
 from rlightning_comm._context_policies import ContextPolicies
+from rlightning_comm._env import argument_from_env, env_debug
+from rlightning_comm._groups import check_order_supported, new_group
 from rlightning_comm.communicators import _objects
 from rlightning_comm.communicators.base import Communicator
 from rlightning_comm.communicators.registry import get_communicator_class
 from rlightning_comm.config import DistributedConfig, GroupConfig
 from rlightning_comm.errors import CommError, ModeNotBoundError
-from rlightning_comm.failures import comm_failure
 from rlightning_comm.modes import CommMode, mode_name
+from rlightning_comm.topology import Partition
 
 _GLOBAL = CommMode.GLOBAL.value
-DEBUG_ENV = "RLIGHTNING_COMM_DEBUG"
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("", "0", "false", "no", "off")
 
 
-def _env_debug() -> bool:
-    value = os.environ.get(DEBUG_ENV, "").strip().lower()
-    if value not in _TRUE + _FALSE:
-        raise ValueError(f"environment variable {DEBUG_ENV} must be one of {list(_TRUE + _FALSE)}; got {os.environ[DEBUG_ENV]!r}")
-    return value in _TRUE
+def initialize_distributed_env(rank: int, world_size: int, backend: str = "nccl", dist_url: str = "env://", timeout: float | timedelta = 1800) -> Communicator:
+    """The seed's module function: ``CommContext().init_distributed_env(world_size, rank, backend, dist_url, timeout)``.
+
+    Note the argument order, ``rank`` first, as in the seed.
+
+    Returns:
+        The communicator bound to ``CommMode.GLOBAL``.
+    """
+    return CommContext().init_distributed_env(world_size=world_size, rank=rank, backend=backend, dist_url=dist_url, timeout=timeout)
 
 
-def _env_int(name: str, argument: str) -> int:
-    value = os.environ.get(name)
-    if value is None:
-        raise ValueError(f"{argument} was not given and the environment variable {name} is not set; pass {argument}= or launch with torchrun")
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"environment variable {name} must be an integer; got {value!r}") from None
-
-
-class CommContext(ContextLayouts, ContextPolicies):
+class CommContext(ContextLookups, ContextLayouts, ContextPolicies):
     """The one process-wide registry that binds a :class:`Communicator` to each mode.
 
     ``CommContext()`` always returns the same object. Initialise the world
@@ -74,7 +69,7 @@ class CommContext(ContextLayouts, ContextPolicies):
     _debug: bool
     _lock: threading.RLock
 
-    def __new__(cls) -> CommContext:
+    def __new__(cls) -> Self:
         instance = cls._instance
         if instance is None:
             with cls._instance_lock:
@@ -134,10 +129,10 @@ class CommContext(ContextLayouts, ContextPolicies):
             if world_size is None or rank is None:
                 if not str(dist_url).startswith("env://"):
                     raise ValueError(f"world_size and rank are required with dist_url={dist_url!r}; only env:// reads them from the environment")
-                world_size = _env_int("WORLD_SIZE", "world_size") if world_size is None else world_size
-                rank = _env_int("RANK", "rank") if rank is None else rank
+                world_size = argument_from_env("WORLD_SIZE", "world_size") if world_size is None else world_size
+                rank = argument_from_env("RANK", "rank") if rank is None else rank
             config = DistributedConfig(world_size=world_size, rank=rank, backend=backend, dist_url=dist_url, timeout=timeout)
-            env_debug = _env_debug()
+            debug_from_env = env_debug()
             if self._dist_config is not None:
                 if config == self._dist_config:
                     return self._comms[_GLOBAL]
@@ -159,11 +154,8 @@ class CommContext(ContextLayouts, ContextPolicies):
             self._configs[_GLOBAL] = GroupConfig(partition=(world,), world_size=config.world_size, backend=backend, timeout=config.timeout)
             comm = cls(group=dist.group.WORLD, ranks=world, mode=_GLOBAL, timeout=config.timeout)
             debug.new_generation()
-            self._debug = self._debug or env_debug
-            if self._debug:
-                debug.enable(comm, config.timeout)
-            self._comms[_GLOBAL] = comm
-            _stats.on_bind(comm)
+            self._debug = self._debug or debug_from_env
+            self._bind(_GLOBAL, comm)
             return comm
 
     def init_group(
@@ -174,72 +166,99 @@ class CommContext(ContextLayouts, ContextPolicies):
         use_cpu: bool = False,
         timeout: float | timedelta | None = None,
     ) -> Communicator:
-        """Create the process group(s) for ``mode`` and bind this rank's communicator.
+        """Create process group(s) for ``mode`` and bind this rank to the one that holds it.
 
-        Every rank of the world must call this with the same arguments, as
-        torch requires for group creation.
+        Every rank of the world makes every call, with the same arguments, as
+        torch requires for group creation. Two forms, which can be mixed:
+
+        - a partition in one call: ``init_group([[0, 1], [2, 3]], mode)``;
+        - one group per call, repeated on every rank (the seed's form):
+          ``init_group([0, 1], mode)`` then ``init_group([2, 3], mode)``.
+
+        A call whose group does not hold this rank takes part in creating it
+        and leaves this rank's binding alone; a rank in no group of ``mode``
+        is a non-member (its collectives return ``None``). Group rank ``i`` is
+        the ``i``-th rank as declared: ``init_group([3, 0, 1], mode)`` makes
+        global rank 3 group rank 0. Declaring a group again (same ranks, same
+        order) is a no-op.
 
         Args:
-            ranks: One list of global ranks (ranks outside it are non-members
-                of ``mode``), or a list of disjoint lists, a partition: each
-                rank is bound to the group that holds it.
+            ranks: One list of global ranks, or a list of disjoint lists.
             mode: The mode to bind (not ``GLOBAL``, which the world binds).
             backend: A registered communicator name; ``None`` means the world's.
             use_cpu: Use gloo (CPU) whatever the world's backend.
             timeout: Timeout of this group's collectives; ``None`` means the world's.
 
         Returns:
-            The communicator bound to ``mode`` on this rank (a non-member one
-            if this rank is in none of the groups).
+            The communicator bound to ``mode`` on this rank after this call (a
+            non-member one if this rank is in none of the mode's groups yet).
 
         Raises:
             ValueError: bad ranks, backend or timeout (before any group is created).
-            CommError: not initialised, or ``mode`` already bound differently.
+            CommError: not initialised; a rank declared in two different groups
+                of ``mode``, or another backend or timeout than the mode's groups
+                so far; an unsorted group on a torch without declared order
+                (all before any group is created).
         """
         name = mode_name(mode)
         with self._lock:
-            dist_config = self._require_world()
-            if name == _GLOBAL:
-                raise ValueError("mode 'GLOBAL' is bound by init_distributed_env; pick another mode for init_group")
-            if use_cpu:
-                if backend is not None and get_communicator_class(backend).backend != "gloo":
-                    raise ValueError(f"use_cpu=True needs a gloo backend; got backend={backend!r}")
-                backend = backend or "gloo"
-            backend = backend or dist_config.backend
-            cls = get_communicator_class(backend)
-            config = GroupConfig(
-                partition=ranks,
-                world_size=dist_config.world_size,
-                backend=backend,
-                timeout=dist_config.timeout if timeout is None else timeout,
-            )
-            existing = self._configs.get(name)
-            if existing is not None:
-                if existing == config:
-                    return self._comms[name]
-                raise CommError(
-                    f"mode {name!r} is already bound to ranks {existing.as_ranks()} (backend {existing.backend!r}); "
-                    f"call destroy() before binding it to {config.as_ranks()} (backend {config.backend!r})"
-                )
-            me = dist_config.rank
-            comm = None
-            for part in config.partition:
-                try:
-                    group = dist.new_group(ranks=list(part), backend=cls.backend, timeout=timedelta(seconds=config.timeout))
-                except RuntimeError as err:
-                    raise comm_failure(err, name, "init_group", config.timeout) from err
+            cls, config, new = self._plan_group(ranks, name, backend, use_cpu, timeout)
+            comm = self._comms.get(name)
+            if not new:
+                return comm
+            me = self._require_world().rank
+            for part in new:
+                group = new_group(part, cls.backend, config.timeout, name)
                 if me in part:
                     comm = cls(group=group, ranks=part, mode=name, timeout=config.timeout)
-            if comm is None:
+            if comm is None or not comm.is_member:
+                # A non-member of a mode with one group still reports that group's ranks.
                 comm = cls(group=None, ranks=config.partition[0] if len(config.partition) == 1 else (), mode=name, timeout=config.timeout)
-            if self._debug:
-                debug.enable(comm, config.timeout)
             self._configs[name] = config
-            self._comms[name] = comm
-            _stats.on_bind(comm)
+            self._bind(name, comm)
             return comm
 
-    # -------------------------------------------------------- declared layouts
+    def _plan_group(
+        self, ranks: object, name: str, backend: str | None, use_cpu: bool, timeout: float | timedelta | None
+    ) -> tuple[type[Communicator], GroupConfig, Partition]:
+        """Validate one :meth:`init_group` call: its class, the mode's declaration after it, and the groups it adds.
+
+        Creates nothing; raises what :meth:`init_group` raises before creating a group.
+        """
+        dist_config = self._require_world()
+        if name == _GLOBAL:
+            raise ValueError("mode 'GLOBAL' is bound by init_distributed_env; pick another mode for init_group")
+        if use_cpu:
+            if backend is not None and get_communicator_class(backend).backend != "gloo":
+                raise ValueError(f"use_cpu=True needs a gloo backend; got backend={backend!r}")
+            backend = backend or "gloo"
+        backend = backend or dist_config.backend
+        cls = get_communicator_class(backend)
+        config = GroupConfig(
+            partition=ranks,
+            world_size=dist_config.world_size,
+            backend=backend,
+            timeout=dist_config.timeout if timeout is None else timeout,
+        )
+        existing = self._configs.get(name)
+        config, new = (config, config.partition) if existing is None else existing.extend(config, name)
+        check_order_supported(new, name)
+        return cls, config, new
+
+    def _plan_modes(self, partitions: dict[str, Sequence[Sequence[int]]], backend: str | None, use_cpu: bool, timeout: float | timedelta | None) -> None:
+        """Validate every mode of a declared layout before any group is created, so a conflict leaves nothing half-bound."""
+        for name, partition in partitions.items():
+            self._plan_group([list(p) for p in partition], name, backend, use_cpu, timeout)
+
+    def _bind(self, name: str, comm: Communicator) -> None:
+        if self._comms.get(name) is comm:
+            return
+        if self._debug:
+            debug.enable(comm, comm.timeout)
+        self._comms[name] = comm
+        _stats.on_bind(comm)
+
+    # ---------------------------------------------------------------- teardown
     def destroy(self) -> None:
         """Destroy every group this context created (and the world if it created it), and unbind every mode.
 
@@ -260,7 +279,9 @@ class CommContext(ContextLayouts, ContextPolicies):
                         try:
                             dist.destroy_process_group(group)
                         except Exception as err:  # noqa: BLE001 - a broken group must not stop the teardown
-                            warnings.warn(f"CommContext.destroy: could not destroy {'the world' if group is None else 'a group'}: {err!r}", RuntimeWarning, stacklevel=2)
+                            warnings.warn(
+                                f"CommContext.destroy: could not destroy {'the world' if group is None else 'a group'}: {err!r}", RuntimeWarning, stacklevel=2
+                            )
             finally:
                 self._reset()
 
@@ -283,43 +304,6 @@ class CommContext(ContextLayouts, ContextPolicies):
         if comm is not None:  # bound concurrently since the failed lookup
             return comm
         raise ModeNotBoundError(f"No communicator bound for mode {name!r}; bound modes: {sorted(self._comms)}")
-
-    def get_group(self, mode: CommMode | str = CommMode.GLOBAL) -> dist.ProcessGroup | None:
-        """The torch process group of ``mode`` (``None`` on a non-member rank)."""
-        return self.get_communicator(mode).group
-
-    def get_group_config(self, mode: CommMode | str = CommMode.GLOBAL) -> GroupConfig:
-        """The validated arguments ``mode`` was bound with: its full partition, backend name and timeout.
-
-        Raises:
-            ModeNotBoundError: nothing is bound to ``mode``.
-        """
-        self.get_communicator(mode)
-        return self._configs[mode_name(mode)]
-
-    def get_world_size(self, mode: CommMode | str = CommMode.GLOBAL) -> int:
-        """Number of ranks in this rank's group of ``mode``."""
-        return self.get_communicator(mode).world_size
-
-    def get_local_rank(self, mode: CommMode | str = CommMode.GLOBAL) -> int:
-        """This process's rank within its group of ``mode``.
-
-        Raises:
-            CommError: this rank is not a member of ``mode``.
-        """
-        return self.get_communicator(mode).rank
-
-    def get_global_rank(self) -> int:
-        """This process's rank in the world.
-
-        Raises:
-            CommError: the context is not initialised.
-        """
-        return self._require_world().rank
-
-    def get_ranks_in_group(self, mode: CommMode | str = CommMode.GLOBAL) -> list[int]:
-        """Global ranks of this rank's group of ``mode`` (the group's ranks on a non-member of a single group)."""
-        return list(self.get_communicator(mode).ranks)
 
     def is_initialized(self) -> bool:
         """Whether :meth:`init_distributed_env` has run (and :meth:`destroy` has not since)."""

@@ -29,12 +29,17 @@ class CommMode(str, Enum):
 
 
 class ParallelMode(str, Enum):
-    """The parallelism modes, a subset of :class:`CommMode` with equal values.
+    """The seed's ``ParallelMode``: every :class:`CommMode` name, with equal values.
 
-    ``ParallelMode.DATA_PARALLEL == CommMode.DATA_PARALLEL == "DATA_PARALLEL"``,
-    so either spelling resolves to the same bound communicator.
+    In the seed ``ParallelMode`` extends ``CommMode``, so ``ParallelMode.INTRA_NODE``
+    is a name too; here both carry every name and compare and hash equal
+    (``ParallelMode.INTRA_NODE == CommMode.INTRA_NODE == "INTRA_NODE"``), so
+    either spelling resolves to the same bound communicator.
     """
 
+    GLOBAL = "GLOBAL"
+    INTRA_NODE = "INTRA_NODE"
+    INTER_NODE = "INTER_NODE"
     TRAIN_DATA_PARALLEL = "TRAIN_DATA_PARALLEL"
     DATA_PARALLEL = "DATA_PARALLEL"
     TENSOR_PARALLEL = "TENSOR_PARALLEL"

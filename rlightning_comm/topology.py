@@ -2,8 +2,8 @@
 
 Nothing here touches torch.distributed, so every layout can be checked
 without processes. A *partition* is a tuple of disjoint groups, each a tuple
-of global ranks in group-rank order: the shape :meth:`CommContext.init_group`
-takes.
+of global ranks in group-rank order (as declared): the shape
+:meth:`CommContext.init_group` takes.
 """
 
 from __future__ import annotations
@@ -138,7 +138,11 @@ def node_partitions(placements: Sequence[NodePlacement | tuple[int, int, int]]) 
 
 
 def weight_transfer_ranks(src: int, dst_ranks: Sequence[int], world_size: int) -> tuple[int, ...]:
-    """The ``WEIGHT_TRANSFER`` group's global ranks, sorted (torch numbers a group's ranks in global-rank order).
+    """The ``WEIGHT_TRANSFER`` group's global ranks in group-rank order: ``(src, *dst_ranks)``.
+
+    The source is group rank 0 and destination ``i`` is group rank ``i + 1``,
+    whatever their global ranks (:meth:`CommContext.init_group` keeps the
+    declared order).
 
     Raises:
         TypeError: a rank is not an int, or ``dst_ranks`` is not a sequence.
@@ -158,4 +162,4 @@ def weight_transfer_ranks(src: int, dst_ranks: Sequence[int], world_size: int) -
         raise ValueError(f"dst_ranks must not repeat a rank; got {list(dst_ranks)}")
     if src in dst_ranks:
         raise ValueError(f"src={src} must not be one of dst_ranks {list(dst_ranks)}")
-    return tuple(sorted((src, *dst_ranks)))
+    return (src, *dst_ranks)

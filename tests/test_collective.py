@@ -232,20 +232,20 @@ def test_subgroups_partitions_and_non_members(world4):
 
 def _gather_scatter_in_subgroup(rank: int, size: int, url: str) -> None:
     ctx = init_world(rank, size, url)
-    ctx.init_group([3, 1], "odds")  # as in torch, group ranks follow global rank order: global 1 is group rank 0
-    assert ctx.get_ranks_in_group("odds") == [1, 3]
+    ctx.init_group([3, 1], "odds")  # group ranks follow the declared order: global 3 is group rank 0
+    assert ctx.get_ranks_in_group("odds") == [3, 1]
     if rank in (1, 3):
         gl = [torch.zeros(1) for _ in range(2)] if rank == 3 else None
         collective.gather(torch.tensor([float(rank)]), "odds", gather_list=gl, dst=3)
         if rank == 3:
-            assert [g.item() for g in gl] == [1.0, 3.0], gl
+            assert [g.item() for g in gl] == [3.0, 1.0], gl
         out = torch.zeros(1)
-        collective.scatter(out, "odds", scatter_list=[torch.tensor([10.0]), torch.tensor([30.0])] if rank == 3 else None, src=3)
+        collective.scatter(out, "odds", scatter_list=[torch.tensor([30.0]), torch.tensor([10.0])] if rank == 3 else None, src=3)
         assert out.item() == rank * 10.0
-        assert ctx.get_local_rank("odds") == {1: 0, 3: 1}[rank]
+        assert ctx.get_local_rank("odds") == {3: 0, 1: 1}[rank]
 
 
-def test_group_rank_order_is_global_rank_order(world4):
+def test_group_rank_order_is_the_declared_order(world4):
     world4.run(_gather_scatter_in_subgroup)
 
 

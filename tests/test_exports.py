@@ -26,6 +26,7 @@ EXPECTED = {
     "collective",
     "describe_layout",
     "format_layout",
+    "initialize_distributed_env",
     "register_communicator",
     # sequence parallelism
     "UlyssesAttention",

@@ -102,7 +102,7 @@ def test_bad_node_placements_are_rejected(placements: list, match: str) -> None:
 
 
 def test_weight_transfer_ranks() -> None:
-    assert weight_transfer_ranks(2, [3, 0], 4) == (0, 2, 3)
+    assert weight_transfer_ranks(2, [3, 0], 4) == (2, 3, 0)  # declared order: the source is group rank 0
     with pytest.raises(ValueError, match=r"src=1 must not be one of dst_ranks \[1, 2\]"):
         weight_transfer_ranks(1, [1, 2], 4)
     with pytest.raises(ValueError, match=r"dst_ranks\[1\]=4 is out of range for world size 4"):

@@ -143,12 +143,12 @@ def _named_list_with_non_member(rank: int, size: int, url: str) -> dict:
 def test_named_tensor_list_and_non_member(world4) -> None:
     results = world4.run(_named_list_with_non_member)
     assert [r["member"] for r in results] == [True, False, True, True]
-    # As in torch, group ranks follow global rank order, whichever rank is the source; rank 1 is outside (no rank there).
+    # Group ranks follow the declared order [src] + dst_ranks: the source is group rank 0; rank 1 is outside (no rank there).
     assert [r["view"] for r in results] == [
-        {"ranks": (0, 2, 3), "rank": 0, "world_size": 3, "backend": "gloo"},
-        {"ranks": (0, 2, 3), "rank": None, "world_size": 3, "backend": "gloo"},
-        {"ranks": (0, 2, 3), "rank": 1, "world_size": 3, "backend": "gloo"},
-        {"ranks": (0, 2, 3), "rank": 2, "world_size": 3, "backend": "gloo"},
+        {"ranks": (2, 0, 3), "rank": 1, "world_size": 3, "backend": "gloo"},
+        {"ranks": (2, 0, 3), "rank": None, "world_size": 3, "backend": "gloo"},
+        {"ranks": (2, 0, 3), "rank": 0, "world_size": 3, "backend": "gloo"},
+        {"ranks": (2, 0, 3), "rank": 2, "world_size": 3, "backend": "gloo"},
     ]
     assert all(r["result"] is None for r in results)
     source = results[2]["before"]
@@ -222,11 +222,11 @@ def _declared_source(rank: int, size: int, url: str) -> int:
 
     ctx = init_world(rank, size, url)
     ctx.init_weight_transfer_group(src=1, dst_ranks=[0])
-    assert ctx.get_transfer_source() == 1 and ctx.get_local_rank("WEIGHT_TRANSFER") == rank  # numbered by global rank
-    with pytest.raises(CommError, match="already bound with source rank 1; call destroy"):
+    assert ctx.get_transfer_source() == 1 and ctx.get_local_rank("WEIGHT_TRANSFER") == 1 - rank  # the source is group rank 0
+    with pytest.raises(CommError, match=r"rank 0 is declared in two different groups, \[1, 0\] \(declared before\) and \[0, 1\]"):
         ctx.init_weight_transfer_group(src=0, dst_ranks=[1])
     t = torch.full((3,), float(rank))
-    broadcast_state_dict({"t": t})  # the default src is the declared source, not group rank 0
+    broadcast_state_dict({"t": t})  # the default src is the declared source
     assert t.tolist() == [1.0, 1.0, 1.0]
     ctx.init_group([0, 1], "OTHER")
     with pytest.raises(ValueError, match="src is required: mode 'OTHER' was not bound by init_weight_transfer_group"):
