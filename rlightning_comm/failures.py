@@ -18,6 +18,9 @@ from rlightning_comm.errors import CommError, CommTimeoutError
 # once with this text, which names a timeout but is not one.
 _BROKEN_MARKERS = ("pair closure", "connection reset", "connection closed", "closed by peer", "broken pipe", "connection refused")
 _TIMEOUT_MARKERS = ("timed out", "timeout")
+# The backend's own argument checks on this rank (gloo's algorithm setup, ProcessGroupGloo's validation). They fail
+# before this rank sends anything, so its connections are intact; a transport enforce is a broken pair instead.
+_LOCAL_MARKERS = ("enforce fail", "processgroupgloo::", "invalid scalar type", "invalid tensor", "invalid root")
 
 
 def comm_failure(err: BaseException, mode: str, op: str, timeout: float | None) -> CommError:
@@ -31,7 +34,10 @@ def comm_failure(err: BaseException, mode: str, op: str, timeout: float | None) 
 
     Returns:
         A :class:`CommTimeoutError` when the backend timed out waiting for a
-        peer, else a :class:`CommError`. The caller raises it ``from err``.
+        peer, else a :class:`CommError` that says which case it is: the
+        backend's own argument check refused the call on this rank (the group
+        still works), or a peer is gone / the group is broken. The caller
+        raises it ``from err``.
     """
     text = str(err).strip()
     lowered = text.lower()
@@ -40,6 +46,12 @@ def comm_failure(err: BaseException, mode: str, op: str, timeout: float | None) 
         return CommTimeoutError(
             f"{op} on mode {mode!r} timed out after {limit}: a peer did not join it "
             f"(it skipped the call, is blocked elsewhere or died). The group is unusable now; destroy() the context. Backend: {text}"
+        )
+    if "transport" not in lowered and any(m in lowered for m in _LOCAL_MARKERS):
+        return CommError(
+            f"{op} on mode {mode!r} was refused by the backend's own check on this rank, before this rank sent anything: "
+            f"the group still works here, but peers that entered this call wait until the group's timeout. "
+            f"Fix the arguments (debug mode compares them across ranks first). Backend: {text}"
         )
     return CommError(
         f"{op} on mode {mode!r} failed: a peer is gone or an earlier failure broke the group. The group is unusable now; destroy() the context. Backend: {text}"

@@ -163,3 +163,48 @@ def test_strided_views_are_refused_by_every_op_and_memory_around_them_is_untouch
         for name, (kind, msg) in out["results"].items():
             assert kind == "ValueError" and "must be contiguous" in msg and "mode 'GLOBAL'" in msg, (rank, name, kind, msg)
         assert out["dict_ok"] and out["dict_base_kept"], out
+
+
+def _argument_kind_task(rank, size, url):
+    import torch
+
+    ctx = init_world(rank, size, url, timeout=30)
+    comm = ctx.get_communicator("GLOBAL")
+    f = torch.ones(4)
+    cases = {
+        # (call, expected type, expected text): every rank passes the same bad argument.
+        "all_to_all rows": (lambda: comm.all_to_all_single(torch.empty(4, 2), torch.ones(4, 3)), ValueError, "expected torch.float32 on cpu, 3 per row"),
+        "all_to_all dtype": (lambda: comm.all_to_all_single(torch.empty(4, dtype=torch.float64), f), ValueError, "got torch.float64 on cpu"),
+        "src float": (
+            lambda: comm.broadcast(f, src=1.0),
+            TypeError,
+            "src=1.0 is not a global rank of mode 'GLOBAL': expected an int, one of [0, 1]; got float",
+        ),
+        "dst bool": (lambda: comm.gather(f, None, dst=False), TypeError, "got bool"),
+        "scatter src str": (lambda: comm.scatter(f, None, src="1"), TypeError, "got str"),
+        "split sizes an int": (
+            lambda: comm.all_to_all_single(torch.empty(4), f, 4),
+            TypeError,
+            "output_split_sizes must be a list of 2 ints (or None for an even split); got int 4",
+        ),
+        "0-d with split sizes": (
+            lambda: comm.all_to_all_single(torch.tensor(1.0), torch.tensor(1.0), [1, 0], [1, 0]),
+            ValueError,
+            "output needs at least one dimension; got a 0-d tensor",
+        ),
+        "sparse coo": (lambda: comm.all_reduce(torch.ones(4).to_sparse()), ValueError, "tensor is a sparse tensor (layout torch.sparse_coo)"),
+        "sparse csr": (lambda: comm.broadcast(torch.eye(2).to_sparse_csr(), src=0), ValueError, "tensor is a sparse tensor (layout torch.sparse_csr)"),
+    }
+    with backend_calls() as counts:
+        got = {name: _attempt(call, kind) for name, (call, kind, _) in cases.items()}
+    t = torch.ones(2)
+    comm.all_reduce(t)  # nothing above reached the backend: the group is in step
+    return {"got": got, "want": {name: (kind.__name__, text) for name, (_, kind, text) in cases.items()}, "calls": dict(counts), "after": t.tolist()}
+
+
+def test_rank_split_row_and_sparse_arguments_get_what_expected_got_errors(world2):
+    for out in world2.run(_argument_kind_task, timeout=60):
+        assert out["calls"] == {} and out["after"] == [2.0, 2.0], out
+        for name, (kind, text) in out["want"].items():
+            got_kind, msg = out["got"][name]
+            assert got_kind == kind and text in msg, (name, got_kind, msg)

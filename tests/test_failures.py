@@ -110,3 +110,35 @@ def test_rank_killed_mid_loop_survivors_raise_comm_error_and_destroy(world4, tmp
         assert "all_reduce on mode 'GLOBAL'" in report["msg"], report
         assert report["elapsed"] <= KILL_TIMEOUT + BOUND, report
         assert report["destroy_s"] < BOUND and report["initialised_after"] is False, report
+
+
+def _local_enforce_task(rank, size, url):
+    import torch
+
+    from rlightning_comm import CommContext
+    from rlightning_comm.failures import comm_failure
+
+    ctx = init_world(rank, size, url, timeout=30)
+    group = ctx.get_communicator("GLOBAL").group
+    texts = {}
+    # What the backend itself raises for arguments our checks refuse first (one rank, so no peer waits).
+    for name, call in (
+        ("rows", lambda: dist.all_to_all_single(torch.empty(4, 2), torch.ones(4, 3), group=group)),
+        ("complex gather", lambda: dist.gather(torch.ones(2, dtype=torch.complex64), [torch.ones(2, dtype=torch.complex64)], dst=0, group=group)),
+    ):
+        try:
+            call()
+        except RuntimeError as err:
+            texts[name] = str(comm_failure(err, "GLOBAL", name, 30.0))
+    texts["reset"] = str(comm_failure(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection reset by peer"), "GLOBAL", "all_reduce", 30.0))
+    t = torch.ones(2)
+    CommContext().get_communicator("GLOBAL").all_reduce(t)  # the group does still work
+    return {"texts": texts, "after": t.tolist()}
+
+
+def test_a_local_backend_refusal_says_the_group_still_works_and_a_broken_group_says_it_is_gone(world1):
+    (out,) = world1.run(_local_enforce_task, timeout=60)
+    assert out["after"] == [1.0, 1.0]
+    for name in ("rows", "complex gather"):
+        assert "was refused by the backend's own check on this rank" in out["texts"][name] and "the group still works here" in out["texts"][name], out
+    assert "a peer is gone" in out["texts"]["reset"] and "still works" not in out["texts"]["reset"]
