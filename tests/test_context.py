@@ -28,8 +28,13 @@ def test_context_is_a_process_wide_singleton():
 
 def test_modes_compare_equal_to_their_names():
     assert CommMode.GLOBAL == "GLOBAL" and ParallelMode.TENSOR_PARALLEL == CommMode.TENSOR_PARALLEL == "TENSOR_PARALLEL"
-    assert {m.value for m in CommMode} >= {"GLOBAL", "INTRA_NODE", "INTER_NODE", "TRAIN_DATA_PARALLEL", "DATA_PARALLEL", "TENSOR_PARALLEL", "SEQUENCE_PARALLEL", "WEIGHT_TRANSFER"}
-    assert {m.value for m in ParallelMode} <= {m.value for m in CommMode}
+    seed = ["GLOBAL", "INTRA_NODE", "INTER_NODE", "TRAIN_DATA_PARALLEL", "DATA_PARALLEL", "TENSOR_PARALLEL", "SEQUENCE_PARALLEL", "WEIGHT_TRANSFER"]
+    # As in the seed, where ParallelMode extends CommMode, every CommMode name is a ParallelMode name too.
+    assert [m.value for m in CommMode] == [m.value for m in ParallelMode] == seed
+    for name in seed:
+        p, c = getattr(ParallelMode, name), getattr(CommMode, name)
+        assert p == c == name and hash(p) == hash(c) == hash(name) and str(p) == str(c) == name
+        assert {c: 1}[p] == 1 and {name: 2}[p] == 2
 
 
 @pytest.mark.parametrize(
@@ -171,3 +176,51 @@ def test_destroy_then_init_again_in_one_process(ctx, tmp_path):
     t = torch.tensor([3.0])
     collective.all_reduce(t, "GLOBAL")
     assert t.item() == 3.0
+
+
+def test_seed_getters_read_the_launchers_environment(ctx, monkeypatch):
+    assert ctx.is_main_rank() is True
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert ctx.get_in_node_rank() == 3 and ctx.get_local_world_size() == 8
+    monkeypatch.setenv("LOCAL_RANK", "first")
+    with pytest.raises(ValueError, match="environment variable LOCAL_RANK must be an integer; got 'first'"):
+        ctx.get_in_node_rank()
+    for name, getter in (("LOCAL_RANK", ctx.get_in_node_rank), ("LOCAL_WORLD_SIZE", ctx.get_local_world_size)):
+        monkeypatch.delenv(name)
+        with pytest.raises(CommError, match=f"reads the environment variable {name}, which is not set in this process; launch with torchrun"):
+            getter()
+    for getter, mode in ((ctx.get_intra_node_process_group, "INTRA_NODE"), (ctx.get_inter_node_process_group, "INTER_NODE")):
+        with pytest.raises(ModeNotBoundError, match=f"No communicator bound for mode '{mode}'"):
+            getter()
+        ctx.init_group([0], getattr(ParallelMode, mode))
+        assert getter() is ctx.get_group(mode) is not None
+
+
+def test_initialize_distributed_env_is_the_seeds_function(monkeypatch):
+    import inspect
+
+    from rlightning_comm import initialize_distributed_env
+
+    params = inspect.signature(initialize_distributed_env).parameters
+    assert [(n, p.default) for n, p in params.items()] == [
+        ("rank", inspect.Parameter.empty),
+        ("world_size", inspect.Parameter.empty),
+        ("backend", "nccl"),
+        ("dist_url", "env://"),
+        ("timeout", 1800),
+    ]
+    with pytest.raises(CommError, match="not initialised"):
+        CommContext().is_main_rank()
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(name, value)
+    comm = initialize_distributed_env(0, 1, "gloo", "env://", 30)
+    assert comm is CommContext().get_communicator() and CommContext().get_group_config().timeout == 30.0 and CommContext().is_main_rank()
+
+
+def test_per_call_declarations_build_up_the_modes_config(ctx):
+    first = ctx.init_group([0], "per_call")
+    assert ctx.init_group([0], "per_call") is first and ctx.init_group([[0]], "per_call") is first
+    assert ctx.get_group_config("per_call").partition == ((0,),) and ctx.get_group_config("per_call").as_ranks() == [0]
+    with pytest.raises(CommError, match=r"mode 'per_call' is already bound to ranks \[0\] \(backend 'gloo', timeout 30.0s\)"):
+        ctx.init_group([0], "per_call", timeout=5)
