@@ -45,8 +45,9 @@ def _check_seed_composition(chk: Checks, ctx, P: int, r: int, S: int, rank0_only
 
     x = (X if not rank0_only or r == 0 else torch.zeros_like(X)).clone().requires_grad_()
     ps = [p.clone().requires_grad_() for p in params]
+    lens = sp.sequence_split_sizes(S, P)  # the scatter's default split; the gather's default is equal lengths
     local = sp.scatter_to_sequence_parallel_region(x, rank0_only, legacy_grad_scale=legacy)
-    y = sp.gather_from_sequence_parallel_region(_mlp(local, ps), rank0_only, legacy_grad_scale=legacy)
+    y = sp.gather_from_sequence_parallel_region(_mlp(local, ps), rank0_only, legacy_grad_scale=legacy, seq_lens=lens)
     loss = _loss(y, W)
     loss.backward()
     chk.close(tag + "loss", loss.detach(), ref_loss.detach())
@@ -73,10 +74,11 @@ def _check_megatron_chain(chk: Checks, P: int, r: int, S: int) -> None:
     x = X.clone().requires_grad_()
     a = A[:, 4 * r : 4 * r + 4].clone().requires_grad_()
     b = Bm[4 * r : 4 * r + 4].clone().requires_grad_()
+    lens = sp.sequence_split_sizes(S, P)
     shard = sp.scatter_to_sequence_parallel_region(x, False)
-    full = sp.all_gather_from_sequence_parallel_region(shard)
+    full = sp.all_gather_from_sequence_parallel_region(shard, seq_lens=lens)
     partial = torch.tanh(full @ a) @ b
-    y = sp.gather_from_sequence_parallel_region(sp.reduce_scatter_to_sequence_parallel_region(partial), False)
+    y = sp.gather_from_sequence_parallel_region(sp.reduce_scatter_to_sequence_parallel_region(partial), False, seq_lens=lens)
     loss = _loss(y, W)
     loss.backward()
     chk.close(tag + "loss", loss.detach(), ref_loss.detach())
@@ -98,7 +100,7 @@ def _check_legacy_alone(chk: Checks, P: int, r: int) -> None:
 
     def gather_grad(legacy: bool) -> torch.Tensor:
         x = X.tensor_split(P, 1)[r].clone().requires_grad_()
-        (sp.gather_from_sequence_parallel_region(x, False, legacy_grad_scale=legacy) * W).sum().backward()
+        (sp.gather_from_sequence_parallel_region(x, False, legacy_grad_scale=legacy, seq_lens=sp.sequence_split_sizes(5, P)) * W).sum().backward()
         return x.grad
 
     chk.close("legacy scatter grad = exact / P", scatter_grad(True), scatter_grad(False) / P)
@@ -109,17 +111,19 @@ def _gradchecks(chk: Checks, P: int) -> None:
     """gradcheck where it applies: the input is replicated (every rank perturbs it alike) and so is the output."""
     import rlightning_comm.sequence_parallel as sp
 
+    lens5, lens3 = sp.sequence_split_sizes(5, P), sp.sequence_split_sizes(3, P)
+
     def seed_chain(x):
-        return sp.gather_from_sequence_parallel_region(torch.tanh(sp.scatter_to_sequence_parallel_region(x, False)) * 1.5, False)
+        return sp.gather_from_sequence_parallel_region(torch.tanh(sp.scatter_to_sequence_parallel_region(x, False)) * 1.5, False, seq_lens=lens5)
 
     def megatron_chain(x):
         scale = 1.0 + torch.distributed.get_rank()  # a different partial on every rank
-        full = sp.all_gather_from_sequence_parallel_region(sp.scatter_to_sequence_parallel_region(x, False))
-        return sp.gather_from_sequence_parallel_region(sp.reduce_scatter_to_sequence_parallel_region(torch.sin(full) * scale), False)
+        full = sp.all_gather_from_sequence_parallel_region(sp.scatter_to_sequence_parallel_region(x, False), seq_lens=lens5)
+        return sp.gather_from_sequence_parallel_region(sp.reduce_scatter_to_sequence_parallel_region(torch.sin(full) * scale), False, seq_lens=lens5)
 
     def ulysses_chain(q, k, v):
         parts = [sp.scatter_to_sequence_parallel_region(t, False) for t in (q, k, v)]
-        return sp.gather_from_sequence_parallel_region(sp.ulysses_attention(*parts, is_causal=True), False)
+        return sp.gather_from_sequence_parallel_region(sp.ulysses_attention(*parts, is_causal=True, seq_lens=lens3), False, seq_lens=lens3)
 
     (X,) = data(3, (1, 5, 2))
     q, k, v = (t.requires_grad_() for t in data(4, (1, 3, 4, 1), (1, 3, 4, 1), (1, 3, 4, 1)))

@@ -57,6 +57,8 @@ def _check_regions(chk: Checks, mode, P: int, r: int, seed: int, S: int, dim: in
     import rlightning_comm.sequence_parallel as sp
 
     split = lens or [len(c) for c in torch.arange(S).tensor_split(P)]
+    # The gathers' default is equal lengths: after an uneven default split they are told the lengths.
+    gathered = lens if lens is not None or len(set(split)) == 1 else split
     tag = f"S={S} dim={dim} lens={lens} "
     full_shape = with_dim(shape, dim, S)
     (X,) = data(seed, full_shape)
@@ -78,7 +80,7 @@ def _check_regions(chk: Checks, mode, P: int, r: int, seed: int, S: int, dim: in
     # gather: chunk_r -> full X on every rank.
     for rank0_only in (False, True):
         x = X.split(split, dim)[r].clone().requires_grad_()
-        y = sp.gather_from_sequence_parallel_region(x, rank0_only, dim=dim, mode=mode, seq_lens=lens)
+        y = sp.gather_from_sequence_parallel_region(x, rank0_only, dim=dim, mode=mode, seq_lens=gathered)
         # Every rank computes its own loss from the output; the contract says which ones count:
         # rank0_only=False assumes they are the same loss (replicated), rank0_only=True counts the first rank's.
         (y * (Wf[r] if rank0_only else Wf[0])).sum().backward()
@@ -87,7 +89,7 @@ def _check_regions(chk: Checks, mode, P: int, r: int, seed: int, S: int, dim: in
 
     # all_gather (Megatron): each rank's loss counts, so the gradient is the sum of every rank's.
     x = X.split(split, dim)[r].clone().requires_grad_()
-    y = sp.all_gather_from_sequence_parallel_region(x, dim=dim, mode=mode, seq_lens=lens)
+    y = sp.all_gather_from_sequence_parallel_region(x, dim=dim, mode=mode, seq_lens=gathered)
     (y * Wf[r]).sum().backward()
     chk.equal(f"{tag}all_gather forward", y, X)
     chk.close(f"{tag}all_gather grad", x.grad, sum(Wf).split(split, dim)[r])
@@ -107,8 +109,8 @@ def _check_regions(chk: Checks, mode, P: int, r: int, seed: int, S: int, dim: in
     # Non-contiguous inputs give the same values.
     chunk = X.split(split, dim)[r]
     chk.equal(f"{tag}strided scatter", sp.scatter_to_sequence_parallel_region(_strided(X), False, dim=dim, mode=mode, seq_lens=lens), chunk)
-    chk.equal(f"{tag}strided gather", sp.gather_from_sequence_parallel_region(_strided(chunk), False, dim=dim, mode=mode, seq_lens=lens), X)
-    chk.equal(f"{tag}strided all_gather", sp.all_gather_from_sequence_parallel_region(_strided(chunk), dim=dim, mode=mode, seq_lens=lens), X)
+    chk.equal(f"{tag}strided gather", sp.gather_from_sequence_parallel_region(_strided(chunk), False, dim=dim, mode=mode, seq_lens=gathered), X)
+    chk.equal(f"{tag}strided all_gather", sp.all_gather_from_sequence_parallel_region(_strided(chunk), dim=dim, mode=mode, seq_lens=gathered), X)
     chk.close(f"{tag}strided reduce_scatter", sp.reduce_scatter_to_sequence_parallel_region(_strided(parts[r]), dim=dim, mode=mode, seq_lens=lens), outs[r])
 
 
@@ -120,10 +122,12 @@ def _battery(chk: Checks, mode, P: int, r: int, seed: int) -> None:
     _check_regions(chk, mode, P, r, seed + 99, sum(custom), 1, (2, sum(custom), 3), custom)
     ulysses_lens = [[2] * P, [len(c) for c in torch.arange(7).tensor_split(P)], custom]
     for lens in ulysses_lens:
-        for pass_sizes in (False, True):
+        # Unequal lengths are outside the default rule: they are always passed.
+        defaults = (False, True) if len(set(lens)) == 1 else (True,)
+        for pass_sizes in defaults:
             _check_all_to_all(chk, mode, P, r, seed + sum(lens), lens, 1, 2, (2, 0, 4, 3), pass_sizes)  # Ulysses layout
-        _check_all_to_all(chk, mode, P, r, seed + 7, lens, 0, 2, (0, 2, 4), False)  # gather on the leading dim (no copy)
-        _check_all_to_all(chk, mode, P, r, seed + 8, lens, 2, 0, (4, 3, 0), False)  # scatter on the leading dim
+        _check_all_to_all(chk, mode, P, r, seed + 7, lens, 0, 2, (0, 2, 4), defaults[0])  # gather on the leading dim (no copy)
+        _check_all_to_all(chk, mode, P, r, seed + 8, lens, 2, 0, (4, 3, 0), defaults[0])  # scatter on the leading dim
 
 
 def _task_battery(rank: int, size: int, url: str) -> dict[str, float]:
@@ -166,20 +170,25 @@ def _task_world1_no_collective(rank: int, size: int, url: str) -> dict[str, floa
 
     init_sp(rank, size, url)
 
-    import rlightning_comm.sequence_parallel._collectives as C
+    from rlightning_comm.sequence_parallel._resolve import Group
 
     def forbidden(*args, **kwargs):
         raise RuntimeError("a collective ran with one rank")
 
     names = [n for n in dir(dist) if n.startswith(("all_", "reduce", "scatter", "gather", "broadcast"))]
-    saved = {n: getattr(dist, n) for n in names} | {"_all_gather_single": C._all_gather_single, "_reduce_scatter_single": C._reduce_scatter_single}
+    saved = {n: getattr(dist, n) for n in names}
+    group_saved = {n: getattr(Group, n) for n in ("all_to_all", "all_gather", "reduce_scatter")}
     try:
         for name in saved:
-            setattr(C if name.startswith("_") else dist, name, forbidden)
+            setattr(dist, name, forbidden)
+        for name in group_saved:
+            setattr(Group, name, forbidden)
         return _identity_checks()
     finally:
         for name, fn in saved.items():
-            setattr(C if name.startswith("_") else dist, name, fn)
+            setattr(dist, name, fn)
+        for name, fn in group_saved.items():
+            setattr(Group, name, fn)
 
 
 def _identity_checks() -> dict[str, float]:

@@ -6,6 +6,7 @@ import math
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -61,7 +62,9 @@ def _check_block(chk: Checks, ctx, P: int, heads: int, kv_heads: int, S: int, sp
     ref_loss.backward()
 
     x = X.clone().requires_grad_()
-    y = sp.gather_from_sequence_parallel_region(model(sp.scatter_to_sequence_parallel_region(x, False), sp_attend), False)
+    lens = sp.sequence_split_sizes(S, P)  # unequal lengths are passed: the default is equal lengths
+    attend = sp_attend if len(set(lens)) == 1 else partial(sp_attend, seq_lens=lens)
+    y = sp.gather_from_sequence_parallel_region(model(sp.scatter_to_sequence_parallel_region(x, False), attend), False, seq_lens=lens)
     loss = (y * W).sum() + y.pow(2).mean()
     loss.backward()
     chk.close(f"{tag} output", y, ry)
@@ -91,7 +94,7 @@ def _task_block(rank: int, size: int, url: str) -> dict[str, float]:
     if size <= 2:  # grouped-query attention: 2 kv heads shard over at most 2 ranks
         gqa = partial(sp.ulysses_attention, is_causal=True, enable_gqa=True)
         _check_block(chk, ctx, size, 4, 2, lengths[-1], gqa, partial(sp.sdpa_bshd, is_causal=True, enable_gqa=True), "gqa")
-    # Known lengths skip the exchange and give the same result.
+    # Lengths given explicitly give the same result.
     lens = sp.sequence_split_sizes(lengths[-1], size)
     given = partial(sp.ulysses_attention, is_causal=True, seq_lens=lens)
     _check_block(chk, ctx, size, 4, 4, lengths[-1], given, partial(sp.sdpa_bshd, is_causal=True), "seq_lens given")

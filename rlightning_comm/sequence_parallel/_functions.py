@@ -73,27 +73,27 @@ class _ScatterFromFirst(Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Group, dim: int, sizes: list[int], grad_scale: float) -> torch.Tensor:
-        ctx.args = (group, dim, sizes, grad_scale)
+        ctx.args = (group, dim, sizes, grad_scale, x.shape[dim])
         return C.scatter_from_first(x, dim, sizes, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        group, dim, sizes, grad_scale = ctx.args
-        return (_GatherToFirst.apply(_scaled(grad, grad_scale), group, dim, sizes), *_NONE4)
+        group, dim, sizes, grad_scale, length = ctx.args
+        return (_GatherToFirst.apply(_scaled(grad, grad_scale), group, dim, sizes, length), *_NONE4)
 
 
 class _GatherToFirst(Function):
-    """forward: gather to the first rank (zeros elsewhere); backward: scatter the first rank's gradient."""
+    """forward: gather to the first rank (zeros of length ``length`` along ``dim`` elsewhere); backward: scatter the first rank's gradient."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Group, dim: int, sizes: list[int]) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: Group, dim: int, sizes: list[int], length: int) -> torch.Tensor:
         ctx.args = (group, dim, sizes)
-        return C.gather_to_first(x, dim, sizes, group)
+        return C.gather_to_first(x, dim, sizes, group, length)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         group, dim, sizes = ctx.args
-        return (_ScatterFromFirst.apply(grad, group, dim, sizes, 1.0), None, None, None)
+        return (_ScatterFromFirst.apply(grad, group, dim, sizes, 1.0), *_NONE4)
 
 
 class _GatherFirstGrad(Function):

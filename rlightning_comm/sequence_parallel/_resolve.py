@@ -1,42 +1,121 @@
-"""Turn what the caller names as a group into (process group, size, rank), and the local input checks every op shares."""
+"""Turn what the caller names as a group into a :class:`Group` (eager) or a :class:`TracedGroup` (under torch.compile),
+and the local input checks every op shares.
+
+A :class:`Group` issues its collectives through the group's
+:class:`Communicator` methods, so debug mode and stats see them; a raw
+``ProcessGroup`` gets a communicator of its backend's registered class, made
+once per group. A :class:`TracedGroup` holds only the group's name and two
+ints (nothing dynamo has to trace through, nothing that breaks a graph when an
+autograd ctx keeps it: pytorch#129942) and uses the functional collectives.
+"""
 
 from __future__ import annotations
 
 import operator
+import weakref
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from rlightning_comm.communicators.base import Communicator
+from rlightning_comm.communicators.registry import get_communicator_class
 from rlightning_comm.context import CommContext
 from rlightning_comm.errors import CommError
-from rlightning_comm.failures import comm_failure
+
+_WRAPPED: weakref.WeakKeyDictionary[Any, Communicator] = weakref.WeakKeyDictionary()
 
 
-class Group(NamedTuple):
-    """A resolved group: the torch process group, its size, this process's rank in it, and what the caller passed."""
+class Group:
+    """A resolved group on the eager path: its communicator, size and this process's rank in it."""
 
-    pg: Any
-    world_size: int
-    rank: int
-    source: Any
+    __slots__ = ("comm", "rank", "world_size")
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+        self.world_size = comm.world_size
+        self.rank = comm.rank
 
     @property
     def name(self) -> str:
-        """The group as error messages name it (built only when one is raised)."""
-        if isinstance(self.source, Communicator):
-            return f"mode {self.source.mode!r}"
-        return f"process group {getattr(self.source, 'group_name', '?')!r}"
+        """The group as error messages name it."""
+        return f"mode {self.comm.mode!r}"
 
-    def failure(self, op: str, err: BaseException) -> CommError:
-        """The library's error for a backend failure of ``op`` (a timeout or a broken group), as the communicators raise it."""
-        if isinstance(self.source, Communicator):
-            return self.source._failure(op, err)
-        return comm_failure(err, str(getattr(self.source, "group_name", "?")), op, None)
+    def all_to_all(self, send: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None) -> torch.Tensor:
+        """``all_to_all_single`` of the contiguous ``send`` (rows along dim 0) into a new tensor with the same row shape."""
+        rows = send.shape[0] if out_splits is None else sum(out_splits)
+        out = send.new_empty((rows, *send.shape[1:]))
+        self.comm.all_to_all_single(out, send, out_splits, in_splits)
+        return out
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's contiguous ``x`` (same shape everywhere), stacked: ``[world_size, *x.shape]``."""
+        out = x.new_empty((self.world_size, *x.shape))
+        self.comm.all_gather(out, x)
+        return out
+
+    def reduce_scatter(self, send: torch.Tensor) -> torch.Tensor:
+        """Sum of the contiguous ``send`` (``[world_size, *chunk]``) over the ranks, keeping row ``rank``: ``chunk``."""
+        out = send.new_empty(send.shape[1:])
+        self.comm.reduce_scatter(out, send)
+        return out
 
 
-def resolve_group(group: Any) -> Group:
+class TracedGroup(NamedTuple):
+    """A resolved group under torch.compile: the process group's name, its size and this process's rank in it."""
+
+    group_name: str
+    world_size: int
+    rank: int
+
+    @property
+    def name(self) -> str:
+        """The group as error messages name it."""
+        return f"process group {self.group_name!r}"
+
+    def all_to_all(self, send: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None) -> torch.Tensor:
+        """As :meth:`Group.all_to_all`, with the functional collective."""
+        return funcol.wait_tensor(funcol.all_to_all_single(send, out_splits, in_splits, self.group_name))
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """As :meth:`Group.all_gather`, with the functional collective."""
+        return funcol.wait_tensor(funcol.all_gather_tensor(x.reshape(-1), 0, self.group_name)).view(self.world_size, *x.shape)
+
+    def reduce_scatter(self, send: torch.Tensor) -> torch.Tensor:
+        """As :meth:`Group.reduce_scatter`, with the functional collective."""
+        return funcol.wait_tensor(funcol.reduce_scatter_tensor(send.reshape(-1), "sum", 0, self.group_name)).view(send.shape[1:])
+
+
+def _communicator(group: Any) -> Communicator:
+    if isinstance(group, Communicator):
+        comm = group
+    elif isinstance(group, str):
+        comm = CommContext().get_communicator(group)
+    elif isinstance(group, dist.ProcessGroup):
+        comm = _WRAPPED.get(group)
+        if comm is None:
+            cls = get_communicator_class(str(dist.get_backend(group)).split(":")[-1].split(",")[0])
+            comm = _WRAPPED[group] = cls(group, dist.get_process_group_ranks(group), f"process group {group.group_name}")
+    elif group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise CommError("this process is not a member of the given group (got GroupMember.NON_GROUP_MEMBER); sequence-parallel ops need a member")
+    else:
+        raise TypeError(
+            f"group must be a CommMode or its string name, a Communicator or a torch.distributed ProcessGroup; got {type(group).__name__} {group!r}. "
+            "Hint: for the whole world pass CommMode.GLOBAL or torch.distributed.group.WORLD"
+        )
+    if not comm.is_member:
+        raise CommError(f"this process is not a member of mode {comm.mode!r} (ranks {list(comm.ranks)}); sequence-parallel ops need a member")
+    return comm
+
+
+@torch.compiler.assume_constant_result
+def _traced_key(group: Any) -> tuple[str, int, int]:
+    comm = _communicator(group)
+    return (comm.group.group_name, comm.world_size, comm.rank)
+
+
+def resolve_group(group: Any) -> Group | TracedGroup:
     """Resolve a :class:`CommMode` (or its string), a :class:`Communicator` or a torch ``ProcessGroup``.
 
     Raises:
@@ -44,37 +123,20 @@ def resolve_group(group: Any) -> Group:
         ModeNotBoundError: a mode that :class:`CommContext` has not bound.
         CommError: this process is not a member of the group.
     """
-    if isinstance(group, str):
-        group = CommContext().get_communicator(group)
-    if isinstance(group, Communicator):
-        if not group.is_member:
-            raise CommError(f"this process is not a member of mode {group.mode!r} (ranks {list(group.ranks)}); sequence-parallel ops need a member")
-        return Group(group.group, group.world_size, group.rank, group)
-    if isinstance(group, dist.ProcessGroup):
-        return Group(group, group.size(), group.rank(), group)  # non-members hold NON_GROUP_MEMBER, not a ProcessGroup
-    if group is dist.GroupMember.NON_GROUP_MEMBER:
-        raise CommError("this process is not a member of the given group (got GroupMember.NON_GROUP_MEMBER); sequence-parallel ops need a member")
-    raise TypeError(
-        f"group must be a CommMode or its string name, a Communicator or a torch.distributed ProcessGroup; got {type(group).__name__} {group!r}. "
-        "Hint: for the whole world pass CommMode.GLOBAL or torch.distributed.group.WORLD"
-    )
+    if torch.compiler.is_compiling():
+        return TracedGroup(*_traced_key(group))
+    return Group(_communicator(group))
 
 
-def check_input(input_: Any, group: Group, name: str = "input_") -> None:
+def check_input(input_: Any, group: Group | TracedGroup, name: str = "input_") -> None:
     """Raise ``TypeError`` for a non-tensor and ``ValueError`` for a device the group's backend cannot use.
 
-    A communicator applies its own backend's device rule; a raw process group
-    refuses CPU tensors when it is a plain NCCL group (a ``cpu:gloo,cuda:nccl``
-    group takes them). Strided inputs are fine: the ops copy into one buffer.
+    Strided inputs are fine: the ops copy into one buffer.
     """
     if not isinstance(input_, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor; got {type(input_).__name__} ({group.name})")
-    if group.world_size == 1:
-        return
-    if isinstance(group.source, Communicator):
-        group.source._check_device(input_, name)
-    elif input_.device.type != "cuda" and group.pg.name() == "nccl":
-        raise ValueError(f"{name} is on {input_.device}, but {group.name} uses NCCL, which needs CUDA tensors. Hint: move it with .cuda()")
+    if group.world_size > 1 and isinstance(group, Group):
+        group.comm._check_device(input_, name)
 
 
 def check_flag(value: Any, name: str) -> bool:

@@ -1,28 +1,24 @@
-"""How a sequence is split across ranks: the torch.tensor_split rule, caller-given lengths, and lengths exchanged in one collective."""
+"""How a sequence is split across ranks: the torch.tensor_split rule, equal local lengths, or caller-given lengths.
+
+Nothing here communicates: the default rules need no exchange, so the ops
+stay one collective each way with no host sync.
+"""
 
 from __future__ import annotations
 
-import math
 import operator
-import zlib
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from rlightning_comm.sequence_parallel._collectives import all_gather_flat
-from rlightning_comm.sequence_parallel._resolve import Group
-
-# Shape metadata exchanged per rank: ndim, dtype code, length along the dim, then the shape (the dim's entry zeroed).
-_META_SHAPE = 13
-_META_LEN = 3 + _META_SHAPE
-
 
 def sequence_split_sizes(length: int, world_size: int) -> list[int]:
     """Lengths of the chunks ``torch.tensor_split`` makes: the first ``length % world_size`` ranks get one more.
 
-    Pass the result as ``seq_lens=`` to the gather-type ops to skip the
-    exchange of lengths when every rank already knows them.
+    This is the default split of the scatter-type ops. Their default
+    counterparts on the gather side assume equal lengths, so after an uneven
+    default split pass this list as ``seq_lens=`` to the gather.
 
     Raises:
         ValueError: ``length`` is negative or ``world_size`` is not positive.
@@ -34,7 +30,7 @@ def sequence_split_sizes(length: int, world_size: int) -> list[int]:
     return [base + 1 if r < extra else base for r in range(world_size)]
 
 
-def _as_sizes(sizes: Any, group: Group, name: str) -> list[int]:
+def _as_sizes(sizes: Any, group: Any, name: str) -> list[int]:
     if type(sizes) is list and len(sizes) == group.world_size and all(type(s) is int and s >= 0 for s in sizes):
         return list(sizes)  # the common case, checked quickly; a copy, so later edits by the caller cannot reach backward
     if isinstance(sizes, (str, bytes, torch.Tensor)) or not isinstance(sizes, Sequence):
@@ -48,7 +44,7 @@ def _as_sizes(sizes: Any, group: Group, name: str) -> list[int]:
     return out
 
 
-def split_sizes(total: int, group: Group, sizes: Any, name: str) -> list[int]:
+def split_sizes(total: int, group: Any, sizes: Any, name: str) -> list[int]:
     """Per-rank chunk lengths of a dim of length ``total``: ``sizes`` checked, or the tensor_split rule when ``None``."""
     if sizes is None:
         return sequence_split_sizes(total, group.world_size)
@@ -58,57 +54,15 @@ def split_sizes(total: int, group: Group, sizes: Any, name: str) -> list[int]:
     return out
 
 
-def local_sizes(input_: torch.Tensor, dim: int, group: Group, sizes: Any, name: str) -> list[int]:
-    """Every rank's length along ``dim``: ``sizes`` checked against this rank's length, or exchanged when ``None``.
+def local_sizes(input_: torch.Tensor, dim: int, group: Any, sizes: Any, name: str) -> list[int]:
+    """Every rank's length along ``dim``: ``sizes`` checked against this rank's length, or this rank's length for every rank when ``None``.
 
-    With one rank nothing is exchanged.
+    ``None`` is the equal-lengths rule: every rank holds as many positions as
+    this one (nothing is exchanged; debug mode checks it across ranks).
     """
     if sizes is None:
-        return [input_.shape[dim]] if group.world_size == 1 else exchange_sizes(input_, dim, group)
+        return [input_.shape[dim]] * group.world_size
     out = _as_sizes(sizes, group, name)
     if out[group.rank] != input_.shape[dim]:
         raise ValueError(f"{name}[{group.rank}] must be this rank's input length along dim {dim}, {input_.shape[dim]}; got {out[group.rank]} ({group.name})")
     return out
-
-
-def _dtype_code(dtype: torch.dtype) -> int:
-    return zlib.crc32(str(dtype).encode())
-
-
-_DTYPE_NAMES = {_dtype_code(d): str(d) for d in vars(torch).values() if isinstance(d, torch.dtype)}
-
-
-def _meta(input_: torch.Tensor, dim: int) -> list[int]:
-    shape = list(input_.shape)
-    shape[dim] = 0
-    if len(shape) > _META_SHAPE:  # fold the trailing dims: still a strong check, fixed size on the wire
-        shape = shape[: _META_SHAPE - 1] + [math.prod(shape[_META_SHAPE - 1 :])]
-    shape += [-1] * (_META_SHAPE - len(shape))
-    return [input_.dim(), _dtype_code(input_.dtype), input_.shape[dim], *shape]
-
-
-def exchange_sizes(input_: torch.Tensor, dim: int, group: Group) -> list[int]:
-    """All-gather every rank's length along ``dim`` in one small collective, and check the ranks agree on the rest.
-
-    Raises:
-        ValueError: on every rank alike, when ranks disagree on the number of
-            dims, the dtype, or the shape outside ``dim``.
-    """
-    meta = torch.tensor(_meta(input_, dim), dtype=torch.int64, device=input_.device)
-    rows = all_gather_flat(meta, group).view(group.world_size, _META_LEN).tolist()
-    mine = rows[group.rank]
-    for r, row in enumerate(rows):
-        if row[:2] != mine[:2] or row[3:] != mine[3:]:
-            raise ValueError(
-                f"ranks of {group.name} must pass tensors that differ only along dim {dim}; rank {r} has "
-                f"{_describe(row, dim)}, rank {group.rank} has {_describe(mine, dim)}"
-            )
-    return [row[2] for row in rows]
-
-
-def _describe(row: list[int], dim: int) -> str:
-    ndim = row[0]
-    shape = [str(s) for s in row[3 : 3 + min(ndim, _META_SHAPE)]]
-    if dim < len(shape):
-        shape[dim] = str(row[2])
-    return f"shape ({', '.join(shape)}) of {_DTYPE_NAMES.get(row[1], 'an unknown dtype')}"

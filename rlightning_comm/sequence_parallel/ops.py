@@ -11,6 +11,24 @@ assumption its docstring names. Words used below:
 Every rank of the group must call each op, and run backward through it, in
 the same order: the backward is a collective too. With one rank every op
 returns its input unchanged and communicates nothing.
+
+Lengths. Each op runs exactly one collective forward and one backward, and
+never exchanges lengths: without ``seq_lens=`` (``gather_sizes=`` /
+``scatter_sizes=`` for :func:`all_to_all`) they follow one rule.
+
+* Gather-type ops (the gathers, :func:`all_to_all`'s ``gather_dim``,
+  :func:`~.ulysses.ulysses_attention`): every rank holds the same local shape.
+* Scatter-type ops (the scatters, the reduce-scatter): the ``torch.tensor_split``
+  split of the full length (:func:`~._sizes.sequence_split_sizes`), which every
+  rank holds. With ``rank0_only=True`` the data are the source's (group rank 0):
+  the others pass a tensor of the same shape, whose values are not read.
+
+Any other lengths are passed explicitly, the same list on every rank. Every
+local check runs before the collective, on every rank alike. A length that
+breaks the rule on one rank only cannot be seen locally: in debug mode
+(``CommContext().set_debug(True)``) every rank raises ``CommMismatchError``
+naming each rank's shapes before anything is sent; in default mode the
+collective fails as any mismatched collective does (gloo may abort).
 """
 
 from __future__ import annotations
@@ -21,7 +39,7 @@ from typing import Any
 import torch
 
 from rlightning_comm.modes import CommMode
-from rlightning_comm.sequence_parallel._collectives import all_to_all_one
+from rlightning_comm.sequence_parallel import _collectives as C
 from rlightning_comm.sequence_parallel._functions import _AllGather, _AllToAll, _Gather, _GatherFirstGrad, _ReduceScatter, _ScatterFromFirst, _Split
 from rlightning_comm.sequence_parallel._resolve import check_flag, check_input, normalize_dim, resolve_group
 from rlightning_comm.sequence_parallel._sizes import local_sizes, split_sizes
@@ -57,10 +75,9 @@ def all_to_all(
         scatter_dim: Dim to split across the group.
         group: A :class:`CommMode` or its string, a :class:`Communicator`, or a
             torch ``ProcessGroup``.
-        gather_sizes: Every rank's length along ``gather_dim``. ``None`` exchanges
-            the lengths in one small collective, which also checks that the
-            ranks agree on the other dims (on gloo a mismatch would abort the
-            process). Given, it is checked against this rank's length only.
+        gather_sizes: Every rank's length along ``gather_dim``. ``None``: every
+            rank's is this rank's (equal local shapes). Given, it is checked
+            against this rank's length only.
         scatter_sizes: The length of ``scatter_dim`` each rank receives; ``None``
             splits evenly. Same list on every rank.
 
@@ -92,7 +109,7 @@ def all_to_all(
     if g.world_size == 1:
         return input_
     if not (input_.requires_grad and torch.is_grad_enabled()):  # no graph to record: skip the Function's overhead
-        return all_to_all_one(input_, scatter_dim, send_sizes, gather_dim, recv_sizes, g)
+        return C.all_to_all([input_], scatter_dim, [send_sizes], gather_dim, [recv_sizes], g)[0]
     (out,) = _AllToAll.apply(g, scatter_dim, [send_sizes], gather_dim, [recv_sizes], input_)
     return out
 
@@ -116,7 +133,8 @@ def scatter_to_sequence_parallel_region(
 
     ``rank0_only=True``: forward: scatter the chunks of the group's first rank's
     ``input_``; other ranks pass a tensor of the same shape, dtype and device,
-    whose values are not read. backward: gather the chunks' gradients to the
+    whose values are not read (its shape decides nothing the source's does
+    not: every rank checks ``seq_lens`` against it, so all raise alike). backward: gather the chunks' gradients to the
     first rank, which gets the full gradient; the other ranks get zeros, the
     exact gradient of a tensor the output does not depend on. Exact with no
     further assumption.
@@ -146,7 +164,7 @@ def scatter_to_sequence_parallel_region(
     check_flag(rank0_only, "rank0_only")
     check_flag(legacy_grad_scale, "legacy_grad_scale")
     dim = normalize_dim(dim, input_.dim(), "dim")
-    sizes = split_sizes(input_.shape[dim], g, seq_lens, "seq_lens")
+    sizes = split_sizes(input_.shape[dim], g, seq_lens, "seq_lens")  # every rank checks alike: the shapes agree by the rule
     if g.world_size == 1:
         return input_
     scale = 1.0 / g.world_size if legacy_grad_scale else 1.0
@@ -180,8 +198,7 @@ def gather_from_sequence_parallel_region(
         rank0_only: Take the gradient from the group's first rank.
         dim: The sequence dim.
         mode: The group, as for :func:`scatter_to_sequence_parallel_region`.
-        seq_lens: Every rank's chunk length; ``None`` exchanges them in one
-            small collective (which also checks the ranks agree on the other dims).
+        seq_lens: Every rank's chunk length; ``None`` for equal lengths.
         legacy_grad_scale: Multiply the gradient by the group size P, as the
             original implementation did (see :func:`scatter_to_sequence_parallel_region`).
 
@@ -213,7 +230,7 @@ def all_gather_from_sequence_parallel_region(input_: torch.Tensor, *, dim: int =
         input_: This rank's chunk.
         dim: The sequence dim.
         mode: The group, as for :func:`scatter_to_sequence_parallel_region`.
-        seq_lens: Every rank's chunk length; ``None`` exchanges them.
+        seq_lens: Every rank's chunk length; ``None`` for equal lengths.
 
     Returns:
         The full sequence, a new contiguous tensor; ``input_`` itself with one rank.

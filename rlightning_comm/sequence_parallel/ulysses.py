@@ -72,7 +72,7 @@ def ulysses_attention(
             (``F.scaled_dot_product_attention`` in that layout). Masks and
             similar arguments must cover the full sequence and this rank's heads.
         mode: The group: a :class:`CommMode` or its string, a :class:`Communicator` or a ``ProcessGroup``.
-        seq_lens: Every rank's local sequence length; ``None`` exchanges them once per call.
+        seq_lens: Every rank's local sequence length; ``None``: every rank's is this rank's.
         **attn_kwargs: Passed to ``attn_fn`` (e.g. ``is_causal=True``).
 
     Returns:
@@ -93,7 +93,7 @@ def ulysses_attention(
     ws = g.world_size
     qkv = (query, key, value)
     even = [[t.shape[_HEADS] // ws] * ws for t in qkv]
-    if len({(t.dtype, t.device) for t in qkv}) == 1:  # one buffer, one collective for all three
+    if query.dtype == key.dtype == value.dtype and query.device == key.device == value.device:  # one buffer, one collective for all three
         heads = _AllToAll.apply(g, _HEADS, even, _SEQ, [lens] * 3, *qkv)
     else:
         heads = [_AllToAll.apply(g, _HEADS, [e], _SEQ, [lens], t)[0] for t, e in zip(qkv, even)]
