@@ -39,7 +39,7 @@ def _stats_task(rank, size, url):
     scatter_list = [torch.ones(6, dtype=torch.int64) for _ in range(size)] if rank == 0 else None
     collective.scatter(torch.zeros(6, dtype=torch.int64), CommMode.GLOBAL, scatter_list, src=0)  # 6*8*size = 96
     world.all_to_all_single(torch.zeros(4 * size), torch.ones(4 * size))  # input 4*size*4 = 32
-    out = collective.all_reduce_dict({"a": 1.0, "b": torch.ones(3), "c": 2}, CommMode.GLOBAL)  # packed 5 float32 = 20
+    out = collective.all_reduce_dict({"a": 1.0, "b": torch.ones(3), "c": 2}, CommMode.GLOBAL)  # 5 float64 = 40
     report["dict_sum"] = [out["a"], out["b"].tolist(), out["c"]]
     collective.broadcast_object_list([{"x": rank}], CommMode.GLOBAL, src=0)
     collective.barrier(CommMode.GLOBAL)
@@ -91,7 +91,7 @@ def test_stats_count_bytes_async_reset_and_unwrap(world2):
         "gather": [32, 1],
         "scatter": [96, 1],
         "all_to_all_single": [32, 1],
-        "all_reduce_dict": [20, 1],
+        "all_reduce_dict": [40, 1],
         "broadcast_object_list": [0, 1],
         "barrier": [0, 1],
         "reduce_scatter": [24, 1],
@@ -154,3 +154,33 @@ def _stats_with_debug_task(rank, size, url):
 def test_stats_compose_with_debug_mode(world2):
     for rep in world2.run(_stats_with_debug_task):
         assert rep == {"debug_restored": True, "count": 3, "off": True}
+
+
+class _YieldingBytes(int):
+    """A byte count whose addition runs Python code and lets another thread in: a read-modify-write race shows at once."""
+
+    def __radd__(self, other):
+        time.sleep(0)
+        return int(other) + int(self)
+
+
+def test_recording_from_many_threads_loses_nothing():
+    # Async completions record from torch's callback threads while the caller records its own calls.
+    import threading
+
+    from rlightning_comm.stats._recorder import _Recorder
+
+    rec = _Recorder()
+    threads, per_thread = 8, 200
+
+    def record():
+        for _ in range(per_thread):
+            rec._finish(("M", "all_reduce"), 2, _YieldingBytes(3), 1.0, time.perf_counter(), False, False)
+
+    workers = [threading.Thread(target=record) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=60)
+    row = rec.snapshot()["M"]["all_reduce"]
+    assert (row["count"], row["bytes"]) == (threads * per_thread, 3 * threads * per_thread)

@@ -1,22 +1,129 @@
-"""Packing a dict of numbers and tensors into one buffer for ``all_reduce_dict``, and back."""
+"""Packing a dict of numbers and tensors into one buffer for ``all_reduce_dict``, and back.
+
+Three rules keep every rank's buffer laid out alike, whatever order each rank
+built its dict in and whichever device each tensor is on:
+
+* **One total key order.** Keys are ordered by :func:`ordered_keys`: ``None``,
+  then real numbers, then strings, then bytes, then tuples of those
+  (lexicographically); within a kind by value. A key outside these kinds (or a
+  NaN) has no order every rank agrees on and is refused.
+* **Numbers first, then tensors**, each in key order, so the numbers are one
+  slice: one host-to-device copy on the way in and one device-to-host copy
+  (``tolist``) on the way out. A tensor on the communicator's device costs no
+  copy; one elsewhere costs one each way.
+* **Exact integers.** With a floating ``dtype`` a dict that holds numbers is
+  reduced in float64 (tensors are cast back to ``dtype``), so an integer count
+  comes back exact while every value and partial result stays within
+  ``2**53`` in magnitude; with an integer ``dtype`` everything is reduced in
+  that dtype. The choice depends only on what every rank must agree on anyway
+  (the dtype, and which keys hold numbers), never on a value's Python type, so
+  ``{"n": 0}`` on one rank and ``{"n": 2.5}`` on another reduce together.
+"""
 
 from __future__ import annotations
 
 import array
+import math
 import numbers
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-_PLAIN_NUMBERS = frozenset({float, int})
+_PLAIN_NUMBERS = frozenset({float, int, bool})
+_EXACT_LANE = torch.float64
+EXACT_INT_BOUND = 2**53
+"""Integers reduced by ``all_reduce_dict`` with a floating ``dtype`` are exact up to this magnitude (values and results)."""
 
 
-def pack(dictionary: Mapping[Any, Any], dtype: torch.dtype, device: torch.device, mode: str) -> tuple[torch.Tensor | None, Callable[[torch.Tensor], dict[Any, Any]]]:
-    """Pack the values of ``dictionary`` into one fresh ``dtype`` buffer on ``device``.
+def _type_name(value: Any) -> str:
+    kind = type(value)
+    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
 
-    Keys are taken in sorted order when they are sortable (insertion order
-    otherwise), so ranks that built the same dict differently agree.
+
+def _is_numpy_bool(value: Any) -> bool:
+    return type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
+
+
+def _rank(key: Any) -> tuple[Any, ...]:
+    """The position of ``key`` in the total key order (see the module docstring)."""
+    if key is None:
+        return (0,)
+    if isinstance(key, numbers.Real) or _is_numpy_bool(key):
+        if isinstance(key, float) and math.isnan(key):
+            raise TypeError("a NaN key has no order")
+        return (1, key)
+    if isinstance(key, str):
+        return (2, key)
+    if isinstance(key, bytes):
+        return (3, key)
+    if isinstance(key, tuple):
+        return (4, tuple(map(_rank, key)))
+    raise TypeError(f"key {key!r} of type {_type_name(key)}")
+
+
+def ordered_keys(dictionary: Mapping[Any, Any], mode: str) -> list[Any]:
+    """The keys of ``dictionary`` in the one total order every rank uses.
+
+    Raises:
+        TypeError: a key has no place in the order (not None, a real number,
+            str, bytes, or a tuple of those; or a NaN).
+    """
+    keys = list(dictionary)
+    if set(map(type, keys)) <= {str}:
+        return sorted(keys)  # the metrics case; the same order as the general one
+    try:
+        return sorted(keys, key=_rank)
+    except TypeError as err:
+        raise TypeError(
+            f"all_reduce_dict keys must be None, real numbers, str, bytes or tuples of those, so that every rank orders them alike; got {err} (mode {mode!r})"
+        ) from None
+
+
+def check_dtype(dtype: Any, mode: str) -> None:
+    """Raise unless ``dtype`` is a real torch dtype."""
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype such as torch.float32; got {_type_name(dtype)} {dtype!r} (mode {mode!r})")
+    if dtype.is_complex:
+        raise ValueError(f"dtype must be a real floating-point or integer dtype; got {dtype} (mode {mode!r})")
+
+
+def _is_number(key: Any, value: Any, mode: str) -> bool:
+    """Whether ``value`` is packed as a number (``False``: a tensor); raise for anything else."""
+    if isinstance(value, torch.Tensor):
+        if value.layout != torch.strided:
+            raise TypeError(
+                f"all_reduce_dict value for key {key!r} is a {value.layout} tensor; expected a dense tensor. Hint: pass t.to_dense() (mode {mode!r})"
+            )
+        if value.is_complex():
+            raise TypeError(f"all_reduce_dict value for key {key!r} is a complex tensor ({value.dtype}); expected a real tensor or number (mode {mode!r})")
+        return False
+    if isinstance(value, numbers.Real) or _is_numpy_bool(value):
+        return True
+    if isinstance(value, numbers.Number):
+        raise TypeError(f"all_reduce_dict value for key {key!r} must be a real number or a tensor; got the complex number {value!r} (mode {mode!r})")
+    raise TypeError(f"all_reduce_dict value for key {key!r} must be a real number or a tensor; got {_type_name(value)} (mode {mode!r})")
+
+
+def describe(dictionary: Mapping[Any, Any], dtype: Any, mode: str) -> tuple[list[Any], list[Any]]:
+    """Every check ``pack`` makes, without packing: the ordered keys and, per key, ``None`` for a number or the tensor's shape.
+
+    Raises:
+        TypeError: a key has no total order, a value is neither a real number
+            nor a dense real tensor, or ``dtype`` is not a torch dtype.
+        ValueError: ``dtype`` is complex.
+    """
+    check_dtype(dtype, mode)
+    keys = ordered_keys(dictionary, mode)
+    return keys, [None if _is_number(k, dictionary[k], mode) else tuple(dictionary[k].shape) for k in keys]
+
+
+def pack(
+    dictionary: Mapping[Any, Any], dtype: torch.dtype, device: torch.device, mode: str
+) -> tuple[torch.Tensor | None, Callable[[torch.Tensor], dict[Any, Any]]]:
+    """Pack the values of ``dictionary`` into one fresh buffer on ``device`` (layout: see the module docstring).
+
+    Every check runs before anything is allocated.
 
     Returns:
         The buffer (``None`` for an empty dict) and a function that turns the
@@ -25,60 +132,48 @@ def pack(dictionary: Mapping[Any, Any], dtype: torch.dtype, device: torch.device
         on their own device.
 
     Raises:
-        TypeError: a value is neither a number nor a tensor.
+        TypeError, ValueError: as :func:`describe`.
     """
-    try:
-        keys = sorted(dictionary)
-    except TypeError:
-        keys = list(dictionary)
+    check_dtype(dtype, mode)
+    keys = ordered_keys(dictionary, mode)
     values = list(map(dictionary.__getitem__, keys))
     if not values:
         return None, lambda flat: {}
+    lane = _EXACT_LANE if dtype.is_floating_point else dtype
     if set(map(type, values)) <= _PLAIN_NUMBERS:
-        # Only plain numbers (the metrics case): one buffer, one host transfer back.
-        if dtype.is_floating_point:  # array("d") converts like float(), ~3x faster than torch.tensor(list)
-            flat = torch.frombuffer(array.array("d", values), dtype=torch.float64).to(device=device, dtype=dtype, copy=True)
+        # The metrics case: one buffer straight from the floats, no per-value work in torch.
+        if lane is _EXACT_LANE:
+            host = torch.frombuffer(array.array("d", values), dtype=lane)  # shares the fresh array's memory
         else:
-            flat = torch.tensor(values, dtype=dtype, device=device)
+            host = torch.tensor(values, dtype=lane)
+        flat = host if device.type == "cpu" else host.to(device)
         return flat, lambda reduced: dict(zip(keys, reduced.tolist()))
-    segments: list[torch.Tensor] = []
-    run: list[Any] = []
-    layout: list[tuple[Any, torch.Tensor | None]] = []  # None marks a number
-    number_positions: list[int] = []
-    offset = 0
+    number_keys, number_values, tensor_keys, tensors = [], [], [], []
     for key, value in zip(keys, values):
-        if isinstance(value, torch.Tensor):
-            if run:
-                segments.append(torch.tensor(run, dtype=dtype, device=device))
-                run = []
-            segments.append(value.detach().to(device=device, dtype=dtype).reshape(-1))
-            layout.append((key, value))
-            offset += value.numel()
-        elif isinstance(value, numbers.Number):
-            run.append(value)
-            layout.append((key, None))
-            number_positions.append(offset)
-            offset += 1
+        if _is_number(key, value, mode):
+            number_keys.append(key)
+            # numpy scalars, Fractions, ...: as the lane's Python type (float keeps an int exact only below 2**53 anyway)
+            number_values.append(value if type(value) in _PLAIN_NUMBERS else (float(value) if lane.is_floating_point else int(value)))
         else:
-            raise TypeError(f"all_reduce_dict value for key {key!r} must be a number or a tensor; got {type(value).__name__} (mode {mode!r})")
-    if run:
-        segments.append(torch.tensor(run, dtype=dtype, device=device))
+            tensor_keys.append(key)
+            tensors.append(value)
+    if not number_keys:
+        lane = dtype  # tensors alone: reduced in the dtype asked for
+    segments = []
+    if number_keys:
+        numbers_host = torch.tensor(number_values, dtype=lane)
+        segments.append(numbers_host if device.type == "cpu" else numbers_host.to(device))  # the one host-to-device copy
+    segments.extend(t.detach().to(device=device, dtype=lane).reshape(-1) for t in tensors)
     flat = torch.cat(segments)  # always a fresh buffer: the caller's tensors stay untouched
+    n = len(number_keys)
 
     def unpack(reduced: torch.Tensor) -> dict[Any, Any]:
-        # One host transfer for all the numbers, not one .item() per key.
-        index = torch.tensor(number_positions, dtype=torch.long, device=reduced.device)
-        numbers_out = iter(reduced[index].tolist())
-        result: dict[Any, Any] = {}
-        at = 0
-        for key, value in layout:
-            if value is None:
-                result[key] = next(numbers_out)
-                at += 1
-            else:
-                n = value.numel()
-                result[key] = reduced[at : at + n].view_as(value).to(value.device)
-                at += n
-        return result
+        result = dict(zip(number_keys, reduced[:n].tolist()))  # the one device-to-host copy
+        at = n
+        for key, value in zip(tensor_keys, tensors):
+            size = value.numel()
+            result[key] = reduced[at : at + size].view(value.shape).to(device=value.device, dtype=dtype)
+            at += size
+        return {key: result[key] for key in keys}
 
     return flat, unpack
