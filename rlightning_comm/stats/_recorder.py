@@ -154,17 +154,23 @@ class _Recorder:
         if cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self._done.append((key, n, nbytes, factor, (start, end), was_async))
-            self._cuda_backlog += 1
-            if self._cuda_backlog >= self._next_fold and not was_async:
+            with self._lock:
+                self._done.append((key, n, nbytes, factor, (start, end), was_async))
+                self._cuda_backlog += 1
+                fold = self._cuda_backlog >= self._next_fold and not was_async
+            if fold:
                 self._fold(wait=False)  # completed events only; at most once per _FOLD_EVERY records
-                self._next_fold = self._cuda_backlog + _FOLD_EVERY
+                with self._lock:
+                    self._next_fold = self._cuda_backlog + _FOLD_EVERY
         elif was_async:
             self._done.append((key, n, nbytes, factor, _perf_counter() - start, True))
         else:
-            self._add(key, n, nbytes, factor, _perf_counter() - start, False)
+            seconds = _perf_counter() - start
+            with self._lock:
+                self._add(key, n, nbytes, factor, seconds, False)
 
     def _add(self, key: tuple[str, str], n: int, nbytes: int, factor: float, seconds: float, was_async: bool) -> None:
+        """Fold one finished call into the accumulator; the caller holds ``_lock`` (callbacks of other threads record too)."""
         acc = self._acc.get(key)
         if acc is None:
             acc = self._acc[key] = [0, 0, 0.0, 0.0, 0.0, n, 0]
@@ -178,10 +184,11 @@ class _Recorder:
             acc[6] -= 1
 
     def _track_async(self, key: tuple[str, str], n: int, nbytes: int, factor: float, work: Any, start: Any, cuda: bool) -> None:
-        acc = self._acc.get(key)
-        if acc is None:
-            acc = self._acc[key] = [0, 0, 0.0, 0.0, 0.0, n, 0]
-        acc[6] += 1
+        with self._lock:
+            acc = self._acc.get(key)
+            if acc is None:
+                acc = self._acc[key] = [0, 0, 0.0, 0.0, 0.0, n, 0]
+            acc[6] += 1
 
         def finished(_fut: Any = None) -> None:
             self._finish(key, n, nbytes, factor, start, cuda, True)
@@ -224,8 +231,10 @@ class _Recorder:
     # -------------------------------------------------------------- reading
     def snapshot(self) -> dict[str, dict[str, dict[str, Any]]]:
         self._fold()
+        with self._lock:
+            rows = sorted((key, tuple(acc)) for key, acc in self._acc.items())
         out: dict[str, dict[str, dict[str, Any]]] = {}
-        for (mode, op), (count, nbytes, bus_bytes, total, peak, n, in_flight) in sorted(self._acc.items()):
+        for (mode, op), (count, nbytes, bus_bytes, total, peak, n, in_flight) in rows:
             out.setdefault(mode, {})[op] = {
                 "count": count,
                 "bytes": nbytes,
