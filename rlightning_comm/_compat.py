@@ -7,6 +7,7 @@ so a torch release that moves it fails in one place (and in
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 # torch 2.13 renamed the flat-tensor collectives and deprecated the old names; older releases only have those.
@@ -14,3 +15,30 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 """``all_gather_single(output, input, group=..., async_op=...)``: gather equal-sized flat inputs into one output."""
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 """``reduce_scatter_single(output, input, op=..., group=..., async_op=...)``: reduce, then keep this rank's slice."""
+
+# ------------------------------------------------------------------ private torch details
+# Each is checked by tests/test_compat.py, so a torch release that changes one fails there, loudly.
+
+DEFAULT_PG_STORE_PREFIX = "default_pg"
+"""The prefix ``init_process_group`` puts on the store it makes from a URL (``PrefixStore("default_pg", store)``).
+
+Not an API, a key layout: a world initialised from our own store uses it so
+that ranks initialised by torch from the same URL meet ours in the store.
+"""
+
+TENSOR_PICKLE_GLOBALS = (("torch._utils", "_rebuild_tensor_v2"), ("torch.storage", "_load_from_bytes"))
+"""The globals a pickled dense CPU tensor names: ``(rebuild the tensor, load its storage)``.
+
+Safe mode's unpickler resolves exactly these (to checked replacements of its own); they are the wire format of
+``torch.distributed.broadcast_object_list``, not functions the library calls.
+"""
+
+
+def default_store() -> dist.Store:
+    """The store of a default process group the library did not create (torch has no public accessor)."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def rebuild_tensor(storage: torch.storage.TypedStorage, offset: int, size: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
+    """A tensor viewing ``storage`` (public API: ``Tensor.set_``, which checks the view stays inside the storage)."""
+    return torch.empty(0, dtype=storage.dtype, device=storage.device).set_(storage.untyped(), offset, size, stride)

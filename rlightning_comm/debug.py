@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from rlightning_comm import rendezvous
 from rlightning_comm.communicators.base import COLLECTIVES
 from rlightning_comm.errors import CommMismatchError, CommTimeoutError
 
@@ -102,9 +103,7 @@ class _Checker:
     """The store-side state of one communicator's checks."""
 
     def __init__(self, comm: Communicator, timeout: float) -> None:
-        # torch has no public accessor for the world's store; every rank reached it at initialisation.
-        store = dist.distributed_c10d._get_default_store()
-        self.store = dist.PrefixStore(f"rlightning_comm/debug/{_generation}/{comm.group.group_name}", store)
+        self.store = dist.PrefixStore(f"rlightning_comm/debug/{_generation}/{comm.group.group_name}", rendezvous.world_store())
         self.timeout = timeout
         self.mode = comm.mode
         self.ranks = comm.ranks

@@ -19,11 +19,13 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+import weakref
 from datetime import timedelta
 from urllib.parse import urlparse
 
 import torch.distributed as dist
 
+from rlightning_comm import _compat
 from rlightning_comm.errors import CommError
 
 
@@ -55,25 +57,48 @@ def loopback_address(init_method: str) -> tuple[str, int] | None:
 def init_process_group(backend: str, init_method: str, world_size: int, rank: int, timeout: timedelta) -> None:
     """``torch.distributed.init_process_group``, with a loopback-only store for a loopback rendezvous address.
 
+    The world's store is made here (a loopback ``TCPStore``, or torch's public
+    ``torch.distributed.rendezvous`` for every other URL, as
+    ``init_process_group`` itself does) and kept for :func:`world_store`.
+
     Raises:
         CommError: rank 0 could not listen on the loopback address.
     """
     address = loopback_address(init_method)
     if address is None:
-        dist.init_process_group(backend=backend, init_method=init_method, world_size=world_size, rank=rank, timeout=timeout)
-        return
-    host, port = address
-    if rank == 0:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        try:
-            fd = socket.create_server((host, port), family=family, backlog=max(128, world_size)).detach()
-        except OSError as err:
-            raise CommError(f"rank 0 could not listen on {host}:{port} for the store of {init_method!r}: {err}") from err
-        store = dist.TCPStore(host, port, world_size, True, timeout, master_listen_fd=fd, use_libuv=True)
+        store, rank, world_size = next(dist.rendezvous(init_method, rank, world_size, timeout=timeout))
+        store.set_timeout(timeout)
     else:
-        store = dist.TCPStore(host, port, world_size, False, timeout, use_libuv=True)
-    # The same key layout torch gives the store it creates from a URL.
-    dist.init_process_group(backend=backend, store=dist.PrefixStore("default_pg", store), world_size=world_size, rank=rank, timeout=timeout)
+        host, port = address
+        if rank == 0:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            try:
+                fd = socket.create_server((host, port), family=family, backlog=max(128, world_size)).detach()
+            except OSError as err:
+                raise CommError(f"rank 0 could not listen on {host}:{port} for the store of {init_method!r}: {err}") from err
+            store = dist.TCPStore(host, port, world_size, True, timeout, master_listen_fd=fd, use_libuv=True)
+        else:
+            store = dist.TCPStore(host, port, world_size, False, timeout, use_libuv=True)
+    # The key layout torch gives the store it makes from a URL, so peers that let torch initialise interoperate.
+    store = dist.PrefixStore(_compat.DEFAULT_PG_STORE_PREFIX, store)
+    dist.init_process_group(backend=backend, store=store, world_size=world_size, rank=rank, timeout=timeout)
+    _STORES[dist.group.WORLD] = store
+
+
+# World group -> its store; an entry goes with its group, so a destroyed world's store (and port) is not kept alive.
+_STORES: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.Store] = weakref.WeakKeyDictionary()
+
+
+def world_store() -> dist.Store:
+    """The store the world was initialised with: the one every rank of the world reaches.
+
+    Raises:
+        CommError: torch.distributed is not initialised.
+    """
+    if not dist.is_initialized():
+        raise CommError("torch.distributed is not initialised: there is no world store")
+    store = _STORES.get(dist.group.WORLD)
+    return _compat.default_store() if store is None else store  # a world initialised outside the library
 
 
 def loopback_interface() -> str | None:

@@ -125,11 +125,11 @@ def _count_task(rank, size, url):
     import torch
     import torch.distributed as dist
 
-    from rlightning_comm import collective
+    from rlightning_comm import collective, rendezvous
 
     ctx = init_world(rank, size, url, timeout=30)
     sync = dist.barrier  # the store is shared: no rank may start a phase before every rank has measured the last one
-    store = dist.distributed_c10d._get_default_store()
+    store = rendezvous.world_store()
     comm = ctx.get_communicator("GLOBAL")
 
     def workload(counts):

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rlightning_comm import _compat
 from rlightning_comm.errors import ObjectRefusedError
 
 
@@ -73,17 +74,20 @@ def all_gather_objects(obj: Any, group: dist.ProcessGroup, device: torch.device)
     """
     payload = pickle.dumps(obj)
     world = dist.get_world_size(group)
-    sizes = [torch.empty(1, dtype=torch.long, device=device) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([len(payload)], dtype=torch.long, device=device), group=group)
-    lengths = [int(t.item()) for t in sizes]
+    sizes = torch.empty(world, dtype=torch.long, device=device)
+    _compat.all_gather_single(sizes, torch.tensor([len(payload)], dtype=torch.long, device=device), group=group)
+    lengths = sizes.tolist()  # one device-to-host copy for every rank's size
     width = max(lengths)
-    mine = torch.zeros(width, dtype=torch.uint8, device=device)
-    mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    padded = bytearray(width)
+    padded[: len(payload)] = payload
+    mine = torch.frombuffer(padded, dtype=torch.uint8)
     buffer = bytearray(world * width)
-    host = torch.frombuffer(buffer, dtype=torch.uint8).view(world, width)
-    data = host if device.type == "cpu" else torch.empty(world, width, dtype=torch.uint8, device=device)
-    dist.all_gather(list(data.unbind(0)), mine, group=group)
-    if data is not host:
+    host = torch.frombuffer(buffer, dtype=torch.uint8)
+    if device.type == "cpu":
+        _compat.all_gather_single(host, mine, group=group)
+    else:
+        data = torch.empty(world * width, dtype=torch.uint8, device=device)
+        _compat.all_gather_single(data, mine.to(device), group=group)
         host.copy_(data)
     raw = memoryview(buffer)
     return [pickle.loads(raw[r * width : r * width + n]) for r, n in enumerate(lengths)]
@@ -170,12 +174,13 @@ def _rebuild_tensor(storage: Any, offset: Any, size: Any, stride: Any, requires_
     if metadata:
         raise pickle.UnpicklingError("a tensor carried metadata")
     # set_() checks that size, stride and offset stay inside the storage.
-    return torch._utils._rebuild_tensor_v2(storage, offset, size, stride, bool(requires_grad), collections.OrderedDict())
+    return _compat.rebuild_tensor(storage, offset, size, stride).requires_grad_(bool(requires_grad))
 
 
+_REBUILD_TENSOR, _LOAD_STORAGE = _compat.TENSOR_PICKLE_GLOBALS
 _GLOBALS = {
-    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
-    ("torch.storage", "_load_from_bytes"): _load_storage,
+    _REBUILD_TENSOR: _rebuild_tensor,
+    _LOAD_STORAGE: _load_storage,
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("torch", "Size"): torch.Size,
 }
