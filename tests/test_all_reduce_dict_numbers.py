@@ -70,7 +70,7 @@ CPU = torch.device("cpu")
     ("value", "error", "text"),
     [
         ({"a": 1 + 2j}, TypeError, "must be a real number or a tensor; got the complex number (1+2j)"),
-        ({"a": "text"}, TypeError, "must be a real number or a tensor; got str"),
+        ({"a": "text"}, TypeError, "must be a number or a tensor; got str"),
         ({"a": torch.ones(2, dtype=torch.complex64)}, TypeError, "is a complex tensor"),
         ({"a": torch.ones(2).to_sparse()}, TypeError, "sparse_coo tensor; expected a dense tensor"),
         ({"a": 1.0, frozenset(): 2.0}, TypeError, "keys must be None, real numbers, str, bytes or tuples of those"),

@@ -167,3 +167,106 @@ def test_debug_mode_off_adds_no_collective_and_no_wrapper(world2):
         # On: the same collectives (the check uses the store, not the backend), and fingerprints in the store.
         assert calls == expected_calls
         assert new_keys > 0 and shadowed == ["all_gather", "all_reduce", "all_reduce_dict", "barrier", "broadcast"]
+
+
+def _refusal(name, rank, torch, coll):
+    """Rank ``bad`` passes an argument its own local checks refuse; the other rank's call is fine."""
+    if name == "non-contiguous":  # rank 1
+        coll.all_reduce(torch.ones(3, 2)[:, 0] if rank == 1 else torch.ones(3), "TP")
+    elif name == "root list":  # the root, rank 0, has one tensor too few: only it reads the list
+        coll.gather(torch.ones(2), "TP", [torch.zeros(2)] if rank == 0 else None, dst=0)
+    elif name == "split sizes":  # rank 1's input splits do not sum to its dim 0
+        from rlightning_comm import CommContext
+
+        comm = CommContext().get_communicator("TP")
+        comm.all_to_all_single(torch.empty(4), torch.ones(4), [2, 2], [3, 3] if rank == 1 else [2, 2])
+
+
+REFUSED = {
+    "non-contiguous": (1, "tensor must be contiguous"),
+    "root list": (0, "gather_list must hold one tensor per rank"),
+    "split sizes": (1, "input_split_sizes"),
+}
+
+
+def _refusal_task(rank, size, url, name):
+    import torch
+
+    from rlightning_comm import collective
+
+    ctx = init_world(rank, size, url, timeout=30)
+    ctx.init_group([0, 1], "TP", timeout=GROUP_TIMEOUT)
+    ctx.set_debug(True)
+    out = {}
+    start = time.monotonic()
+    try:
+        _refusal(name, rank, torch, collective)
+    except Exception as err:  # noqa: BLE001 - the type is what the test compares
+        out = {"type": type(err).__name__, "error": str(err), "elapsed": time.monotonic() - start}
+    t = torch.full((2,), float(rank + 1))
+    collective.all_reduce(t, "TP")  # nothing was started: the group is usable and in step
+    out["after"] = t.tolist()
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_debug_mode_runs_local_checks_first_and_every_rank_learns_the_refusal(world2, name):
+    bad, text = REFUSED[name]
+    results = world2.run(_refusal_task, name, timeout=60)
+    for out in results:
+        assert out["type"] == "ValueError", out  # the refusing rank's own error type, on every rank
+        assert f"global rank {bad} refused the call" in out["error"] and text in out["error"], out["error"]
+        assert out["elapsed"] < GROUP_TIMEOUT, out  # nobody waited for a timeout
+        assert out["after"] == [3.0, 3.0]
+
+
+def _numbers_task(rank, size, url):
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from rlightning_comm import collective
+
+    ctx = init_world(rank, size, url, timeout=30)
+    ctx.set_debug(True)
+    # Valid calls that used to be flagged: an int against a float, a numpy scalar against a Python float.
+    got = collective.all_reduce_dict({"count": 0 if rank == 0 else 2.5, "x": np.float32(1.5) if rank == 0 else 1.5}, "GLOBAL")
+    raw = torch.tensor([0 if rank == 0 else 2.5, 1.5], dtype=torch.float64)
+    dist.all_reduce(raw)
+    return got == dict(zip(["count", "x"], raw.tolist()))
+
+
+def test_debug_mode_fingerprints_numbers_as_numbers(world2):
+    assert world2.run(_numbers_task, timeout=60) == [True, True]
+
+
+def _resync_task(rank, size, url):
+    import torch
+    import torch.distributed as dist
+
+    from rlightning_comm import CommTimeoutError, ModeNotBoundError, collective
+
+    ctx = init_world(rank, size, url, timeout=30)
+    ctx.init_group([0, 1], "TP", timeout=GROUP_TIMEOUT)
+    ctx.set_debug(True)
+    out = {}
+    try:
+        collective.all_reduce(torch.ones(3), "TP" if rank == 0 else "NOT_BOUND")  # rank 1 raises locally, never reaching the check
+    except (CommTimeoutError, ModeNotBoundError) as err:
+        out["first"] = type(err).__name__, str(err)
+    dist.barrier()  # raw torch: rank 1 waits here until rank 0 has given up
+    got = []
+    for step in range(3):  # the calls after the failure work on every rank, against raw torch on the same values
+        t = torch.full((2,), float(rank + step))
+        raw = t.clone()
+        collective.all_reduce(t, "TP")
+        dist.all_reduce(raw, group=ctx.get_group("TP"))
+        got.append(torch.equal(t, raw))
+    return out, got
+
+
+def test_debug_mode_keeps_sequence_numbers_in_step_after_a_timeout(world2):
+    (r0, got0), (r1, got1) = world2.run(_resync_task, timeout=60)
+    assert r0["first"][0] == "CommTimeoutError" and "global ranks [1] did not reach it" in r0["first"][1]
+    assert r1["first"][0] == "ModeNotBoundError"
+    assert got0 == got1 == [True, True, True]

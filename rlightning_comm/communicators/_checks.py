@@ -9,7 +9,6 @@ changes nothing. Debug mode calls them before its fingerprint exchange.
 
 from __future__ import annotations
 
-import numbers
 import operator
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -17,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 from torch.distributed import ReduceOp
 
-from rlightning_comm.communicators import _objects
+from rlightning_comm.communicators import _objects, _packing
 
 _SUM = ReduceOp.SUM
 _AVG = ReduceOp.AVG
@@ -192,9 +191,5 @@ class InputChecks:
     def _check_all_reduce_dict(self, dictionary: Any, op: Any = _SUM, dtype: Any = torch.float32) -> None:
         if not isinstance(dictionary, Mapping):
             raise TypeError(f"dictionary must be a Mapping; got {type(dictionary).__name__} (mode {self._mode!r})")
-        if not isinstance(dtype, torch.dtype):
-            raise TypeError(f"dtype must be a torch.dtype such as torch.float64; got {type(dtype).__name__} {dtype!r} (mode {self._mode!r})")
+        _packing.describe(dictionary, dtype, self._mode)  # the dtype, a total key order, and every value, as pack() checks them
         self._check_reduce_op(op, dtype)
-        for key, value in dictionary.items():
-            if not isinstance(value, (torch.Tensor, numbers.Number)):
-                raise TypeError(f"all_reduce_dict value for key {key!r} must be a number or a tensor; got {type(value).__name__} (mode {self._mode!r})")

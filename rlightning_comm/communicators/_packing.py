@@ -102,7 +102,7 @@ def _is_number(key: Any, value: Any, mode: str) -> bool:
         return True
     if isinstance(value, numbers.Number):
         raise TypeError(f"all_reduce_dict value for key {key!r} must be a real number or a tensor; got the complex number {value!r} (mode {mode!r})")
-    raise TypeError(f"all_reduce_dict value for key {key!r} must be a real number or a tensor; got {_type_name(value)} (mode {mode!r})")
+    raise TypeError(f"all_reduce_dict value for key {key!r} must be a number or a tensor; got {_type_name(value)} (mode {mode!r})")
 
 
 def describe(dictionary: Mapping[Any, Any], dtype: Any, mode: str) -> tuple[list[Any], list[Any]]:
