@@ -6,6 +6,7 @@ import io
 import pickle
 import pickletools
 
+import pytest
 import torch
 
 from rlightning_comm import _compat
@@ -32,6 +33,7 @@ def test_tensor_pickle_names_exactly_the_globals_safe_mode_resolves():
     assert named <= {rebuild, load, ("collections", "OrderedDict"), ("torch", "Size")}, sorted(named)
 
 
+@pytest.mark.filterwarnings("ignore:TypedStorage is deprecated")  # what torch.load hands the safe unpickler
 def test_rebuild_tensor_matches_torch_on_a_strided_view():
     base = torch.arange(12.0)
     storage = base.storage()
