@@ -19,16 +19,19 @@ if TYPE_CHECKING:
 
 
 class ContextLookups:
-    """Mixin of :class:`CommContext`: lock-free reads of the bindings (through its ``get_communicator``)."""
+    """Mixin of :class:`CommContext`: lock-free reads of the bindings (through its ``get_communicator``).
+
+    The seed's getters keep the seed's parameter name, ``comm_mode``.
+    """
 
     _configs: dict[str, GroupConfig]
     get_communicator: Callable[..., Communicator]
     _require_world: Callable[[], DistributedConfig]
 
     # ---------------------------------------------------------------- per mode
-    def get_group(self, mode: CommMode | str = CommMode.GLOBAL) -> dist.ProcessGroup | None:
+    def get_group(self, comm_mode: CommMode | str = CommMode.GLOBAL) -> dist.ProcessGroup | None:
         """The torch process group of ``mode`` (``None`` on a non-member rank, so ``if group is None: return`` works)."""
-        return self.get_communicator(mode).group
+        return self.get_communicator(comm_mode).group
 
     def get_group_config(self, mode: CommMode | str = CommMode.GLOBAL) -> GroupConfig:
         """What ``mode`` was bound with: every group declared for it so far (in declared order), backend name and timeout.
@@ -39,24 +42,24 @@ class ContextLookups:
         self.get_communicator(mode)
         return self._configs[mode_name(mode)]
 
-    def get_world_size(self, mode: CommMode | str = CommMode.GLOBAL) -> int:
+    def get_world_size(self, comm_mode: CommMode | str = CommMode.GLOBAL) -> int:
         """Number of ranks in this rank's group of ``mode``."""
-        return self.get_communicator(mode).world_size
+        return self.get_communicator(comm_mode).world_size
 
-    def get_local_rank(self, mode: CommMode | str = CommMode.GLOBAL) -> int:
+    def get_local_rank(self, comm_mode: CommMode | str = CommMode.GLOBAL) -> int:
         """This process's rank within its group of ``mode``: its position in the group's ranks as declared.
 
         Raises:
             CommError: this rank is not a member of ``mode``.
         """
-        return self.get_communicator(mode).rank
+        return self.get_communicator(comm_mode).rank
 
-    def get_ranks_in_group(self, mode: CommMode | str = CommMode.GLOBAL) -> list[int]:
+    def get_ranks_in_group(self, comm_mode: CommMode | str = CommMode.GLOBAL) -> list[int]:
         """Global ranks of this rank's group of ``mode``, in declared order (entry ``i`` is group rank ``i``).
 
         On a non-member: the group's ranks if ``mode`` has exactly one group, else ``[]``.
         """
-        return list(self.get_communicator(mode).ranks)
+        return list(self.get_communicator(comm_mode).ranks)
 
     # -------------------------------------------------------------- the world
     def get_global_rank(self) -> int:

@@ -186,7 +186,8 @@ class CommContext(ContextLookups, ContextLayouts, ContextPolicies):
             ranks: One list of global ranks, or a list of disjoint lists.
             mode: The mode to bind (not ``GLOBAL``, which the world binds).
             backend: A registered communicator name; ``None`` means the world's.
-            use_cpu: Use gloo (CPU) whatever the world's backend.
+            use_cpu: Use gloo (CPU) whatever ``backend`` and the world's backend say (as the seed does); a
+                registered backend built on gloo is kept.
             timeout: Timeout of this group's collectives; ``None`` means the world's.
 
         Returns:
@@ -228,10 +229,8 @@ class CommContext(ContextLookups, ContextLayouts, ContextPolicies):
         dist_config = self._require_world()
         if name == _GLOBAL:
             raise ValueError("mode 'GLOBAL' is bound by init_distributed_env; pick another mode for init_group")
-        if use_cpu:
-            if backend is not None and get_communicator_class(backend).backend != "gloo":
-                raise ValueError(f"use_cpu=True needs a gloo backend; got backend={backend!r}")
-            backend = backend or "gloo"
+        if use_cpu and (backend is None or get_communicator_class(backend).backend != "gloo"):
+            backend = "gloo"  # as in the seed, use_cpu forces gloo whatever backend says (a gloo-based custom backend is kept)
         backend = backend or dist_config.backend
         cls = get_communicator_class(backend)
         config = GroupConfig(

@@ -147,7 +147,6 @@ def test_calls_before_init_are_clear_errors():
         ([0, [0]], {}, ValueError, "mixes ranks and lists"),
         ("0", {}, ValueError, "non-empty list"),
         ([0], {"backend": "nope"}, KeyError, r"registered: \["),
-        ([0], {"use_cpu": True, "backend": "nccl"}, ValueError, "use_cpu=True needs a gloo backend"),
         ([0], {"timeout": 0}, ValueError, "timeout"),
     ],
 )
@@ -166,6 +165,9 @@ def test_global_is_reserved_for_init_distributed_env(ctx):
 
 def test_use_cpu_binds_gloo(ctx):
     assert isinstance(ctx.init_group([0], "cpu", use_cpu=True), GlooCommunicator)
+    # As in the seed, use_cpu forces gloo even where backend names another one.
+    assert isinstance(ctx.init_group([0], "cpu_over_nccl", "nccl", True), GlooCommunicator)
+    assert ctx.get_group_config("cpu_over_nccl").backend == "gloo"
 
 
 def test_destroy_then_init_again_in_one_process(ctx, tmp_path):

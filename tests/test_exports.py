@@ -51,6 +51,27 @@ SEED_SIGNATURES = {
 }
 
 
+# The seed's CommContext methods and their parameters (comm_context.py), so calls by keyword keep working.
+CONTEXT_SEED_SIGNATURES = {
+    "init_distributed_env": ["world_size", "rank", "backend", "dist_url", "timeout"],
+    "init_group": ["ranks", "mode", "backend", "use_cpu"],
+    **{name: ["comm_mode"] for name in ("get_group", "get_world_size", "get_local_rank", "get_ranks_in_group")},
+    **{
+        name: []
+        for name in (
+            "get_global_rank",
+            "get_in_node_rank",
+            "get_local_world_size",
+            "get_intra_node_process_group",
+            "get_inter_node_process_group",
+            "is_main_rank",
+            "is_initialized",
+            "destroy",
+        )
+    },
+}
+
+
 def test_all_is_sorted_and_exactly_the_public_api():
     assert rlightning_comm.__all__ == sorted(rlightning_comm.__all__)
     assert set(rlightning_comm.__all__) == EXPECTED
@@ -61,3 +82,10 @@ def test_all_is_sorted_and_exactly_the_public_api():
 def test_collective_keeps_the_seed_signatures():
     for name, params in SEED_SIGNATURES.items():
         assert list(inspect.signature(getattr(collective, name)).parameters)[: len(params)] == params, name
+
+
+def test_context_keeps_the_seed_signatures():
+    for name, params in CONTEXT_SEED_SIGNATURES.items():
+        got = list(inspect.signature(getattr(rlightning_comm.CommContext, name)).parameters)[1:]
+        assert got[: len(params)] == params and (params or not got), name
+    assert list(inspect.signature(rlightning_comm.initialize_distributed_env).parameters) == ["rank", "world_size", "backend", "dist_url", "timeout"]
