@@ -95,10 +95,10 @@ def _order_ops(rank: int, size: int, url: str) -> dict:
             raw_pieces[order.index(g)].tolist() for g in declared
         ]
         assert [p[0].item() for p in torch.split(got, recv_sizes)] == [1000.0 * g + me for g in declared]
-        # Sequence-parallel chunks: chunk i of the sequence is declared[i]'s; rank0_only scatters from declared[0].
+        # Sequence-parallel chunks: chunk i of the sequence (length i + 1 here) is declared[i]'s; rank0_only scatters from declared[0].
         from rlightning_comm import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
 
-        full = gather_from_sequence_parallel_region(torch.full((1, me + 1), float(rank)), False, mode=mode)
+        full = gather_from_sequence_parallel_region(torch.full((1, me + 1), float(rank)), False, mode=mode, seq_lens=[i + 1 for i in range(n)])
         assert full.tolist() == [[float(g) for i, g in enumerate(declared) for _ in range(i + 1)]]
         seq = torch.arange(2.0 * n).reshape(1, 2 * n) + 100 * rank
         mine = scatter_to_sequence_parallel_region(seq, True, mode=mode)
