@@ -51,8 +51,11 @@ class CommContext(ContextLookups, ContextLayouts, ContextPolicies):
     Lookups (:meth:`get_communicator` and the getters) are lock-free dictionary
     reads; initialisation and :meth:`destroy` hold a lock, so lookups from
     other threads see either the old or the new binding, never a partial one.
-    Initialising again with the same arguments is a no-op; with different
-    arguments it is a :class:`CommError` until :meth:`destroy` is called.
+    Initialising the world again with the same arguments is a no-op; with
+    different arguments it is a :class:`CommError` until :meth:`destroy` is
+    called. A mode's groups accumulate over :meth:`init_group` calls (one group
+    per call or a partition at once), each rank bound to the one that holds it;
+    this registry is the only place that binds a mode.
 
     Debug mode (:meth:`set_debug`, or ``RLIGHTNING_COMM_DEBUG=1`` when the world
     is initialised) makes every collective first compare a fingerprint of the
