@@ -1,4 +1,10 @@
-"""Count what reaches torch.distributed's collectives from a worker (to prove a call started none, or exactly one)."""
+"""Count the collectives that reach the process group from a worker (to prove a call started none, or exactly one).
+
+The communicators call the ``ProcessGroup`` directly on the eager path and
+torch.distributed's functions call the same methods, so counting at the
+``ProcessGroup`` class sees every collective of either, whatever the Python
+path above it.
+"""
 
 from __future__ import annotations
 
@@ -6,51 +12,46 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-_DIST = (
-    "all_reduce",
-    "broadcast",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_single",
-    "gather",
-    "scatter",
-    "reduce_scatter_tensor",
-    "reduce_scatter_single",
-    "all_to_all_single",
-    "broadcast_object_list",
-    "all_gather_object",
-    "barrier",
-)
-# Module-level aliases the communicators bind at import time.
-_BASE_ALIASES = {"_all_gather_flat": "all_gather_flat", "_reduce_scatter_flat": "reduce_scatter_flat"}
+# ProcessGroup method -> the name a count is kept under.
+_METHODS = {
+    "allreduce": "all_reduce",
+    "broadcast": "broadcast",
+    "allgather": "all_gather",
+    "all_gather_single": "all_gather_flat",
+    "_allgather_base": "all_gather_flat",
+    "gather": "gather",
+    "scatter": "scatter",
+    "reduce_scatter_single": "reduce_scatter_flat",
+    "_reduce_scatter_base": "reduce_scatter_flat",
+    "all_to_all_single": "all_to_all_single",
+    "alltoall_base": "all_to_all_single",
+    "barrier": "barrier",
+}
 
 
 @contextmanager
 def backend_calls() -> Iterator[dict[str, int]]:
-    """Count every torch.distributed collective (and the communicators' aliases of them) while inside; yields the live counts.
+    """Count every collective launched on any process group while inside; yields the live counts.
 
-    The worker processes are reused across tests, so everything is restored on exit.
+    The worker processes are reused across tests, so the class is restored on exit.
     """
     import torch.distributed as dist
 
-    from rlightning_comm.communicators import base
-
+    pg_class = dist.ProcessGroup
     counts: dict[str, int] = {}
 
     def counted(real: Any, name: str) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
             counts[name] = counts.get(name, 0) + 1
-            return real(*args, **kwargs)
+            return real(self, *args, **kwargs)
 
         return call
 
-    patched = [(dist, name, name) for name in _DIST if hasattr(dist, name)]
-    patched += [(base, alias, name) for alias, name in _BASE_ALIASES.items() if hasattr(base, alias)]
-    saved = [(module, attr, getattr(module, attr)) for module, attr, _ in patched]
-    for module, attr, name in patched:
-        setattr(module, attr, counted(getattr(module, attr), name))
+    saved = {method: pg_class.__dict__[method] for method in _METHODS if method in pg_class.__dict__}
+    for method, raw in saved.items():
+        setattr(pg_class, method, counted(raw, _METHODS[method]))
     try:
         yield counts
     finally:
-        for module, attr, real in saved:
-            setattr(module, attr, real)
+        for method, raw in saved.items():
+            setattr(pg_class, method, raw)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from counting import backend_calls
 from torch.distributed import ReduceOp
 from world import init_world
 
-from rlightning_comm import CommMode, ParallelMode, collective
+from rlightning_comm import CommContext, CommMode, ParallelMode, collective
 
 # (op, dtypes) that gloo implements, the oracle being raw torch.distributed.
 GLOO_REDUCTIONS = [
@@ -93,12 +94,47 @@ def _every_op_matches_raw(rank: int, size: int, url: str, async_op: bool) -> int
             dist.scatter(raw, chunks if rank == src else None, src=src, group=world)
             _same(ours, raw, f"scatter src={src}")
 
+            # Complex tensors move as real pairs: gloo's own gather refuses them, so its oracle gathers the real view.
+            c = _data(rank, (3,), torch.complex64, salt=src)
+            ours_c = [torch.zeros(3, dtype=torch.complex64) for _ in range(size)] if rank == src else None
+            raw_c = [torch.zeros(3, 2) for _ in range(size)] if rank == src else None
+            finish(collective.gather(c, mode, gather_list=ours_c, dst=src, async_op=async_op))
+            dist.gather(torch.view_as_real(c), raw_c, dst=src, group=world)
+            if rank == src:
+                for i in range(size):
+                    _same(torch.view_as_real(ours_c[i]), raw_c[i], f"complex gather dst={src} slot {i}")
+            chunks_c = [_data(src, (3,), torch.complex128, salt=i) for i in range(size)]
+            ours, raw = torch.zeros(3, dtype=torch.complex128), torch.zeros(3, dtype=torch.complex128)
+            finish(collective.scatter(ours, mode, scatter_list=chunks_c if rank == src else None, src=src, async_op=async_op))
+            dist.scatter(raw, chunks_c if rank == src else None, src=src, group=world)
+            _same(ours, raw, f"complex scatter src={src}")
+
             objs = [{"from": rank, "n": [rank] * 3}, f"rank{rank}"]
             raw_objs = list(objs)
             assert collective.broadcast_object_list(objs, mode, src=src) is None
             dist.broadcast_object_list(raw_objs, src=src, group=world)
             assert objs == raw_objs, (objs, raw_objs)
             checked += 5
+        comm = CommContext().get_communicator(mode)
+        for op in (ReduceOp.SUM, ReduceOp.MAX):
+            x = _data(rank, (2 * size, 3), torch.float32, salt=7)
+            ours, raw = torch.full((2, 3), -1.0), torch.full((2, 3), -1.0)
+            finish(comm.reduce_scatter(ours, x, op=op, async_op=async_op))
+            dist.reduce_scatter_tensor(raw, x, op=op, group=world)
+            _same(ours, raw, f"reduce_scatter {op}")
+        for dtype in (torch.float32, torch.complex64):
+            x = _data(rank, (size, 2), dtype, salt=9)
+            ours, raw = torch.zeros(size, 2, dtype=dtype), torch.zeros(size, 2, dtype=dtype)
+            finish(comm.all_to_all_single(ours, x, async_op=async_op))
+            dist.all_to_all_single(raw, x, group=world)
+            _same(ours, raw, f"all_to_all_single even {dtype}")
+        # Uneven: rank r sends r + 1 rows to every peer, so it receives (p + 1) rows from each peer p.
+        x = _data(rank, ((rank + 1) * size, 2), torch.float64, salt=11)
+        recv = [p + 1 for p in range(size)]
+        ours, raw = torch.zeros(sum(recv), 2, dtype=torch.float64), torch.zeros(sum(recv), 2, dtype=torch.float64)
+        finish(comm.all_to_all_single(ours, x, recv, [rank + 1] * size, async_op=async_op))
+        dist.all_to_all_single(raw, x, recv, [rank + 1] * size, group=world)
+        _same(ours, raw, "all_to_all_single uneven")
         collective.barrier(mode)
     return checked
 
@@ -113,7 +149,14 @@ def test_every_op_matches_raw_torch_distributed(world, async_op):
 def _dict_reduction(rank: int, size: int, url: str) -> None:
     init_world(rank, size, url)
     weights = torch.full((2, 3), float(rank + 1))
-    mixed = {"loss": 0.5 * (rank + 1), "steps": rank + 1, "flag": True, "scalar_t": torch.tensor(float(rank)), "weights": weights, "ints": torch.arange(3) * rank}
+    mixed = {
+        "loss": 0.5 * (rank + 1),
+        "steps": rank + 1,
+        "flag": True,
+        "scalar_t": torch.tensor(float(rank)),
+        "weights": weights,
+        "ints": torch.arange(3) * rank,
+    }
     before = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in mixed.items()}
     for op in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.MIN, ReduceOp.AVG):
         got = collective.all_reduce_dict(mixed, CommMode.GLOBAL, op=op)
@@ -142,26 +185,16 @@ def test_all_reduce_dict_matches_per_key_reduction(world):
     world.run(_dict_reduction)
 
 
-def _dict_uses_one_collective(rank: int, size: int, url: str) -> int:
+def _dict_uses_one_collective(rank: int, size: int, url: str) -> dict[str, int]:
     init_world(rank, size, url)
-    calls = []
-    real = dist.all_reduce
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    dist.all_reduce = counting
-    try:
+    with backend_calls() as calls:
         out = collective.all_reduce_dict({f"k{i}": (torch.ones(i % 3 + 1) if i % 5 == 0 else i) for i in range(300)}, CommMode.GLOBAL)
-    finally:
-        dist.all_reduce = real
     assert out["k7"] == 7.0 * size and torch.equal(out["k5"], torch.full((3,), float(size)))
-    return len(calls)
+    return dict(calls)
 
 
 def test_all_reduce_dict_is_one_collective_whatever_the_key_count(world2):
-    assert world2.run(_dict_uses_one_collective) == [1, 1]
+    assert world2.run(_dict_uses_one_collective) == [{"all_reduce": 1}] * 2
 
 
 def _subgroup_and_non_members(rank: int, size: int, url: str) -> None:

@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 import torch.distributed as dist
+from counting import backend_calls
 from torch.distributed import ReduceOp
 from typing_extensions import override
 
@@ -154,27 +155,13 @@ def _raises(error, message, fn, *args, **kwargs):
         fn(*args, **kwargs)
 
 
-def test_bad_inputs_fail_locally_before_any_collective(ctx, monkeypatch):
-    started = []
-    for name in (
-        "all_reduce",
-        "all_gather_single",
-        "all_gather_into_tensor",
-        "broadcast",
-        "gather",
-        "scatter",
-        "broadcast_object_list",
-        "reduce_scatter_single",
-        "reduce_scatter_tensor",
-        "all_to_all_single",
-        "barrier",
-    ):
-        if hasattr(dist, name):
-            monkeypatch.setattr(dist, name, lambda *a, _n=name, **k: started.append(_n))
-    from rlightning_comm.communicators import base
+def test_bad_inputs_fail_locally_before_any_collective(ctx):
+    with backend_calls() as started:
+        _bad_input_calls(ctx)
+    assert started == {}, f"a collective started despite bad input: {started}"
 
-    monkeypatch.setattr(base, "_all_gather_flat", lambda *a, **k: started.append("all_gather"))
-    monkeypatch.setattr(base, "_reduce_scatter_flat", lambda *a, **k: started.append("reduce_scatter"))
+
+def _bad_input_calls(ctx):
     g = "GLOBAL"
     comm = ctx.get_communicator(g)
     base_tensor = torch.arange(8.0)
@@ -213,10 +200,9 @@ def test_bad_inputs_fail_locally_before_any_collective(ctx, monkeypatch):
     _raises(TypeError, "value for key 'b' must be a number or a tensor; got str", collective.all_reduce_dict, {"a": 1, "b": "x"}, g)
     _raises(ValueError, "input_ must hold world_size", comm.reduce_scatter, torch.ones(2), torch.ones(3))
     _raises(ValueError, "input_split_sizes must have 1 entries summing to dim 0 = 3", comm.all_to_all_single, torch.ones(3), torch.ones(3), None, [2])
-    assert started == [], f"a collective started despite bad input: {started}"
 
 
-def test_every_collective_has_a_local_check_with_its_parameters(ctx, monkeypatch):
+def test_every_collective_has_a_local_check_with_its_parameters(ctx):
     import inspect
 
     from rlightning_comm.communicators.base import COLLECTIVES
@@ -225,23 +211,22 @@ def test_every_collective_has_a_local_check_with_its_parameters(ctx, monkeypatch
         public, check = inspect.signature(getattr(Communicator, op)), inspect.signature(getattr(Communicator, f"_check_{op}"))
         assert [(p.name, p.kind, p.default) for p in public.parameters.values()] == [(p.name, p.kind, p.default) for p in check.parameters.values()], op
     # A check raises the op's own error and never communicates; on good input it returns None.
-    started = []
-    monkeypatch.setattr(dist, "all_to_all_single", lambda *a, **k: started.append(1))
     comm = ctx.get_communicator()
-    _raises(TypeError, "output_split_sizes must be a list of 1 ints .*; got int 4", comm._check_all_to_all_single, torch.ones(4), torch.ones(4), 4)
-    assert comm._check_all_to_all_single(torch.ones(4), torch.ones(4), [4], [4]) is None
-    assert comm._check_gather(torch.ones(1), [torch.ones(1)], 0) is None and started == []
+    with backend_calls() as started:
+        _raises(TypeError, "output_split_sizes must be a list of 1 ints .*; got int 4", comm._check_all_to_all_single, torch.ones(4), torch.ones(4), 4)
+        assert comm._check_all_to_all_single(torch.ones(4), torch.ones(4), [4], [4]) is None
+        assert comm._check_gather(torch.ones(1), [torch.ones(1)], 0) is None
+    assert started == {}
 
 
-def test_nccl_communicator_refuses_cpu_tensors_before_any_collective(ctx, monkeypatch):
-    started = []
-    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: started.append(1))
+def test_nccl_communicator_refuses_cpu_tensors_before_any_collective(ctx):
     nccl = NcclCommunicator(dist.group.WORLD, [0], "gpu")
-    with pytest.raises(ValueError, match="tensor is on cpu; NcclCommunicator \\(mode 'gpu'\\) expects a CUDA tensor"):
-        nccl.all_reduce(torch.ones(1))
-    with pytest.raises(ValueError, match="not supported by NcclCommunicator"):
-        nccl._check_reduce_op(ReduceOp.BAND, torch.int64)
-    assert started == []
+    with backend_calls() as started:
+        with pytest.raises(ValueError, match="tensor is on cpu; NcclCommunicator \\(mode 'gpu'\\) expects a CUDA tensor"):
+            nccl.all_reduce(torch.ones(1))
+        with pytest.raises(ValueError, match="not supported by NcclCommunicator"):
+            nccl._check_reduce_op(ReduceOp.BAND, torch.int64)
+    assert started == {}
 
 
 def test_communicator_properties_and_extra_ops(ctx):

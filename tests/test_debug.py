@@ -141,8 +141,8 @@ def _count_task(rank, size, url):
         collective.barrier("GLOBAL")
         shadowed = sorted(name for name in ("all_reduce", "broadcast", "all_gather", "all_reduce_dict", "barrier") if name in vars(comm))
         result = dict(counts), store.num_keys() - before, shadowed
-        counts.clear()
         sync()
+        counts.clear()  # after the sync: counting is at the process group, so it sees torch's own barrier too
         return result
 
     out = {}

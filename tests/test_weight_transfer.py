@@ -59,7 +59,12 @@ class Recorder:
 
         self.calls: list[tuple[str, int | None]] = []
         self._depth = 0  # calls made inside a recorded call are part of it
-        self._targets = [(dist, name) for name in self.NAMES] + [(base, "broadcast_objects"), (weight_transfer, "all_gather_objects")]
+        # The communicators call the process group directly, not torch.distributed's functions: their broadcast counts too.
+        self._targets = [(dist, name) for name in self.NAMES] + [
+            (base, "broadcast_objects"),
+            (weight_transfer, "all_gather_objects"),
+            (base.Communicator, "broadcast"),
+        ]
         self._originals = {(mod, name): getattr(mod, name) for mod, name in self._targets}
         # The library's numpy-free object collectives count as torch's.
         aliases = {"broadcast_objects": "broadcast_object_list", "all_gather_objects": "all_gather_object"}
@@ -68,7 +73,7 @@ class Recorder:
 
     def _wrap(self, name, fn):
         def call(*args, **kwargs):
-            first = args[0] if args else None
+            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
             if self._depth == 0:
                 self.calls.append((name, first.numel() if isinstance(first, torch.Tensor) else None))
             self._depth += 1

@@ -25,6 +25,11 @@ _BITWISE = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
 _COMPLEX_OPS = frozenset({ReduceOp.SUM, ReduceOp.AVG})
 
 
+def _same_device(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # Cheaper than comparing .device, which builds a torch.device per read (this is on every call's path).
+    return a.get_device() == b.get_device() and a.is_cuda == b.is_cuda
+
+
 class InputChecks:
     """Mixin of :class:`Communicator`: the checks every collective runs on its arguments."""
 
@@ -35,7 +40,6 @@ class InputChecks:
     _ranks: tuple[int, ...]
     supported_reduce_ops: ClassVar[frozenset[Any]]
     integer_avg_supported: ClassVar[bool]
-    complex_rooted_supported: ClassVar[bool]
     # _check_device(tensor, name) is the backend's part, declared abstract on Communicator.
 
     # ------------------------------------------------------------ primitives
@@ -63,7 +67,7 @@ class InputChecks:
 
     def _check_like(self, tensor: Any, ref: torch.Tensor, name: str) -> None:
         self._check_tensor(tensor, name)
-        if tensor.dtype != ref.dtype or tensor.shape != ref.shape or tensor.device != ref.device:
+        if tensor.dtype != ref.dtype or tensor.shape != ref.shape or not _same_device(tensor, ref):
             raise ValueError(
                 f"{name} must match the tensor argument: expected shape {tuple(ref.shape)}, {ref.dtype} on {ref.device}; "
                 f"got shape {tuple(tensor.shape)}, {tensor.dtype} on {tensor.device} (mode {self._mode!r})"
@@ -104,10 +108,6 @@ class InputChecks:
     def _check_rooted(self, name: str, tensor: Any, tensors: Any, root_name: str, root: Any) -> None:
         self._check_tensor(tensor, "tensor")
         self._check_peer(root, root_name)
-        if tensor.is_complex() and not self.complex_rooted_supported:
-            raise ValueError(
-                f"{name} of complex tensors is not supported by {type(self).__name__} (mode {self._mode!r}); got {tensor.dtype}. Hint: pass torch.view_as_real(t)"
-            )
         if self._global_rank == root:
             self._check_list(tensors, tensor, f"{name}_list")
 
@@ -131,14 +131,15 @@ class InputChecks:
     # ------------------------------------------------------------ per op
     def _check_all_reduce(self, tensor: Any, op: Any = _SUM, async_op: bool = False) -> None:
         self._check_tensor(tensor, "tensor")
-        self._check_reduce_op(op, tensor.dtype)
+        if op is not _SUM:
+            self._check_reduce_op(op, tensor.dtype)
 
     def _check_all_gather(self, output_tensor: Any, input_tensor: Any, async_op: bool = False) -> None:
         self._check_tensor(output_tensor, "output_tensor")
         self._check_tensor(input_tensor, "input_tensor")
         shape, out_shape, ws = input_tensor.shape, output_tensor.shape, self._world_size
         concatenated = bool(shape) and out_shape[0] == ws * shape[0] and out_shape[1:] == shape[1:]
-        if not (concatenated or out_shape == (ws, *shape)) or output_tensor.dtype != input_tensor.dtype or output_tensor.device != input_tensor.device:
+        if not (concatenated or out_shape == (ws, *shape)) or output_tensor.dtype != input_tensor.dtype or not _same_device(output_tensor, input_tensor):
             allowed = [(ws * shape[0], *shape[1:])] if shape else []
             allowed.append((ws, *shape))
             raise ValueError(
@@ -160,8 +161,9 @@ class InputChecks:
     def _check_reduce_scatter(self, output: Any, input_: Any, op: Any = _SUM, async_op: bool = False) -> None:
         self._check_tensor(output, "output")
         self._check_tensor(input_, "input_")
-        self._check_reduce_op(op, input_.dtype)
-        if input_.numel() != output.numel() * self._world_size or input_.dtype != output.dtype or input_.device != output.device:
+        if op is not _SUM:
+            self._check_reduce_op(op, input_.dtype)
+        if input_.numel() != output.numel() * self._world_size or input_.dtype != output.dtype or not _same_device(input_, output):
             raise ValueError(
                 f"input_ must hold world_size * output.numel() = {self._world_size * output.numel()} elements of {output.dtype} on {output.device}; "
                 f"got {input_.numel()} of {input_.dtype} on {input_.device} (mode {self._mode!r})"
@@ -170,7 +172,7 @@ class InputChecks:
     def _check_all_to_all_single(self, output: Any, input_: Any, output_split_sizes: Any = None, input_split_sizes: Any = None, async_op: bool = False) -> None:
         self._check_tensor(output, "output")
         self._check_tensor(input_, "input_")
-        if output.dtype != input_.dtype or output.device != input_.device or output.shape[1:].numel() != input_.shape[1:].numel():
+        if output.dtype != input_.dtype or not _same_device(output, input_) or output.shape[1:].numel() != input_.shape[1:].numel():
             raise ValueError(
                 f"output must have input_'s dtype and device and as many elements per dim-0 row: expected {input_.dtype} on {input_.device}, "
                 f"{input_.shape[1:].numel()} per row (input_ shape {tuple(input_.shape)}); got {output.dtype} on {output.device}, "

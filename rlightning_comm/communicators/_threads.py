@@ -10,23 +10,21 @@ is sent; the call in flight goes on undisturbed. Calls that follow each other
 are fine from any thread: a pool of threads, a weight-updater thread, a
 gradient hook on autograd's threads.
 
-The claim on the hot path is one non-blocking lock acquire, one store of the
-caller's thread id and one release::
+The claim on the hot path is one non-blocking acquire and one release of a
+re-entrant lock (``threading.RLock``, which knows its owning thread in C)::
 
-    if lock.acquire(False):
-        self._holder = get_ident()  # ... launch ... then _holder = 0, release
-    elif self._holder != get_ident():
-        raise overlap
+    if not lock.acquire(False):
+        raise overlap  # another thread holds it
+    try: ... launch, wait ... finally: lock.release()
 
 A thread that already holds the claim (``all_reduce_dict`` calling
-``all_reduce``, debug mode's :meth:`_exclusive` around a call) goes straight
-through. ``_holder`` is cleared before the lock is released, so a thread that
-fails to acquire reads either the holder's id or 0, never its own.
-Under ``torch.compile`` there is no claim: a graph holds no lock.
+``all_reduce``, debug mode's :meth:`_exclusive` around a call) acquires it
+again at once. Under ``torch.compile`` there is no claim: a graph holds no lock.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,7 +32,7 @@ from typing import Any
 
 from rlightning_comm.errors import CommError
 
-get_ident = threading.get_ident
+_OWNER = re.compile(r"owner=(\d+)")
 
 
 class InFlight:
@@ -43,35 +41,9 @@ class InFlight:
     _group: Any
     _mode: str
     _lock: Any
-    _holder: int
-    _holder_op: str
 
     def _init_claim(self) -> None:
-        self._lock = threading.Lock()
-        self._holder = 0
-        self._holder_op = ""
-
-    def _claim(self, op: str) -> bool:
-        """Claim this communicator for ``op`` in the calling thread.
-
-        Returns:
-            ``True`` when this call took the claim (release it with
-            :meth:`_release`), ``False`` when the calling thread already held it.
-
-        Raises:
-            CommError: another thread's call is in flight here.
-        """
-        if self._lock.acquire(False):
-            self._holder = get_ident()
-            self._holder_op = op
-            return True
-        if self._holder == get_ident():
-            return False
-        raise self._overlap(op)
-
-    def _release(self) -> None:
-        self._holder = 0
-        self._lock.release()
+        self._lock = threading.RLock()
 
     @contextmanager
     def _exclusive(self, op: str) -> Iterator[None]:
@@ -82,27 +54,33 @@ class InFlight:
         Raises:
             CommError: another thread's call is in flight here.
         """
-        claimed = self._group is not None and self._claim(op)
+        if self._group is None:
+            yield
+            return
+        lock = self._lock
+        if not lock.acquire(False):
+            raise self._overlap(op)
         try:
             yield
         finally:
-            if claimed:
-                self._release()
+            lock.release()
 
     def _overlap(self, op: str) -> CommError:
-        holder = self._holder
+        # The RLock's repr names its owner's thread id (it may have let go since: then "another thread").
+        found = _OWNER.search(repr(self._lock))
         names = {t.ident: t.name for t in threading.enumerate()}
+        holder = int(found.group(1)) if found else None
         other = f"thread {names[holder]!r}" if holder in names else "another thread"
-        doing = f" ({self._holder_op})" if holder else ""
         return CommError(
-            f"{op} on mode {self._mode!r} from thread {threading.current_thread().name!r} overlaps a call{doing} that {other} has in flight there; "
+            f"{op} on mode {self._mode!r} from thread {threading.current_thread().name!r} overlaps a call that {other} has in flight there; "
             "nothing was sent. Two threads' calls can pair up differently on different ranks, so one communicator takes one call at a time. "
             "Hint: order the calls (one thread after the other), or bind one mode per thread (init_group)"
         )
 
     def _active_group(self) -> Any:
         """The group, after refusing a caller that overlaps another thread's call in flight (claims nothing)."""
-        holder = self._holder
-        if holder and holder != get_ident() and self._lock.locked():
+        lock = self._lock
+        if not lock.acquire(False):
             raise self._overlap("a collective")
+        lock.release()
         return self._group

@@ -9,16 +9,17 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
+from torch.overrides import has_torch_function_unary
 
 from rlightning_comm._compat import all_gather_single as _all_gather_flat
 from rlightning_comm._compat import reduce_scatter_single as _reduce_scatter_flat
 from rlightning_comm.communicators import _objects
 from rlightning_comm.communicators._checks import InputChecks
+from rlightning_comm.communicators._launch import DirectLaunch, as_real, compiling
 from rlightning_comm.communicators._objects import broadcast_objects
 from rlightning_comm.communicators._packing import pack
 from rlightning_comm.communicators._threads import InFlight
 from rlightning_comm.errors import CommError
-from rlightning_comm.failures import WorkHandle, comm_failure
 
 _SUM = ReduceOp.SUM
 
@@ -37,7 +38,7 @@ COLLECTIVES = (
 """Names of the :class:`Communicator` methods that run a collective (what debug mode checks and stats record)."""
 
 
-class Communicator(InputChecks, InFlight, ABC):
+class Communicator(InputChecks, InFlight, DirectLaunch, ABC):
     """Collectives on one process group, bound to one mode by :class:`CommContext`.
 
     Every method takes and returns what the torch.distributed function of the
@@ -91,9 +92,6 @@ class Communicator(InputChecks, InFlight, ABC):
     integer_avg_supported: ClassVar[bool] = True
     """Whether ``ReduceOp.AVG`` works on integer tensors with this backend."""
 
-    complex_rooted_supported: ClassVar[bool] = True
-    """Whether ``gather`` and ``scatter`` work on complex tensors with this backend."""
-
     def __init__(self, group: dist.ProcessGroup | None, ranks: Sequence[int], mode: str, timeout: float | None = None) -> None:
         self._group = group
         self._timeout = None if timeout is None else float(timeout)
@@ -106,6 +104,7 @@ class Communicator(InputChecks, InFlight, ABC):
         if group is not None and self._global_rank not in self._group_rank_of:
             raise ValueError(f"global rank {self._global_rank} has a group for mode {self._mode!r} but is not in its ranks {list(self._ranks)}")
         self._rank = self._ranks.index(self._global_rank) if group is not None else -1
+        self._init_launch()
 
     @classmethod
     def setup_process(cls) -> None:
@@ -165,25 +164,6 @@ class Communicator(InputChecks, InFlight, ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(mode={self._mode!r}, ranks={list(self._ranks)}, member={self.is_member})"
 
-    # ----------------------------------------------------------------- failures
-    def _failure(self, op: str, err: BaseException) -> CommError:
-        return comm_failure(err, self._mode, op, self._timeout)
-
-    def _handle(self, work: Any, op: str) -> WorkHandle:
-        return WorkHandle(work, self._mode, op, self._timeout)
-
-    def _run(self, name: str, fn: Any, async_op: bool, /, *args: Any, **kwargs: Any) -> Any | None:
-        """Call the backend collective ``fn`` (op ``name``) holding the claim; translate its failures and wrap an async handle."""
-        claimed = self._claim(name)
-        try:
-            work = fn(*args, async_op=async_op, **kwargs)
-        except RuntimeError as err:
-            raise self._failure(name, err) from err
-        finally:
-            if claimed:
-                self._release()
-        return self._handle(work, name) if async_op else None
-
     # --------------------------------------------------------------- validation
     @abstractmethod
     def _check_device(self, tensor: torch.Tensor, name: str) -> None:
@@ -213,7 +193,10 @@ class Communicator(InputChecks, InFlight, ABC):
         if group is None:
             return None
         self._check_all_reduce(tensor, op, async_op)
-        return self._run("all_reduce", dist.all_reduce, async_op, tensor, op=op, group=group)
+        if compiling() or has_torch_function_unary(tensor):
+            return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+        opts = self._async if async_op else self._sync
+        return self._launch("all_reduce", group.allreduce, ([as_real(tensor)], opts.allreduce_sum if op is _SUM else opts.allreduce[op]), async_op)
 
     def all_gather(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, async_op: bool = False) -> Any | None:
         """Gather ``input_tensor`` from every rank into ``output_tensor``, concatenated along dim 0.
@@ -232,8 +215,14 @@ class Communicator(InputChecks, InFlight, ABC):
         if group is None:
             return None
         self._check_all_gather(output_tensor, input_tensor, async_op)
-        # Both tensors are contiguous, so the flat gather has the same memory layout as either output shape.
-        return self._run("all_gather", _all_gather_flat, async_op, output_tensor.view(-1), input_tensor.view(-1), group=group)
+        # The backend takes the concatenated shape as it is; the stacked one (and 0-d inputs) as flat views, which have
+        # the same layout (both tensors are contiguous). Only then: a view costs the backend more than our Python does.
+        if output_tensor.dim() != input_tensor.dim():
+            output_tensor, input_tensor = output_tensor.view(-1), input_tensor.view(-1)
+        if compiling() or has_torch_function_unary(input_tensor):
+            return _all_gather_flat(output_tensor, input_tensor, group=group, async_op=async_op)
+        opts = (self._async if async_op else self._sync).all_gather
+        return self._launch("all_gather", group.all_gather_single, (as_real(output_tensor), as_real(input_tensor), opts), async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Any | None:
         """Copy ``tensor`` from global rank ``src`` into ``tensor`` on every rank.
@@ -248,7 +237,9 @@ class Communicator(InputChecks, InFlight, ABC):
         if group is None:
             return None
         self._check_broadcast(tensor, src, async_op)
-        return self._run("broadcast", dist.broadcast, async_op, tensor, src=src, group=group)
+        if compiling() or has_torch_function_unary(tensor):
+            return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+        return self._launch("broadcast", group.broadcast, ([as_real(tensor)], (self._async if async_op else self._sync).broadcast[src]), async_op)
 
     def gather(self, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int = 0, async_op: bool = False) -> Any | None:
         """Gather ``tensor`` from every rank into ``gather_list`` on global rank ``dst``.
@@ -267,7 +258,11 @@ class Communicator(InputChecks, InFlight, ABC):
         if group is None:
             return None
         self._check_gather(tensor, gather_list, dst, async_op)
-        return self._run("gather", dist.gather, async_op, tensor, list(gather_list) if self._global_rank == dst else None, dst=dst, group=group)
+        on_root = self._global_rank == dst
+        if compiling() or has_torch_function_unary(tensor):
+            return dist.gather(tensor, list(gather_list) if on_root else None, dst=dst, group=group, async_op=async_op)
+        outputs = [[as_real(t) for t in gather_list]] if on_root else []
+        return self._launch("gather", group.gather, (outputs, [as_real(tensor)], (self._async if async_op else self._sync).gather[dst]), async_op)
 
     def scatter(self, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int = 0, async_op: bool = False) -> Any | None:
         """Send ``scatter_list[i]`` from global rank ``src`` to the group's i-th rank, into ``tensor``.
@@ -286,7 +281,11 @@ class Communicator(InputChecks, InFlight, ABC):
         if group is None:
             return None
         self._check_scatter(tensor, scatter_list, src, async_op)
-        return self._run("scatter", dist.scatter, async_op, tensor, list(scatter_list) if self._global_rank == src else None, src=src, group=group)
+        on_root = self._global_rank == src
+        if compiling() or has_torch_function_unary(tensor):
+            return dist.scatter(tensor, list(scatter_list) if on_root else None, src=src, group=group, async_op=async_op)
+        inputs = [[as_real(t) for t in scatter_list]] if on_root else []
+        return self._launch("scatter", group.scatter, ([as_real(tensor)], inputs, (self._async if async_op else self._sync).scatter[src]), async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input_: torch.Tensor, op: Any = _SUM, async_op: bool = False) -> Any | None:
         """Reduce ``input_`` across the group and leave this rank's dim-0 slice in ``output``.
@@ -304,7 +303,17 @@ class Communicator(InputChecks, InFlight, ABC):
         if group is None:
             return None
         self._check_reduce_scatter(output, input_, op, async_op)
-        return self._run("reduce_scatter", _reduce_scatter_flat, async_op, output.view(-1), input_.view(-1), op=op, group=group)
+        # Any shapes of the right sizes: both tensors are contiguous, so flat views have their layout (a view costs the
+        # backend more than the rest of the call's Python, so 1-d tensors go as they are).
+        if output.dim() != 1:
+            output = output.view(-1)
+        if input_.dim() != 1:
+            input_ = input_.view(-1)
+        if compiling() or has_torch_function_unary(input_):
+            return _reduce_scatter_flat(output, input_, op=op, group=group, async_op=async_op)
+        table = self._async if async_op else self._sync
+        opts = table.reduce_scatter_sum if op is _SUM else table.reduce_scatter[op]
+        return self._launch("reduce_scatter", group.reduce_scatter_single, (output, input_, opts), async_op)
 
     def all_to_all_single(
         self,
@@ -325,7 +334,11 @@ class Communicator(InputChecks, InFlight, ABC):
         if group is None:
             return None
         self._check_all_to_all_single(output, input_, output_split_sizes, input_split_sizes, async_op)
-        return self._run("all_to_all_single", dist.all_to_all_single, async_op, output, input_, output_split_sizes, input_split_sizes, group=group)
+        if compiling() or has_torch_function_unary(input_):
+            return dist.all_to_all_single(output, input_, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+        opts = (self._async if async_op else self._sync).all_to_all
+        args = (as_real(output), as_real(input_), output_split_sizes or [], input_split_sizes or [], opts)
+        return self._launch("all_to_all_single", group.all_to_all_single, args, async_op)
 
     def broadcast_object_list(self, object_list: list[Any], src: int = 0, *, safe: bool | None = None, max_bytes: int | None = None) -> None:
         """Broadcast the picklable objects of ``object_list`` from global rank ``src``, in place.
@@ -407,8 +420,6 @@ class Communicator(InputChecks, InFlight, ABC):
         group = self._group
         if group is None:
             return None
-        return self._run("barrier", dist.barrier, False, group=group, device_ids=self._barrier_device_ids())
-
-    def _barrier_device_ids(self) -> list[int] | None:
-        """Devices a barrier synchronises (NCCL needs this rank's GPU); ``None`` for host backends."""
-        return None
+        if compiling():
+            return dist.barrier(group=group, device_ids=self._barrier_device_ids())
+        return self._launch("barrier", group.barrier, (self._barrier_options(),), False)

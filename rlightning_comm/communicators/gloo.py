@@ -23,7 +23,6 @@ class GlooCommunicator(Communicator):
         {ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR}
     )
     integer_avg_supported: ClassVar[bool] = False
-    complex_rooted_supported: ClassVar[bool] = False
 
     @property
     @override
@@ -32,5 +31,5 @@ class GlooCommunicator(Communicator):
 
     @override
     def _check_device(self, tensor: torch.Tensor, name: str) -> None:
-        if tensor.device.type not in ("cpu", "cuda"):
+        if not (tensor.is_cpu or tensor.is_cuda):  # not .device.type: that builds a torch.device per call
             raise ValueError(f"{name} is on {tensor.device}; GlooCommunicator (mode {self._mode!r}) expects a cpu or cuda tensor")

@@ -43,7 +43,7 @@ class NcclCommunicator(Communicator):
 
     @override
     def _check_device(self, tensor: torch.Tensor, name: str) -> None:
-        if tensor.device.type != "cuda":
+        if not tensor.is_cuda:
             raise ValueError(f"{name} is on {tensor.device}; NcclCommunicator (mode {self._mode!r}) expects a CUDA tensor. Hint: move it with .cuda()")
 
     @override

@@ -1,0 +1,129 @@
+"""The eager launch: the process group called directly, with option objects built once when the communicator is bound.
+
+``torch.distributed.all_reduce(t, group=pg)`` builds an options object, looks
+up the group rank of ``src``, checks the tensor and the membership again,
+consults the coalescing manager and goes through a logging wrapper on every
+call. A communicator knows its group, its ranks and its checks, so on the
+eager path it calls ``pg.allreduce([t], opts)`` with ``opts`` built at bind
+time and ``src``'s group rank read from a dict. What that skips, decided:
+
+* torch's ``_coalescing_manager`` (a private API): calls through a
+  communicator are issued at once, never queued into a coalesced batch.
+* c10d's exception logger: the library translates every backend failure into
+  its own error (naming the mode, the op and the timeout) instead.
+* ``__torch_function__`` dispatch and dynamo: a tensor subclass or an active
+  torch function mode, and tracing under ``torch.compile``, take the
+  ``torch.distributed`` function itself (``compiling() or has_torch_function_unary(t)``
+  at the top of each method), which dynamo rewrites into functional collectives.
+
+What torch's wrappers do that matters is kept: complex tensors go as real
+pairs where torch does it (``all_reduce``, ``broadcast``, ``all_gather``,
+``scatter``, ``all_to_all_single``) and also for ``gather`` (an exact byte
+copy that gloo otherwise refuses), and a blocking call waits for its work.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+from torch.distributed.distributed_c10d import AllgatherOptions
+
+from rlightning_comm.errors import CommError
+from rlightning_comm.failures import WorkHandle, comm_failure
+
+compiling = torch.compiler.is_dynamo_compiling
+"""Whether dynamo is tracing (constant ``False`` in eager, ``True`` while dynamo traces; cheaper than ``torch.compiler.is_compiling``)."""
+
+
+def as_real(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as the backend can move it: a complex tensor as its real pairs (exact), anything else as it is."""
+    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
+
+
+def _with(cls: Any, async_op: bool, **fields: Any) -> Any:
+    opts = cls()
+    opts.asyncOp = async_op
+    for name, value in fields.items():
+        setattr(opts, name, value)
+    return opts
+
+
+class Options:
+    """The backend option objects of one group for blocking (``async_op=False``) or async calls, built once."""
+
+    __slots__ = ("all_gather", "all_to_all", "allreduce", "allreduce_sum", "broadcast", "gather", "reduce_scatter", "reduce_scatter_sum", "scatter")
+
+    def __init__(self, group_rank_of: dict[int, int], reduce_ops: frozenset[Any], async_op: bool) -> None:
+        ops = reduce_ops | {ReduceOp.SUM}
+        self.allreduce = {op: _with(dist.AllreduceOptions, async_op, reduceOp=op) for op in ops}
+        self.reduce_scatter = {op: _with(dist.ReduceScatterOptions, async_op, reduceOp=op) for op in ops}
+        # SUM without the dict: hashing a ReduceOp costs more than the rest of the lookup.
+        self.allreduce_sum = self.allreduce[ReduceOp.SUM]
+        self.reduce_scatter_sum = self.reduce_scatter[ReduceOp.SUM]
+        self.broadcast = {r: _with(dist.BroadcastOptions, async_op, rootRank=g, rootTensor=0) for r, g in group_rank_of.items()}
+        self.gather = {r: _with(dist.GatherOptions, async_op, rootRank=g) for r, g in group_rank_of.items()}
+        self.scatter = {r: _with(dist.ScatterOptions, async_op, rootRank=g) for r, g in group_rank_of.items()}
+        self.all_gather = _with(AllgatherOptions, async_op)
+        self.all_to_all = _with(dist.AllToAllOptions, async_op)
+
+
+class DirectLaunch:
+    """Mixin of :class:`Communicator`: options built at bind time, the launch, failure translation."""
+
+    _group: Any
+    _mode: str
+    _timeout: float | None
+    _lock: Any
+    _group_rank_of: dict[int, int]
+    supported_reduce_ops: Any
+
+    def _init_launch(self) -> None:
+        self._sync = Options(self._group_rank_of, self.supported_reduce_ops, False)
+        self._async = Options(self._group_rank_of, self.supported_reduce_ops, True)
+        self._barrier_opts: Any = None
+
+    def _failure(self, op: str, err: BaseException) -> CommError:
+        return comm_failure(err, self._mode, op, self._timeout)
+
+    def _handle(self, work: Any, op: str) -> WorkHandle:
+        return WorkHandle(work, self._mode, op, self._timeout)
+
+    def _launch(self, op: str, fn: Any, args: tuple[Any, ...], async_op: bool) -> WorkHandle | None:
+        """Run ``fn(*args)`` (a bound process-group method) holding the one-call claim; wait unless ``async_op``."""
+        lock = self._lock
+        if not lock.acquire(False):
+            raise self._overlap(op)
+        try:
+            work = fn(*args)
+            if async_op:
+                return WorkHandle(work, self._mode, op, self._timeout)
+            work.wait()
+        except RuntimeError as err:
+            raise comm_failure(err, self._mode, op, self._timeout) from err
+        finally:
+            lock.release()
+        return None
+
+    def _overlap(self, op: str) -> CommError:  # provided by InFlight
+        raise NotImplementedError
+
+    def _barrier_options(self) -> Any:
+        opts = self._barrier_opts
+        if opts is None:
+            opts = dist.BarrierOptions()
+            opts.asyncOp = False
+            device_ids = self._barrier_device_ids()
+            if device_ids:
+                opts.device_ids = device_ids
+                opts.device = torch.device("cuda", device_ids[0])
+            else:
+                opts.device = torch.device("cpu")
+            self._barrier_opts = opts
+        return opts
+
+    def _barrier_device_ids(self) -> list[int] | None:
+        """Devices a barrier synchronises (NCCL needs this rank's GPU); ``None`` for host backends."""
+        return None
