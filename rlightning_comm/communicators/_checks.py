@@ -193,5 +193,5 @@ class InputChecks:
     def _check_all_reduce_dict(self, dictionary: Any, op: Any = _SUM, dtype: Any = torch.float32) -> None:
         if not isinstance(dictionary, Mapping):
             raise TypeError(f"dictionary must be a Mapping; got {type(dictionary).__name__} (mode {self._mode!r})")
-        _packing.describe(dictionary, dtype, self._mode)  # the dtype, a total key order, and every value, as pack() checks them
+        _packing.check(dictionary, dtype, self._mode)  # the dtype, a total key order, and every value, as pack() checks them
         self._check_reduce_op(op, dtype)

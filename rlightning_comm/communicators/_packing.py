@@ -25,6 +25,7 @@ from __future__ import annotations
 import array
 import math
 import numbers
+import operator
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -105,25 +106,36 @@ def _is_number(key: Any, value: Any, mode: str) -> bool:
     raise TypeError(f"all_reduce_dict value for key {key!r} must be a number or a tensor; got {_type_name(value)} (mode {mode!r})")
 
 
-def describe(dictionary: Mapping[Any, Any], dtype: Any, mode: str) -> tuple[list[Any], list[Any]]:
-    """Every check ``pack`` makes, without packing: the ordered keys and, per key, ``None`` for a number or the tensor's shape.
+def check(dictionary: Mapping[Any, Any], dtype: Any, mode: str) -> None:
+    """Every check :func:`pack` makes, without packing (what ``Communicator._check_all_reduce_dict`` runs).
 
     Raises:
-        TypeError: a key has no total order, a value is neither a real number
-            nor a dense real tensor, or ``dtype`` is not a torch dtype.
+        TypeError: a key has no place in the total order, a value is neither
+            a real number nor a dense real tensor, or ``dtype`` is not a torch dtype.
         ValueError: ``dtype`` is complex.
     """
     check_dtype(dtype, mode)
+    if not set(map(type, dictionary)) <= {str}:
+        ordered_keys(dictionary, mode)  # sorting by rank is what tells whether the keys have the order
+    if not set(map(type, dictionary.values())) <= _PLAIN_NUMBERS:  # the metrics case needs no per-value work
+        for key, value in dictionary.items():
+            _is_number(key, value, mode)
+
+
+def describe(dictionary: Mapping[Any, Any], dtype: Any, mode: str) -> tuple[list[Any], list[Any]]:
+    """:func:`check`, then the ordered keys and, per key, ``None`` for a number or the tensor's shape (debug mode's fingerprint)."""
+    check(dictionary, dtype, mode)
     keys = ordered_keys(dictionary, mode)
     return keys, [None if _is_number(k, dictionary[k], mode) else tuple(dictionary[k].shape) for k in keys]
 
 
 def pack(
-    dictionary: Mapping[Any, Any], dtype: torch.dtype, device: torch.device, mode: str
+    dictionary: Mapping[Any, Any], dtype: torch.dtype, device: torch.device, mode: str, *, checked: bool = False
 ) -> tuple[torch.Tensor | None, Callable[[torch.Tensor], dict[Any, Any]]]:
     """Pack the values of ``dictionary`` into one fresh buffer on ``device`` (layout: see the module docstring).
 
-    Every check runs before anything is allocated.
+    Every check of :func:`check` runs before anything is allocated, unless
+    ``checked`` says the caller has just run them.
 
     Returns:
         The buffer (``None`` for an empty dict) and a function that turns the
@@ -132,11 +144,18 @@ def pack(
         on their own device.
 
     Raises:
-        TypeError, ValueError: as :func:`describe`.
+        TypeError, ValueError: as :func:`check`.
     """
-    check_dtype(dtype, mode)
-    keys = ordered_keys(dictionary, mode)
-    values = list(map(dictionary.__getitem__, keys))
+    if not checked:
+        check(dictionary, dtype, mode)
+    try:
+        keys = sorted(dictionary)  # checked keys that sort natively sort in the total order
+    except TypeError:
+        keys = sorted(dictionary, key=_rank)
+    if len(keys) < 2:
+        values = [dictionary[k] for k in keys]
+    else:
+        values = operator.itemgetter(*keys)(dictionary)  # twice as fast as a map for a dict of metrics
     if not values:
         return None, lambda flat: {}
     lane = _EXACT_LANE if dtype.is_floating_point else dtype

@@ -388,28 +388,37 @@ class Communicator(InputChecks, InFlight, DirectLaunch, ABC):
     def all_reduce_dict(self, dictionary: Mapping[Any, Any], op: Any = _SUM, dtype: torch.dtype = torch.float32) -> dict[Any, Any] | None:
         """Reduce every value of ``dictionary`` across the group with one collective.
 
-        Values may be Python numbers or tensors of any shape. They are packed,
-        in sorted key order when the keys are sortable (insertion order
-        otherwise), into one ``dtype`` buffer, reduced once and unpacked.
-        Every rank must pass the same keys with the same value shapes.
+        Values may be real numbers (Python or numpy) or dense real tensors of
+        any shape. They are paired across ranks by key, in one total order
+        (``None``, numbers, str, bytes, tuples of those; see
+        :mod:`~rlightning_comm.communicators._packing`), whatever order each
+        rank inserted them in, packed into one buffer, reduced once and
+        unpacked. Every rank must pass the same keys, with a number or a
+        tensor of the same shape under each.
 
         Args:
             dictionary: Not modified.
             op: A supported ``ReduceOp``.
-            dtype: The dtype the values are reduced in.
+            dtype: The dtype tensors are returned in. With a floating dtype,
+                a dict holding numbers is reduced in float64, so integer
+                counts come back exact within ``2**53``; with an integer
+                dtype everything is reduced in it.
 
         Returns:
-            A new dict with the same keys: numbers come back as Python floats,
-            tensors as ``dtype`` tensors of their shape on their device.
-            ``None`` on a non-member.
+            A new dict with the same keys: numbers come back as Python floats
+            (ints for an integer ``dtype``), tensors as ``dtype`` tensors of
+            their shape on their device. ``None`` on a non-member.
 
         Raises:
-            TypeError: not a mapping, or a value is neither a number nor a tensor.
+            TypeError: not a mapping, a key outside the total order, a value
+                that is neither a real number nor a dense real tensor, or a
+                ``dtype`` that is not a torch dtype.
+            ValueError: a complex ``dtype``, or a reduce op the dtype lacks.
         """
         if self._group is None:
             return None
         self._check_all_reduce_dict(dictionary, op, dtype)
-        flat, unpack = pack(dictionary, dtype, self.device, self._mode)
+        flat, unpack = pack(dictionary, dtype, self.device, self._mode, checked=True)
         if flat is None:
             return {}
         self.all_reduce(flat, op=op)
