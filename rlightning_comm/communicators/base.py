@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol  # the traceable collectives; sequence_parallel uses them too
 from torch.distributed import ReduceOp
 from torch.overrides import has_torch_function_unary
 
@@ -237,7 +238,10 @@ class Communicator(InputChecks, InFlight, DirectLaunch, ABC):
         if group is None:
             return None
         self._check_broadcast(tensor, src, async_op)
-        if compiling() or has_torch_function_unary(tensor):
+        if compiling():  # dynamo does not rewrite dist.broadcast: the functional one, copied back in place
+            tensor.copy_(funcol.wait_tensor(funcol.broadcast(tensor, self._group_rank_of[src], group)))
+            return None
+        if has_torch_function_unary(tensor):
             return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
         return self._launch("broadcast", group.broadcast, ([as_real(tensor)], (self._async if async_op else self._sync).broadcast[src]), async_op)
 
