@@ -1,13 +1,28 @@
-"""Broadcast a model's weights from one rank to others in a few flat buckets, loading them in place."""
+"""Broadcast a model's weights from one rank to the others at the wire's speed, loading them in place.
+
+A call first agrees on what moves, then moves it (see :mod:`._weight_pipeline`).
+The agreement is one all-gather of a few integers per rank: each rank's
+verdict on its own arguments, the source it names, a hash of its tensors'
+names, dtypes and shapes, and the plan it kept from its last call. When every
+rank holds the plan of the source's current manifest (the steady state of a
+training loop), that is all; otherwise the source broadcasts its manifest
+(one small object broadcast) and every rank builds the plan. A bad argument or
+a mismatch anywhere raises the same error on every member, before any weight
+moves.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+import hashlib
+import weakref
+from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch import nn
 
+from rlightning_comm._weight_pipeline import Entry, Pipeline, Plan, build_plan
 from rlightning_comm.communicators._objects import all_gather_objects
 from rlightning_comm.context import CommContext
 from rlightning_comm.modes import CommMode, ParallelMode
@@ -15,8 +30,21 @@ from rlightning_comm.modes import CommMode, ParallelMode
 DEFAULT_BUCKET_BYTES = 64 * 2**20
 
 StateDictLike = Mapping[str, torch.Tensor] | nn.Module | Sequence[tuple[str, torch.Tensor]]
-# name -> (dtype, shape) as plain picklable data.
-_Manifest = list[tuple[str, str, tuple[int, ...]]]
+_Problem = tuple[type[Exception], str] | None
+
+
+
+class _Kept:
+    """What a communicator keeps between calls: per source, the last agreed manifest key and its plan; the two staging buffers."""
+
+    def __init__(self) -> None:
+        self.plans: dict[int, tuple[tuple[int, int], Plan]] = {}
+        self.slots: list[torch.Tensor | None] = [None, None]
+
+
+# Dies with its communicator (a destroyed context frees the buffers).
+_kept: weakref.WeakKeyDictionary[Any, _Kept] = weakref.WeakKeyDictionary()
+_WORDS = 8  # per rank: status, src, sorted-manifest hash (2), source's manifest key (2), kept key (2)
 
 
 def _named_tensors(state_dict: Any) -> tuple[list[tuple[str, torch.Tensor]], None] | tuple[None, tuple[type[Exception], str]]:
@@ -46,14 +74,23 @@ def _named_tensors(state_dict: Any) -> tuple[list[tuple[str, torch.Tensor]], Non
     return items, None
 
 
-def _manifest(items: list[tuple[str, torch.Tensor]]) -> _Manifest:
-    return [(name, str(t.dtype), tuple(t.shape)) for name, t in items]
+def _manifest(items: list[tuple[str, torch.Tensor]], is_source: bool) -> list[Entry]:
+    """Names, dtypes and shapes; on the source also which entries are the very same tensor as an earlier one (sent once)."""
+    seen: dict[tuple[Any, ...], int] = {}
+    out = []
+    for i, (name, t) in enumerate(items):
+        alias = -1
+        if is_source and t.numel():
+            alias = seen.setdefault((t.data_ptr(), t.dtype, t.shape, t.stride(), t.device), i)
+            alias = -1 if alias == i else alias
+        out.append((name, str(t.dtype), tuple(t.shape), alias))
+    return out
 
 
-def _mismatch(source: _Manifest, mine: _Manifest) -> str | None:
+def _mismatch(source: list[Entry], mine: list[Entry]) -> str | None:
     """What differs between this rank's tensors and the source's, or ``None``."""
-    theirs = {name: (dtype, shape) for name, dtype, shape in source}
-    ours = {name: (dtype, shape) for name, dtype, shape in mine}
+    theirs = {name: (dtype, shape) for name, dtype, shape, _ in source}
+    ours = {name: (dtype, shape) for name, dtype, shape, _ in mine}
     lines = []
     missing = [n for n in theirs if n not in ours]
     unexpected = [n for n in ours if n not in theirs]
@@ -64,28 +101,6 @@ def _mismatch(source: _Manifest, mine: _Manifest) -> str | None:
     return "; ".join(lines) or None
 
 
-def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.reshape(-1).view(torch.uint8)
-
-
-def _spans(sizes: list[int], start: int, stop: int, cursor: list[int]) -> Iterator[tuple[int, int, int, int]]:
-    """``(index, lo, hi, offset)``: bytes ``[lo, hi)`` of tensor ``index`` lie at ``offset`` in the bucket ``[start, stop)``.
-
-    ``cursor`` holds ``[index, its first byte in the stream]`` and advances, so
-    walking every bucket in order costs one pass over the tensors.
-    """
-    index, base = cursor
-    while index < len(sizes) and base < stop:
-        lo, hi = max(start, base), min(stop, base + sizes[index])
-        if hi > lo:
-            yield index, lo - base, hi - base, lo - start
-        if base + sizes[index] > stop:
-            break
-        base += sizes[index]
-        index += 1
-    cursor[:] = [index, base]
-
-
 def _raise_problems(problems: list[tuple[int, tuple[type[Exception], str] | None]]) -> None:
     found = [(rank, p) for rank, p in problems if p is not None]
     if found:
@@ -93,96 +108,151 @@ def _raise_problems(problems: list[tuple[int, tuple[type[Exception], str] | None
         raise found[0][1][0](f"broadcast_state_dict: nothing was transferred; {detail}")
 
 
+def _hash(obj: Any) -> tuple[int, int]:
+    digest = hashlib.blake2b(repr(obj).encode(), digest_size=16).digest()
+    return int.from_bytes(digest[:8], "little", signed=True), int.from_bytes(digest[8:], "little", signed=True)
+
+
+def _check_arguments(ctx: CommContext, comm: Any, src: Any, bucket_bytes: Any) -> tuple[int | None, _Problem]:
+    """The source's global rank (``None`` when it cannot be told), and what is wrong with the arguments."""
+    wrong = []
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        wrong.append(f"bucket_bytes must be a positive int; got {bucket_bytes!r}")
+    if src is None:
+        src = ctx.get_transfer_source(comm.mode)
+        if src is None:
+            wrong.append(f"src is required: mode {comm.mode!r} was not bound by init_weight_transfer_group, so it has no declared source")
+    elif isinstance(src, bool) or not isinstance(src, int) or src not in comm.ranks:
+        wrong.append(f"src={src!r} is not a global rank of mode {comm.mode!r}; expected one of {list(comm.ranks)}")
+        src = None
+    return src, (ValueError, "; ".join(wrong)) if wrong else None
+
+
+def _agree(ctx: CommContext, comm: Any, state_dict: Any, src: Any, bucket_bytes: Any) -> Pipeline:
+    """The handshake: every member ends with the same plan, or raises the same error."""
+    src, problem = _check_arguments(ctx, comm, src, bucket_bytes)
+    items, bad_input = _named_tensors(state_dict)
+    problem = problem or bad_input
+    is_source = src == ctx.get_global_rank()
+    manifest = _manifest(items, is_source) if items is not None else []
+    memory = _kept.setdefault(comm, _Kept())
+    kept = memory.plans.get(src) if src is not None else None
+    words = [int(problem is not None), -1 if src is None else src, *_hash(sorted(e[:3] for e in manifest))]
+    words += [*(_hash((manifest, bucket_bytes)) if is_source and problem is None else (0, 0)), *(kept[0] if kept else (0, 0))]
+    rows = torch.empty(comm.world_size * _WORDS, dtype=torch.int64, device=comm.device)
+    comm.all_gather(rows, torch.tensor(words, dtype=torch.int64, device=comm.device))
+    rows = rows.view(comm.world_size, _WORDS).tolist()
+    if any(row[0] for row in rows):
+        _raise_problems(list(zip(comm.ranks, all_gather_objects(problem, comm.group, comm.device))))
+    if len({row[1] for row in rows}) > 1:
+        named = ", ".join(f"rank {rank}: {row[1]}" for rank, row in zip(comm.ranks, rows))
+        raise ValueError(f"broadcast_state_dict: nothing was transferred; the ranks name different sources ({named}); expected one src on every rank")
+    src = rows[0][1]  # every rank reported a valid input and this src
+    source = rows[comm.ranks.index(src)]
+    same_tensors = all(row[2:4] == source[2:4] for row in rows)
+    if same_tensors and kept is not None and all(row[6:8] == source[4:6] for row in rows):
+        plan = kept[1]
+    else:
+        offer = [(manifest, bucket_bytes) if is_source else None]
+        comm.broadcast_object_list(offer, src=src)
+        if not same_tensors:
+            mismatch = None if is_source else _mismatch(offer[0][0], manifest)
+            problem = (ValueError, f"these tensors do not match the source's ({mismatch})") if mismatch else None
+            _raise_problems(list(zip(comm.ranks, all_gather_objects(problem, comm.group, comm.device))))
+        plan = build_plan(*offer[0])
+        memory.plans[src] = ((source[4], source[5]), plan)
+    by_name = dict(items or ())
+    return Pipeline(comm, plan, [by_name[name].detach() for name in plan.names], src, is_source, memory.slots)
+
+
+def _exclusive(comm: Any) -> Any:
+    claim = getattr(comm, "_exclusive", None)
+    return claim("broadcast_state_dict") if claim is not None else nullcontext()
+
+
+class StateDictTransfer:
+    """The handle ``broadcast_state_dict(..., async_op=True)`` returns; :meth:`wait` completes the transfer."""
+
+    __slots__ = ("_comm", "_pipeline")
+
+    def __init__(self, comm: Any, pipeline: Pipeline | None) -> None:
+        self._comm = comm
+        self._pipeline = pipeline
+
+    def is_completed(self) -> bool:
+        """Whether :meth:`wait` has returned."""
+        return self._pipeline is None
+
+    def wait(self) -> None:
+        """Launch the broadcasts still to go, wait for all of them, and (on a destination) write the last tensors; a second call returns at once.
+
+        Raises:
+            CommTimeoutError, CommError: as for the communicator's ``broadcast``.
+        """
+        pipeline, self._pipeline = self._pipeline, None
+        if pipeline is not None:
+            with _exclusive(self._comm):
+                pipeline.finish()
+
+
 def broadcast_state_dict(
     state_dict: StateDictLike,
     comm_mode: CommMode | ParallelMode | str = ParallelMode.WEIGHT_TRANSFER,
     src: int | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-) -> None:
+    async_op: bool = False,
+) -> StateDictTransfer | None:
     """Copy every tensor of ``state_dict`` from global rank ``src`` into the same-named tensors of every other rank of ``comm_mode``.
 
     Every member of the group calls this, the source with the weights to
     send, each destination with tensors of the same names, dtypes and shapes
     to overwrite in place (a module's parameters and buffers, through its
-    ``state_dict()``). The tensors travel as one byte stream cut into
-    buckets of at most ``bucket_bytes`` (the source's value), one broadcast
-    per bucket, whatever their number and dtypes, so destinations end
-    bit-identical to the source. Before any bucket moves, the source's
-    manifest (names, dtypes, shapes) goes to every rank and every rank's
-    verdict comes back: a mismatch or a bad input anywhere raises the same
-    error on every member, and nothing is transferred. The source's tensors
-    are only read. Non-members return at once.
+    ``state_dict()``). Destinations end bit-identical to the source, whatever
+    the dtypes, strides or storage sharing. The source's tensors are only
+    read; non-members return ``None`` at once.
+
+    Before any weight moves, every rank's arguments and tensors are checked
+    against the source's manifest (names, dtypes, shapes): a bad argument or a
+    mismatch on any member raises the same error on every member, and nothing
+    is transferred. Then pieces of at least ``min(bucket_bytes, 256 KiB)``
+    travel in place, one broadcast each with no copy (where contiguous on the
+    communicator's device), and smaller ones coalesced into buckets of at most
+    ``bucket_bytes``, packing and unpacking overlapped with the broadcasts.
+    Each rank stages at most two buckets. Tensors the source holds more than
+    once (tied weights) travel once.
 
     Args:
         state_dict: A mapping of names to tensors, an ``nn.Module`` or a list
-            of ``(name, tensor)`` pairs. Tensors may live on any device; they
-            are staged through buckets on the communicator's device.
+            of ``(name, tensor)`` pairs. Tensors may live on any device; those
+            off the communicator's device are staged through its buckets.
         comm_mode: The mode to broadcast over.
         src: Global rank that sends; ``None`` means the source declared to
             :meth:`CommContext.init_weight_transfer_group` for this mode.
-        bucket_bytes: Largest bucket, in bytes (memory used on each rank).
+            Every rank must name the same one.
+        bucket_bytes: Largest bucket, in bytes; the source's value is used.
+        async_op: Return once every broadcast that needs no wait is launched
+            (all in-place pieces up to the third bucket, the first two buckets),
+            with a :class:`StateDictTransfer` whose ``wait()`` does the rest.
+            Until ``wait()`` returns, the source may not modify its tensors
+            and a destination may neither read nor write them; other
+            collectives may run on other modes meanwhile.
+
+    Returns:
+        A :class:`StateDictTransfer` when ``async_op``, else ``None``; ``None`` on a non-member.
 
     Raises:
-        TypeError, ValueError: bad arguments (raised locally), or a bad input
-            or mismatch on any member (raised on every member).
-        ModeNotBoundError: ``comm_mode`` is not bound.
+        TypeError, ValueError: a bad argument (``src``, ``bucket_bytes``,
+            ``state_dict``) or a mismatch on any member, raised on every member.
+        ModeNotBoundError: ``comm_mode`` is not bound on this rank.
+        CommTimeoutError, CommError: a broadcast failed.
     """
     comm = CommContext().get_communicator(comm_mode)
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be a positive int; got {bucket_bytes!r}")
     if not comm.is_member:
-        return
-    if src is None:
-        src = CommContext().get_transfer_source(comm_mode)
-        if src is None:
-            raise ValueError(f"src is required: mode {comm.mode!r} was not bound by init_weight_transfer_group, so it has no declared source")
-    if isinstance(src, bool) or src not in comm.ranks:
-        raise ValueError(f"src={src!r} is not a global rank of mode {comm.mode!r}; expected one of {list(comm.ranks)}")
-    is_source = CommContext().get_global_rank() == src
-    items, problem = _named_tensors(state_dict)
-    offer = [(_manifest(items), bucket_bytes) if is_source and items is not None else None]
-    comm.broadcast_object_list(offer, src=src)
-    if offer[0] is not None and items is not None and not is_source:
-        mismatch = _mismatch(offer[0][0], _manifest(items))
-        problem = (ValueError, f"these tensors do not match the source's ({mismatch})") if mismatch else None
-    verdicts = all_gather_objects(problem, comm.group, comm.device)
-    _raise_problems(list(zip(comm.ranks, verdicts)))
-    manifest, bucket_bytes = offer[0]
-    with torch.no_grad():
-        _transfer(comm, items, manifest, bucket_bytes, src, is_source)
-
-
-def _transfer(comm: Any, items: list[tuple[str, torch.Tensor]], manifest: _Manifest, bucket_bytes: int, src: int, is_source: bool) -> None:
-    by_name = dict(items)
-    tensors = [by_name[name] for name, _, _ in manifest]  # the source's order, on every rank
-    sizes = [t.numel() * t.element_size() for t in tensors]
-    total = sum(sizes)
-    if not total:
-        return
-    staged: list[tuple[torch.Tensor, torch.Tensor]] = []
-    if is_source:
-        streams = [_byte_view(t.detach()) for t in tensors]
-    else:
-        # Contiguous destinations receive in place; others through a contiguous copy written back at the end.
-        streams = []
-        for t in tensors:
-            if not t.is_contiguous():
-                stage = torch.empty_like(t, memory_format=torch.contiguous_format)
-                staged.append((t, stage))
-                t = stage
-            streams.append(_byte_view(t.detach()))
-    buffer = torch.empty(min(bucket_bytes, total), dtype=torch.uint8, device=comm.device)
-    cursor = [0, 0]
-    for start in range(0, total, bucket_bytes):
-        stop = min(start + bucket_bytes, total)
-        bucket = buffer[: stop - start]
-        spans = list(_spans(sizes, start, stop, cursor))
-        if is_source:
-            for i, lo, hi, at in spans:
-                bucket[at : at + hi - lo].copy_(streams[i][lo:hi])
-        comm.broadcast(bucket, src=src)
-        if not is_source:
-            for i, lo, hi, at in spans:
-                streams[i][lo:hi].copy_(bucket[at : at + hi - lo])
-    for t, stage in staged:
-        t.copy_(stage)
+        return None
+    with _exclusive(comm):
+        pipeline = _agree(CommContext(), comm, state_dict, src, bucket_bytes)
+        if not async_op:
+            pipeline.finish()
+            return None
+        pipeline.start()
+    return StateDictTransfer(comm, pipeline)

@@ -1,129 +1,167 @@
-"""broadcast_state_dict on a real gloo world: bit-identical destinations, collectives bounded by buckets, errors on every rank."""
+"""broadcast_state_dict on real gloo worlds: bit-identical destinations, a bounded number of collectives, errors on every rank."""
 
 from __future__ import annotations
 
 import hashlib
-import math
+import threading
 
 import pytest
 import torch
-from torch import nn
 from world import init_world
 
-N_EXTRA = 12  # small extra parameters, so a per-tensor transfer would need far more collectives than buckets
-BUCKET_BYTES = 256
-
-
-class Mixed(nn.Module):
-    """float32 and bfloat16 parameters, int64 and bool buffers, many small tensors."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = nn.Linear(16, 8)
-        self.head = nn.Linear(8, 3).to(torch.bfloat16)
-        self.extra = nn.ParameterList([nn.Parameter(torch.zeros(i + 1)) for i in range(N_EXTRA)])
-        self.register_buffer("steps", torch.zeros(5, dtype=torch.int64))
-        self.register_buffer("mask", torch.zeros(7, dtype=torch.bool))
-
-
-def randomise(model: nn.Module, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for t in model.state_dict().values():
-            if t.dtype == torch.bool:
-                t.copy_(torch.randint(0, 2, t.shape, generator=gen).bool())
-            elif t.dtype == torch.int64:
-                t.copy_(torch.randint(-(2**62), 2**62, t.shape, generator=gen))
-            else:
-                t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+BIG = (300, 300)  # 360 KB of float32: at least 256 KiB, so it travels in place with the default bucket
 
 
 def digests(named) -> dict[str, str]:
-    """sha256 of each tensor's raw bytes: equal digests mean bit-identical tensors."""
+    """sha256 of each tensor's raw bytes in logical order: equal digests mean bit-identical tensors."""
     return {name: hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest() for name, t in named}
 
 
-class Recorder:
-    """Count the torch.distributed calls made through the public namespace (what the library calls)."""
-
-    NAMES = ("broadcast", "broadcast_object_list", "all_gather_object", "all_gather", "all_gather_into_tensor", "all_reduce", "send", "recv", "barrier")
-
-    def __init__(self) -> None:
-        import importlib
-
-        import torch.distributed as dist
-
-        from rlightning_comm.communicators import base
-
-        weight_transfer = importlib.import_module("rlightning_comm.weight_transfer")
-
-        self.calls: list[tuple[str, int | None]] = []
-        self._depth = 0  # calls made inside a recorded call are part of it
-        # The communicators call the process group directly, not torch.distributed's functions: their broadcast counts too.
-        self._targets = [(dist, name) for name in self.NAMES] + [
-            (base, "broadcast_objects"),
-            (weight_transfer, "all_gather_objects"),
-            (base.Communicator, "broadcast"),
-        ]
-        self._originals = {(mod, name): getattr(mod, name) for mod, name in self._targets}
-        # The library's numpy-free object collectives count as torch's.
-        aliases = {"broadcast_objects": "broadcast_object_list", "all_gather_objects": "all_gather_object"}
-        for (mod, name), fn in self._originals.items():
-            setattr(mod, name, self._wrap(aliases.get(name, name), fn))
-
-    def _wrap(self, name, fn):
-        def call(*args, **kwargs):
-            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-            if self._depth == 0:
-                self.calls.append((name, first.numel() if isinstance(first, torch.Tensor) else None))
-            self._depth += 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._depth -= 1
-
-        return call
-
-    def restore(self) -> None:
-        for (mod, name), fn in self._originals.items():
-            setattr(mod, name, fn)
+def _random(shape, dtype, gen) -> torch.Tensor:
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    if not dtype.is_floating_point and not dtype.is_complex:
+        info = torch.iinfo(dtype)
+        return torch.randint(info.min, info.max, shape, generator=gen, dtype=dtype)
+    return torch.randn(shape, generator=gen, dtype=torch.complex64 if dtype.is_complex else torch.float32).to(dtype)
 
 
-def _send_model(rank: int, size: int, url: str, bucket_bytes: int) -> dict:
+def _state(rank: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Every awkward case in one state dict; on rank 2 the layouts differ from the source's (same names, dtypes and shapes)."""
+    gen = torch.Generator().manual_seed(rank)
+    state = {
+        f"{str(d).removeprefix('torch.')}": _random((5, 7), d, gen)
+        for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int8, torch.bool, torch.complex64)
+    }
+    state["scalar"] = _random((), torch.float32, gen)
+    state["scalar_bf16"] = _random((), torch.bfloat16, gen)
+    state["empty"] = torch.zeros(0, 4)
+    state["empty_i64"] = torch.zeros(0, dtype=torch.int64)
+    state["wide"] = _random((2, 3000), torch.float32, gen)  # one row is more than the small bucket
+    state["big"] = _random(BIG, torch.float32, gen)
+    state["big_t"] = _random(BIG, torch.float32, gen).t()  # non-contiguous, travels staged
+    state["strided"] = _random((6, 8), torch.float32, gen)[:, ::2]
+    base = _random((8, 6), torch.float32, gen)  # shared storage: two views of one tensor
+    state["q"], state["k"] = base[:4], base[4:]
+    tied = _random((3, 4), torch.float32, gen)
+    state["embed"] = tied
+    # Tied on the source (sent once); rank 3 holds its own copy, which must get the same bytes.
+    state["lm_head"] = tied if rank != 3 else _random((3, 4), torch.float32, gen)
+    if rank == 2:  # contiguity differs per rank: this destination holds transposed storage where the source is contiguous
+        state["big"] = torch.empty(BIG[1], BIG[0]).t()
+        state["big_t"] = torch.empty(BIG)
+    return state, base
+
+
+def _transfer_everything(rank: int, size: int, url: str, bucket_bytes: int) -> dict:
     from rlightning_comm import broadcast_state_dict
 
     ctx = init_world(rank, size, url)
     ctx.init_weight_transfer_group(src=0, dst_ranks=[1, 2, 3])
-    model = Mixed()
-    randomise(model, seed=1000 + rank)
-    before = digests(model.state_dict().items())
-    recorder = Recorder()
-    try:
-        broadcast_state_dict(model, bucket_bytes=bucket_bytes)
-    finally:
-        recorder.restore()
-    return {"before": before, "after": digests(model.state_dict().items()), "calls": recorder.calls}
+    state, base = _state(rank)
+    before = digests(state.items())
+    broadcast_state_dict(state, bucket_bytes=bucket_bytes)
+    tied = state["embed"].data_ptr() == state["lm_head"].data_ptr()
+    return {"before": before, "after": digests(state.items()), "tied": tied, "views_share_base": state["q"].data_ptr() == base.data_ptr()}
 
 
-@pytest.mark.parametrize("bucket_bytes", [BUCKET_BYTES, 1 << 20])
-def test_model_reaches_three_destinations_bit_identical(world4, bucket_bytes: int) -> None:
-    results = world4.run(_send_model, bucket_bytes)
-    source = results[0]
-    assert source["after"] == source["before"]  # the source is only read
-    for dst in results[1:]:
-        assert dst["before"] != source["before"]  # they really started different
-        assert dst["after"] == source["before"]
-    model = Mixed()
-    sd = model.state_dict()
-    assert {str(t.dtype) for t in sd.values()} == {"torch.float32", "torch.bfloat16", "torch.int64", "torch.bool"}
-    total = sum(t.numel() * t.element_size() for t in sd.values())
-    buckets = math.ceil(total / bucket_bytes)
-    assert buckets < len(sd)
-    for r in results:
-        data = [n for name, n in r["calls"] if name == "broadcast"]
-        # One broadcast per bucket, every bucket full but the last; then two small metadata collectives.
-        assert data == [bucket_bytes] * (buckets - 1) + [total - bucket_bytes * (buckets - 1)]
-        assert sorted(name for name, _ in r["calls"] if name != "broadcast") == ["all_gather_object", "broadcast_object_list"]
+@pytest.mark.parametrize("bucket_bytes", [4096, 1 << 20])
+def test_every_dtype_and_layout_arrives_bit_identical(world4, bucket_bytes: int) -> None:
+    results = world4.run(_transfer_everything, bucket_bytes)
+    source = results[0]["before"]
+    assert results[0]["after"] == source  # the source is only read
+    for r, result in enumerate(results[1:], start=1):
+        assert {k for k in source if result["before"][k] != source[k]} >= {"float32", "big", "big_t", "q", "lm_head", "scalar"}, r
+        assert result["after"] == source, r
+        assert result["views_share_base"]
+    assert [r["tied"] for r in results] == [True, True, True, False]  # storage sharing is each rank's own
+
+
+def _count(rank: int, size: int, url: str) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    from rlightning_comm import broadcast_state_dict
+
+    ctx = init_world(rank, size, url)
+    ctx.init_weight_transfer_group(src=0, dst_ranks=[1])
+    gen = torch.Generator().manual_seed(rank)
+    state = {f"small.{i}": torch.randn(16, generator=gen) for i in range(21)}
+    state.update({f"big.{i}": torch.randn(*BIG, generator=gen) for i in range(3)})
+    counts = []
+    for call in range(3):
+        if call == 2:  # a changed manifest (one more tensor on every rank) is agreed again
+            state["extra"] = torch.full((5,), float(rank))
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            broadcast_state_dict(state)
+        found: dict[str, int] = {}
+        for event in prof.events():
+            if event.name.startswith("gloo:"):
+                found[event.name] = found.get(event.name, 0) + 1
+        counts.append(found)
+    return {"counts": counts, "final": digests(state.items())}
+
+
+def test_collectives_per_call_are_bounded_by_buckets_not_tensors(world2) -> None:
+    """24 tensors (3 of at least 256 KiB, 21 small): 3 in-place broadcasts and 1 bucket, plus one all-gather of the verdicts.
+
+    The first call and a call after the manifest changed also broadcast the manifest (2 broadcasts: sizes, then bytes).
+    """
+    results = world2.run(_count)
+    assert results[1]["final"] == results[0]["final"]
+    for result in results:
+        first, steady, changed = result["counts"]
+        assert first == {"gloo:all_gather": 1, "gloo:broadcast": 2 + 4}
+        assert steady == {"gloo:all_gather": 1, "gloo:broadcast": 4}
+        assert changed == {"gloo:all_gather": 1, "gloo:broadcast": 2 + 4}
+
+
+def _async_and_threads(rank: int, size: int, url: str) -> dict:
+    import torch.distributed as dist
+
+    from rlightning_comm import CommMode, broadcast_state_dict, collective
+
+    ctx = init_world(rank, size, url)
+    ctx.init_weight_transfer_group(src=0, dst_ranks=[1])
+    gen = torch.Generator().manual_seed(rank)
+    state = {"big": torch.randn(*BIG, generator=gen), "bias": torch.randn(7, generator=gen)}
+    sent = digests(state.items())
+    handle = broadcast_state_dict(state, async_op=True)
+    pending = handle.is_completed()
+    other = torch.ones(3)
+    collective.all_reduce(other, CommMode.GLOBAL)  # other work on another mode while the transfer is in flight
+    handle.wait()
+    handle.wait()  # a second wait returns at once
+    out = {"pending": pending, "done": handle.is_completed(), "async": digests(state.items()), "sent": sent, "other": other.tolist()}
+    # The next transfer is received from a second live thread (a weight-updater thread), the main thread waiting for it.
+    with torch.no_grad():
+        for t in state.values():
+            t.add_(rank)
+    sent, errors = digests(state.items()), []
+
+    def receive() -> None:
+        try:
+            broadcast_state_dict(state)
+        except BaseException as err:  # noqa: BLE001 - reported to the parent below
+            errors.append(repr(err))
+
+    if rank == 1:
+        updater = threading.Thread(target=receive, name="weight-updater")
+        updater.start()
+        updater.join(timeout=30)
+    else:
+        receive()
+    dist.barrier()
+    return {**out, "errors": errors, "threaded": digests(state.items()), "sent2": sent}
+
+
+def test_async_handle_and_a_receiving_thread(world2) -> None:
+    source, dst = world2.run(_async_and_threads)
+    assert source["pending"] is False and dst["pending"] is False
+    assert source["done"] and dst["done"]
+    assert source["other"] == dst["other"] == [2.0, 2.0, 2.0]
+    assert dst["sent"] != source["sent"] and dst["async"] == source["sent"] == source["async"]
+    assert source["errors"] == dst["errors"] == []
+    assert dst["sent2"] != source["sent2"] and dst["threaded"] == source["sent2"]
 
 
 def _named_list_with_non_member(rank: int, size: int, url: str) -> dict:
@@ -132,22 +170,22 @@ def _named_list_with_non_member(rank: int, size: int, url: str) -> dict:
     ctx = init_world(rank, size, url)
     ctx.init_weight_transfer_group(src=2, dst_ranks=[0, 3])
     gen = torch.Generator().manual_seed(rank)
-    weight = torch.randn(6, 4, generator=gen)
-    # A transposed (non-contiguous) destination and a bfloat16 scalar.
-    named = [("w_t", weight.t()), ("scale", torch.randn((), generator=gen).to(torch.bfloat16)), ("ids", torch.arange(5) * (rank + 1))]
+    named = [("w_t", torch.randn(6, 4, generator=gen).t()), ("ids", torch.arange(5) * (rank + 1))]
     before = digests(named)
-    result = broadcast_state_dict(named, comm_mode=CommMode.WEIGHT_TRANSFER, bucket_bytes=32)
+    handle = broadcast_state_dict(named, comm_mode=CommMode.WEIGHT_TRANSFER, bucket_bytes=32, async_op=True)
+    if handle is not None:
+        handle.wait()
     from dataclasses import asdict
 
     from rlightning_comm import describe_layout
 
     view = asdict(describe_layout()["WEIGHT_TRANSFER"])
-    return {"result": result, "before": before, "after": digests(named), "member": ctx.get_communicator(CommMode.WEIGHT_TRANSFER).is_member, "view": view}
+    return {"handle": handle is not None, "before": before, "after": digests(named), "view": view}
 
 
 def test_named_tensor_list_and_non_member(world4) -> None:
     results = world4.run(_named_list_with_non_member)
-    assert [r["member"] for r in results] == [True, False, True, True]
+    assert [r["handle"] for r in results] == [True, False, True, True]  # the non-member (rank 1) gets None
     # Group ranks follow the declared order [src] + dst_ranks: the source is group rank 0; rank 1 is outside (no rank there).
     assert [r["view"] for r in results] == [
         {"ranks": (2, 0, 3), "rank": 1, "world_size": 3, "backend": "gloo"},
@@ -155,41 +193,49 @@ def test_named_tensor_list_and_non_member(world4) -> None:
         {"ranks": (2, 0, 3), "rank": 0, "world_size": 3, "backend": "gloo"},
         {"ranks": (2, 0, 3), "rank": 2, "world_size": 3, "backend": "gloo"},
     ]
-    assert all(r["result"] is None for r in results)
     source = results[2]["before"]
     assert results[2]["after"] == source
     assert results[0]["after"] == source and results[3]["after"] == source
     assert results[1]["after"] == results[1]["before"] != source  # the non-member is untouched
 
 
-def _mismatch(rank: int, size: int, url: str, case: str) -> dict:
+def _one_bad_rank(rank: int, size: int, url: str, case: str) -> dict:
     from rlightning_comm import broadcast_state_dict
 
     ctx = init_world(rank, size, url)
     ctx.init_weight_transfer_group(src=0, dst_ranks=[1, 2, 3])
     state = {"a": torch.full((3,), float(rank)), "b": torch.full((2,), rank, dtype=torch.int64)}
+    broadcast_state_dict(state)  # a good call first: the plan is kept, the bad call must not ride on it
+    with torch.no_grad():
+        state["a"].fill_(float(rank))
+    kwargs: dict = {}
     if case == "shape" and rank == 2:
         state["a"] = torch.zeros(4)
     if case == "missing" and rank == 3:
         del state["b"]
-    if case == "source_not_tensor" and rank == 0:
-        state["b"] = [1, 2]
     if case == "dtype" and rank == 1:
         state["b"] = state["b"].to(torch.int32)
-    before = digests((k, v) for k, v in state.items() if isinstance(v, torch.Tensor))
-    recorder = Recorder()
+    if case == "source_not_tensor" and rank == 0:
+        state["b"] = [1, 2]
+    if case == "bucket_zero" and rank == 2:
+        kwargs["bucket_bytes"] = 0
+    if case == "src_outside" and rank == 3:
+        kwargs["src"] = 7
+    if case == "src_differs" and rank == 1:
+        kwargs["src"] = 1
+    if case == "not_a_state_dict" and rank == 3:
+        state = "weights.pt"
+    tensors = state.items() if isinstance(state, dict) else ()
+    before = digests((k, v) for k, v in tensors if isinstance(v, torch.Tensor))
     try:
-        broadcast_state_dict(state)
+        broadcast_state_dict(state, **kwargs)
         error = None
     except (TypeError, ValueError) as err:
         error = (type(err).__name__, str(err))
-    finally:
-        recorder.restore()
-    # Nothing moved, and the group is still in step: a correct call afterwards works.
-    untouched = digests((k, v) for k, v in state.items() if isinstance(v, torch.Tensor)) == before
+    untouched = digests((k, v) for k, v in tensors if isinstance(v, torch.Tensor)) == before
     good = {"a": torch.full((3,), float(rank))}
-    broadcast_state_dict(good)
-    return {"error": error, "data_broadcasts": sum(1 for name, _ in recorder.calls if name == "broadcast"), "untouched": untouched, "after": good["a"].tolist()}
+    broadcast_state_dict(good)  # the group is still in step
+    return {"error": error, "untouched": untouched, "after": good["a"].tolist()}
 
 
 @pytest.mark.parametrize(
@@ -199,25 +245,28 @@ def _mismatch(rank: int, size: int, url: str, case: str) -> dict:
         ("missing", "ValueError", "rank 3: these tensors do not match the source's (1 missing here: b)"),
         ("dtype", "ValueError", "'b': source torch.int64 [2], here torch.int32 [2]"),
         ("source_not_tensor", "TypeError", "rank 0: 'b' must be a torch.Tensor; got list"),
+        ("bucket_zero", "ValueError", "rank 2: bucket_bytes must be a positive int; got 0"),
+        ("src_outside", "ValueError", "rank 3: src=7 is not a global rank of mode 'WEIGHT_TRANSFER'; expected one of [0, 1, 2, 3]"),
+        ("src_differs", "ValueError", "the ranks name different sources (rank 0: 0, rank 1: 1, rank 2: 0, rank 3: 0)"),
+        ("not_a_state_dict", "TypeError", "rank 3: state_dict must be a Mapping of names to tensors, an nn.Module or a list of (name, tensor); got str"),
     ],
 )
-def test_mismatch_raises_on_every_rank_before_any_data_moves(world4, case: str, kind: str, text: str) -> None:
-    results = world4.run(_mismatch, case, timeout=30)
-    for r in results:
+def test_one_rank_bad_raises_on_every_member_before_any_data_moves(world4, case: str, kind: str, text: str) -> None:
+    for r in world4.run(_one_bad_rank, case, timeout=30):
         assert r["error"] is not None and r["error"][0] == kind and text in r["error"][1], r["error"]
-        assert r["data_broadcasts"] == 0
+        assert r["error"][1].startswith("broadcast_state_dict: nothing was transferred")
         assert r["untouched"]
         assert r["after"] == [0.0, 0.0, 0.0]
 
 
-def test_bad_arguments_raise_locally(tmp_path) -> None:
+def test_bad_arguments_on_a_single_rank(tmp_path) -> None:
     from rlightning_comm import CommContext, ModeNotBoundError, broadcast_state_dict
 
     CommContext().init_distributed_env(world_size=1, rank=0, backend="gloo", dist_url=f"file://{tmp_path}/store")
     with pytest.raises(ModeNotBoundError, match="WEIGHT_TRANSFER"):
         broadcast_state_dict({"a": torch.zeros(1)})
     with pytest.raises(ValueError, match="bucket_bytes must be a positive int; got 0"):
-        broadcast_state_dict({"a": torch.zeros(1)}, comm_mode="GLOBAL", bucket_bytes=0)
+        broadcast_state_dict({"a": torch.zeros(1)}, comm_mode="GLOBAL", src=0, bucket_bytes=0)
     with pytest.raises(ValueError, match=r"src=3 is not a global rank of mode 'GLOBAL'; expected one of \[0\]"):
         broadcast_state_dict({"a": torch.zeros(1)}, comm_mode="GLOBAL", src=3)
 

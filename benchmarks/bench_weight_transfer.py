@@ -1,0 +1,141 @@
+"""``broadcast_state_dict`` against RLightning's per-dtype way, one broadcast per tensor, and the limit, in one run.
+
+3 gloo ranks (rank 0 sends to ranks 1 and 2 over the weight-transfer group), a
+68 MiB model of 121 tensors: a bf16 embedding (16384 x 256), 60 fp32 matrices
+(512 x 512) and their 60 fp32 biases. Ways, all on the same group:
+
+* library: ``broadcast_state_dict(state, src=0)`` (steady state: the manifest is cached);
+* rlightning: RLightning's "full" strategy: per dtype, flatten the source's tensors
+  (``parameters_to_vector``), one async broadcast per dtype, wait, and the receivers copy
+  the flat vector back into their tensors (its metadata list goes over Ray, not counted here);
+* per tensor: one ``torch.distributed.broadcast`` per tensor, in place;
+* limit: one ``torch.distributed.broadcast`` of a ready flat buffer of the same bytes (no packing at all).
+
+Interleaved rounds (the order rotates each round); a round's time for a way is
+the slowest rank's, from a barrier to that rank holding every tensor. Medians
+over rounds, and the medians of the per-round ratios to the limit's speed.
+Every way's destinations are checked bit-identical to the source first.
+
+    python benchmarks/bench_weight_transfer.py [--rounds 25] [--bucket-mib 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import time
+
+from _common import machine, run_ranks
+
+NPROC = 3
+LAYERS = 60
+WIDTH = 512
+VOCAB = 16384
+EMBED = 256
+
+
+def _model(seed: int) -> dict:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    state = {"embed.weight": torch.randn(VOCAB, EMBED, generator=gen).to(torch.bfloat16)}
+    for i in range(LAYERS):
+        state[f"layers.{i}.weight"] = torch.randn(WIDTH, WIDTH, generator=gen)
+        state[f"layers.{i}.bias"] = torch.randn(WIDTH, generator=gen)
+    return state
+
+
+def _task(rank: int, nproc: int, rounds: int, bucket_bytes: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+    from rlightning_comm import CommContext, ParallelMode, broadcast_state_dict
+
+    ctx = CommContext()
+    ctx.init_weight_transfer_group(src=0, dst_ranks=list(range(1, nproc)))
+    group = ctx.get_group(ParallelMode.WEIGHT_TRANSFER)
+    state = _model(seed=rank)
+    reference = _model(seed=0)
+    tensors = list(state.values())
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    flat = torch.empty(total, dtype=torch.uint8)
+
+    def library() -> None:
+        broadcast_state_dict(state, src=0, bucket_bytes=bucket_bytes)
+
+    def rlightning() -> None:
+        works, vectors = [], {}
+        for dtype, ts in by_dtype.items():
+            vec = parameters_to_vector(ts) if rank == 0 else torch.empty(sum(t.numel() for t in ts), dtype=dtype)
+            vectors[dtype] = vec
+            works.append(dist.broadcast(vec, src=0, group=group, async_op=True))
+        for w in works:
+            w.wait()
+        if rank != 0:
+            for dtype, ts in by_dtype.items():
+                vector_to_parameters(vectors[dtype], ts)
+
+    def per_tensor() -> None:
+        for t in tensors:
+            dist.broadcast(t, src=0, group=group)
+
+    def limit() -> None:
+        dist.broadcast(flat, src=0, group=group)
+
+    ways = {"library": library, "rlightning": rlightning, "per_tensor": per_tensor, "limit": limit}
+    identical = {}
+    for name, fn in ways.items():
+        if name == "limit":
+            continue
+        with torch.no_grad():
+            for t, r in zip(tensors, _model(seed=rank).values()):
+                t.copy_(r)  # destinations start different again
+        fn()
+        identical[name] = all(torch.equal(t.view(-1).view(torch.uint8), r.view(-1).view(torch.uint8)) for t, r in zip(tensors, reference.values()))
+    names = list(ways)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds + 2):  # two warm-up rounds
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            ways[name]()
+            elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+            if r >= 2:
+                times[name].append(elapsed.item())
+    return {"times": times, "identical": identical, "bytes": total, "tensors": len(tensors)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=25)
+    parser.add_argument("--bucket-mib", type=float, default=64.0, help="the library's bucket_bytes, in MiB")
+    args = parser.parse_args()
+    load = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
+    started = time.perf_counter()
+    out = run_ranks(_task, NPROC, args.rounds, int(args.bucket_mib * 2**20))[0]
+    times = out["times"]
+    print(f"{machine()}; {NPROC} gloo ranks (1 source, {NPROC - 1} destinations); {out['tensors']} tensors, {out['bytes'] / 2**20:.1f} MiB")
+    print(f"{args.rounds} interleaved rounds, bucket {args.bucket_mib:g} MiB; load before: {load}")
+    print()
+    print("| way | median ms | min ms | speed vs limit (median of per-round ratios) | bit-identical |")
+    print("|---|---|---|---|---|")
+    for name, samples in times.items():
+        ratio = statistics.median(lim / t for lim, t in zip(times["limit"], samples))
+        same = "-" if name == "limit" else ("yes" if out["identical"][name] else "NO")
+        print(f"| {name} | {statistics.median(samples) * 1e3:.1f} | {min(samples) * 1e3:.1f} | {ratio:.2f}x | {same} |")
+    vs = statistics.median(rl / lib for rl, lib in zip(times["rlightning"], times["library"]))
+    print()
+    print(f"library speed vs rlightning's (median of per-round ratios): {vs:.2f}x; wall {time.perf_counter() - started:.0f} s; load after: {os.getloadavg()}")
+    if not all(out["identical"].values()):
+        raise SystemExit("a way left a destination different from the source")
+
+
+if __name__ == "__main__":
+    main()

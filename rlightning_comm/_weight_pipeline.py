@@ -1,0 +1,232 @@
+"""The data phase of :func:`broadcast_state_dict`: a plan of broadcasts built from the manifest, and the pipeline that runs it.
+
+The plan is a pure function of the source's manifest and bucket size, so every
+rank builds the same one and issues the same broadcasts in the same order.
+Each tensor is cut, along its leading dimensions, into pieces of at most one
+bucket. A piece of at least ``min(bucket, DIRECT_BYTES)`` is a broadcast of its
+own, received in place (no copy) wherever it is contiguous on the
+communicator's device; smaller pieces are coalesced into buckets. Two bucket
+buffers per rank rotate: packing (or unpacking) one bucket overlaps the
+broadcast of the other, and in-place broadcasts run meanwhile.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from collections import deque
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import torch
+
+DIRECT_BYTES = 256 * 2**10
+"""Pieces of at least this many bytes (or of a whole bucket, if smaller) travel in place; the rest are coalesced."""
+
+_ALIGN = 16  # every piece starts on a multiple of the largest element size, so a bucket slice views as any dtype
+
+# One manifest entry: name, dtype name, shape, and the index of an earlier entry that is the very same tensor on the source (-1: none).
+Entry = tuple[str, str, tuple[int, ...], int]
+
+
+class Piece(NamedTuple):
+    """``tensors[index][where]`` (``where == ()``: the whole tensor), at byte ``at`` of its unit."""
+
+    index: int
+    where: tuple[Any, ...]
+    at: int
+    nbytes: int
+
+
+class Unit(NamedTuple):
+    """One broadcast: a single piece that may travel in place (``direct``), or a bucket of coalesced pieces."""
+
+    pieces: tuple[Piece, ...]
+    nbytes: int
+    direct: bool
+
+
+class Plan(NamedTuple):
+    """Every broadcast of one transfer, in order, and what to copy afterwards on a destination."""
+
+    names: tuple[str, ...]
+    units: tuple[Unit, ...]
+    aliases: tuple[tuple[int, int], ...]  # (index, index of the source tensor it is)
+    slot_bytes: int  # the largest unit: the size of a staging buffer
+    total_bytes: int
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.removeprefix("torch."))
+
+
+def _pieces(shape: tuple[int, ...], limit: int, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], int]]:
+    """``(index, numel)`` of views that cover a tensor of ``shape`` in order, each of at most ``limit`` elements (or one element)."""
+    numel = math.prod(shape)
+    if numel <= limit:
+        yield prefix, numel
+        return
+    row = math.prod(shape[1:])
+    if row <= limit:
+        step = limit // row
+        for lo in range(0, shape[0], step):
+            hi = min(lo + step, shape[0])
+            yield (*prefix, slice(lo, hi)), (hi - lo) * row
+    else:
+        for i in range(shape[0]):
+            yield from _pieces(shape[1:], limit, (*prefix, i))
+
+
+def build_plan(manifest: list[Entry], bucket_bytes: int) -> Plan:
+    """The broadcasts that move every tensor of ``manifest`` (the source's order), with buckets of at most ``bucket_bytes``."""
+    direct_bytes = min(bucket_bytes, DIRECT_BYTES)
+    units: list[Unit] = []
+    open_: list[Piece] = []
+    fill = 0
+    aliases = []
+    for index, (_, dtype, shape, alias) in enumerate(manifest):
+        if alias >= 0:
+            aliases.append((index, alias))
+            continue
+        size = _dtype(dtype).itemsize
+        for where, numel in _pieces(shape, max(1, bucket_bytes // size)):
+            nbytes = numel * size
+            if nbytes == 0:
+                continue
+            if nbytes >= direct_bytes:
+                units.append(Unit((Piece(index, where, 0, nbytes),), nbytes, True))
+                continue
+            at = -(-fill // _ALIGN) * _ALIGN
+            if at + nbytes > bucket_bytes:
+                units.append(Unit(tuple(open_), fill, False))
+                open_, at = [], 0
+            open_.append(Piece(index, where, at, nbytes))
+            fill = at + nbytes
+    if open_:
+        units.append(Unit(tuple(open_), fill, False))
+    slot = max((u.nbytes for u in units), default=0)
+    total = sum(p.nbytes for u in units for p in u.pieces)
+    return Plan(tuple(e[0] for e in manifest), tuple(units), tuple(aliases), slot, total)
+
+
+def _view(tensor: torch.Tensor, where: tuple[Any, ...]) -> torch.Tensor:
+    return tensor[where] if where else tensor
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``; between contiguous host tensors a plain single-threaded ``memmove``.
+
+    torch splits a large copy over its intra-op threads, and on a host whose
+    cores are all busy (the ranks of one machine, each with its own thread
+    pool) that costs several times a plain copy.
+    """
+    if dst.device.type == src.device.type == "cpu" and dst.is_contiguous() and src.is_contiguous():
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
+    else:
+        dst.copy_(src)
+
+
+def _typed(buffer: torch.Tensor, piece: Piece, like: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``piece`` in ``buffer``, viewed with ``like``'s dtype and shape."""
+    return buffer[piece.at : piece.at + piece.nbytes].view(like.dtype).view(like.shape)
+
+
+class Pipeline:
+    """Runs a :class:`Plan` on one rank: :meth:`start` launches what it can without waiting, :meth:`finish` the rest.
+
+    Args:
+        comm: The communicator; its ``broadcast`` carries every unit.
+        plan: The transfer's plan (the same on every rank).
+        tensors: This rank's tensors, in the plan's order.
+        src: Global rank of the source.
+        is_source: Whether this rank sends.
+        slots: The two staging buffers, kept across calls (fresh pages cost
+            more to fault in than the copy into them); grown here when too small.
+    """
+
+    def __init__(self, comm: Any, plan: Plan, tensors: list[torch.Tensor], src: int, is_source: bool, slots: list[torch.Tensor | None]) -> None:
+        self._comm = comm
+        self._plan = plan
+        self._tensors = tensors
+        self._src = src
+        self._is_source = is_source
+        self._device = comm.device
+        self._slots = slots
+        self._next_slot = 0
+        self._next_unit = 0
+        # (work, slot or -1, unit, the staging bytes or None) in launch order.
+        self._pending: deque[tuple[Any, int, Unit, torch.Tensor | None]] = deque()
+
+    def _in_place(self, unit: Unit) -> torch.Tensor | None:
+        """The piece's own bytes when it can be broadcast without a copy here."""
+        if not unit.direct:
+            return None
+        piece = unit.pieces[0]
+        view = _view(self._tensors[piece.index], piece.where)
+        if view.device != self._device or not view.is_contiguous():
+            return None
+        return view.reshape(-1).view(torch.uint8)
+
+    def _slot(self, nbytes: int, block: bool) -> torch.Tensor | None:
+        """A free staging buffer's first ``nbytes`` bytes; waits for the older unit that holds it unless not ``block``."""
+        slot = self._next_slot
+        while any(entry[1] == slot for entry in self._pending):
+            if not block:
+                return None
+            self._complete(self._pending.popleft())
+        buffer = self._slots[slot]
+        if buffer is None or buffer.numel() < self._plan.slot_bytes:
+            self._slots[slot] = None  # free the old one first
+            buffer = self._slots[slot] = torch.empty(self._plan.slot_bytes, dtype=torch.uint8, device=self._device)
+        self._next_slot = 1 - slot
+        return buffer[:nbytes]
+
+    def _complete(self, entry: tuple[Any, int, Unit, torch.Tensor | None]) -> None:
+        work, _, unit, staged = entry
+        work.wait()
+        if staged is not None and not self._is_source:
+            for piece in unit.pieces:
+                view = _view(self._tensors[piece.index], piece.where)
+                _copy(view, _typed(staged, piece, view))
+
+    def _step(self, block: bool) -> bool:
+        """Launch the next unit; ``False`` when it needs a busy buffer and ``block`` is off, or when none is left."""
+        if self._next_unit == len(self._plan.units):
+            return False
+        unit = self._plan.units[self._next_unit]
+        data = self._in_place(unit)
+        staged = None
+        if data is None:
+            staged = self._slot(unit.nbytes, block)
+            if staged is None:
+                return False
+            if self._is_source:
+                for piece in unit.pieces:
+                    view = _view(self._tensors[piece.index], piece.where)
+                    _copy(_typed(staged, piece, view), view)
+            data = staged
+        work = self._comm.broadcast(data, src=self._src, async_op=True)
+        self._pending.append((work, -1 if staged is None else 1 - self._next_slot, unit, staged))
+        self._next_unit += 1
+        return True
+
+    def start(self) -> None:
+        """Launch every unit that needs no wait: all in-place pieces up to the third bucket, and the first two buckets."""
+        while self._step(block=False):
+            pass
+
+    def finish(self) -> None:
+        """Launch the rest, wait for everything, unpack on a destination and fill the aliases."""
+        while self._step(block=True):
+            pass
+        while self._pending:
+            self._complete(self._pending.popleft())
+        if not self._is_source:
+            for index, alias in self._plan.aliases:
+                mine, theirs = self._tensors[index], self._tensors[alias]
+                if not _same_view(mine, theirs):
+                    mine.copy_(theirs)
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride() and a.device == b.device
