@@ -52,7 +52,7 @@ class Plan(NamedTuple):
     names: tuple[str, ...]
     units: tuple[Unit, ...]
     aliases: tuple[tuple[int, int], ...]  # (index, index of the source tensor it is)
-    slot_bytes: int  # the largest unit: the size of a staging buffer
+    slot_bytes: int  # the largest bucket: the size of a staging buffer (grown for a staged in-place piece)
     total_bytes: int
 
 
@@ -104,7 +104,7 @@ def build_plan(manifest: list[Entry], bucket_bytes: int) -> Plan:
             fill = at + nbytes
     if open_:
         units.append(Unit(tuple(open_), fill, False))
-    slot = max((u.nbytes for u in units), default=0)
+    slot = max((u.nbytes for u in units if not u.direct), default=0)
     total = sum(p.nbytes for u in units for p in u.pieces)
     return Plan(tuple(e[0] for e in manifest), tuple(units), tuple(aliases), slot, total)
 
@@ -147,7 +147,7 @@ class Pipeline:
     def __init__(self, comm: Any, plan: Plan, tensors: list[torch.Tensor], src: int, is_source: bool, slots: list[torch.Tensor | None]) -> None:
         self._comm = comm
         self._plan = plan
-        self._tensors = tensors
+        self._tensors: list[torch.Tensor] | None = tensors
         self._src = src
         self._is_source = is_source
         self._device = comm.device
@@ -175,9 +175,9 @@ class Pipeline:
                 return None
             self._complete(self._pending.popleft())
         buffer = self._slots[slot]
-        if buffer is None or buffer.numel() < self._plan.slot_bytes:
+        if buffer is None or buffer.numel() < nbytes:
             self._slots[slot] = None  # free the old one first
-            buffer = self._slots[slot] = torch.empty(self._plan.slot_bytes, dtype=torch.uint8, device=self._device)
+            buffer = self._slots[slot] = torch.empty(max(nbytes, self._plan.slot_bytes), dtype=torch.uint8, device=self._device)
         self._next_slot = 1 - slot
         return buffer[:nbytes]
 
@@ -215,8 +215,15 @@ class Pipeline:
         while self._step(block=False):
             pass
 
+    @property
+    def done(self) -> bool:
+        """Whether :meth:`finish` has returned."""
+        return self._tensors is None
+
     def finish(self) -> None:
-        """Launch the rest, wait for everything, unpack on a destination and fill the aliases."""
+        """Launch the rest, wait for everything, unpack on a destination and fill the aliases; then nothing (a second call returns at once)."""
+        if self._tensors is None:
+            return
         while self._step(block=True):
             pass
         while self._pending:
@@ -226,6 +233,7 @@ class Pipeline:
                 mine, theirs = self._tensors[index], self._tensors[alias]
                 if not _same_view(mine, theirs):
                     mine.copy_(theirs)
+        self._tensors = None  # drop the references
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:

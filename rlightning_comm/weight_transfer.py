@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import weakref
 from collections.abc import Mapping, Sequence
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -33,13 +32,13 @@ StateDictLike = Mapping[str, torch.Tensor] | nn.Module | Sequence[tuple[str, tor
 _Problem = tuple[type[Exception], str] | None
 
 
-
 class _Kept:
     """What a communicator keeps between calls: per source, the last agreed manifest key and its plan; the two staging buffers."""
 
     def __init__(self) -> None:
         self.plans: dict[int, tuple[tuple[int, int], Plan]] = {}
         self.slots: list[torch.Tensor | None] = [None, None]
+        self.unfinished: Pipeline | None = None  # an async transfer not yet waited: it holds the slots
 
 
 # Dies with its communicator (a destroyed context frees the buffers).
@@ -136,6 +135,9 @@ def _agree(ctx: CommContext, comm: Any, state_dict: Any, src: Any, bucket_bytes:
     is_source = src == ctx.get_global_rank()
     manifest = _manifest(items, is_source) if items is not None else []
     memory = _kept.setdefault(comm, _Kept())
+    if memory.unfinished is not None:  # every rank has it, in the same program order: complete it first
+        memory.unfinished.finish()
+        memory.unfinished = None
     kept = memory.plans.get(src) if src is not None else None
     words = [int(problem is not None), -1 if src is None else src, *_hash(sorted(e[:3] for e in manifest))]
     words += [*(_hash((manifest, bucket_bytes)) if is_source and problem is None else (0, 0)), *(kept[0] if kept else (0, 0))]
@@ -162,12 +164,8 @@ def _agree(ctx: CommContext, comm: Any, state_dict: Any, src: Any, bucket_bytes:
         plan = build_plan(*offer[0])
         memory.plans[src] = ((source[4], source[5]), plan)
     by_name = dict(items or ())
-    return Pipeline(comm, plan, [by_name[name].detach() for name in plan.names], src, is_source, memory.slots)
-
-
-def _exclusive(comm: Any) -> Any:
-    claim = getattr(comm, "_exclusive", None)
-    return claim("broadcast_state_dict") if claim is not None else nullcontext()
+    memory.unfinished = Pipeline(comm, plan, [by_name[name].detach() for name in plan.names], src, is_source, memory.slots)
+    return memory.unfinished
 
 
 class StateDictTransfer:
@@ -175,13 +173,13 @@ class StateDictTransfer:
 
     __slots__ = ("_comm", "_pipeline")
 
-    def __init__(self, comm: Any, pipeline: Pipeline | None) -> None:
+    def __init__(self, comm: Any, pipeline: Pipeline) -> None:
         self._comm = comm
         self._pipeline = pipeline
 
     def is_completed(self) -> bool:
-        """Whether :meth:`wait` has returned."""
-        return self._pipeline is None
+        """Whether the transfer has completed: :meth:`wait` returned, or the next call on this mode completed it first."""
+        return self._pipeline.done
 
     def wait(self) -> None:
         """Launch the broadcasts still to go, wait for all of them, and (on a destination) write the last tensors; a second call returns at once.
@@ -189,10 +187,9 @@ class StateDictTransfer:
         Raises:
             CommTimeoutError, CommError: as for the communicator's ``broadcast``.
         """
-        pipeline, self._pipeline = self._pipeline, None
-        if pipeline is not None:
-            with _exclusive(self._comm):
-                pipeline.finish()
+        if not self._pipeline.done:
+            with self._comm._exclusive("broadcast_state_dict"):
+                self._pipeline.finish()
 
 
 def broadcast_state_dict(
@@ -235,7 +232,9 @@ def broadcast_state_dict(
             with a :class:`StateDictTransfer` whose ``wait()`` does the rest.
             Until ``wait()`` returns, the source may not modify its tensors
             and a destination may neither read nor write them; other
-            collectives may run on other modes meanwhile.
+            collectives may run meanwhile (on this mode too, in the same
+            order on every rank). The next call on this mode completes an
+            unwaited transfer first.
 
     Returns:
         A :class:`StateDictTransfer` when ``async_op``, else ``None``; ``None`` on a non-member.
@@ -249,7 +248,7 @@ def broadcast_state_dict(
     comm = CommContext().get_communicator(comm_mode)
     if not comm.is_member:
         return None
-    with _exclusive(comm):
+    with comm._exclusive("broadcast_state_dict"):
         pipeline = _agree(CommContext(), comm, state_dict, src, bucket_bytes)
         if not async_op:
             pipeline.finish()
