@@ -27,12 +27,16 @@ class ContextPolicies:
     def set_debug(self, enabled: bool = True) -> None:
         """Switch debug mode on or off for every bound communicator and those bound later.
 
-        On, every collective first exchanges a fingerprint of the call (op,
-        shapes, dtypes, reduce op, src/dst, dictionary keys, split sizes, a
-        per-group sequence number) through the world's store, and raises
-        :class:`CommMismatchError` on every rank of the group when they
-        disagree, or :class:`CommTimeoutError` naming the ranks that did not
-        arrive within the group's timeout. Off (the default), communicators
+        On, every collective first runs its local checks, then exchanges a
+        fingerprint of the call (op, shapes, dtypes, reduce op, src/dst,
+        dictionary keys, split sizes, a per-group sequence number, and this
+        rank's refusal if its checks failed) through the world's store.
+        Before anything is sent, every rank of the group raises the refusing
+        rank's error (naming it) when one rank's arguments were refused,
+        :class:`CommMismatchError` when the ranks disagree, or (on the ranks
+        that came) :class:`CommTimeoutError` naming the ranks that did not
+        arrive within the group's timeout; the group stays usable and in step
+        in all three cases. Off (the default), communicators
         run no extra code at all. Every rank must switch at the same point of
         its sequence of collectives. ``RLIGHTNING_COMM_DEBUG=1`` switches it on
         when the world is initialised. :meth:`destroy` switches it off.
@@ -76,7 +80,6 @@ class ContextPolicies:
     def get_object_defaults(self) -> tuple[bool, int | None]:
         """The ``(safe, max_bytes)`` defaults of ``broadcast_object_list``."""
         return _objects.get_defaults()
-
 
     # ------------------------------------------------------------------- stats
     def enable_stats(self) -> None:
