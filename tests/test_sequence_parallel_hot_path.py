@@ -110,7 +110,7 @@ def test_debug_mode_names_every_ranks_length_before_sending(world2) -> None:
     # The fingerprint of the wire tensors names each rank's length along the sequence (4 on rank 0, 3 on rank 1),
     # as a row shape [4, ...] vs [3, ...] or as the rows each rank sends and expects.
     named = {
-        "all_to_all": "rows of shape [4, 12] on global ranks [0]; float64 rows of shape [3, 12] on global ranks [1]",
+        "all_to_all": "rows of shape [2, 4, 2, 3] on global ranks [0]; float64 rows of shape [2, 3, 2, 3] on global ranks [1]",
         "gather r0=True": "input_tensor: float64[2, 4, 4, 3] on global ranks [0]; float64[2, 3, 4, 3] on global ranks [1]",
         "gather r0=False": "input_tensor: float64[2, 4, 4, 3] on global ranks [0]; float64[2, 3, 4, 3] on global ranks [1]",
         "all_gather": "input_tensor: float64[2, 4, 4, 3] on global ranks [0]; float64[2, 3, 4, 3] on global ranks [1]",

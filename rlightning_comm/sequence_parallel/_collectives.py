@@ -49,13 +49,16 @@ def _stacked(x: torch.Tensor, dim: int, ws: int) -> torch.Tensor:
     """``x`` split evenly along ``dim`` and stacked: ``[ws, *chunk]``, contiguous (a view when it can be)."""
     if _leading(x.shape, dim) and x.is_contiguous():
         return x.view(ws, *_with(x.shape, dim, x.shape[dim] // ws))
-    return x.unflatten(dim, (ws, x.shape[dim] // ws)).movedim(dim, 0).contiguous()
+    return torch.stack(x.chunk(ws, dim)) if x.shape[dim] else x.unflatten(dim, (ws, 0)).movedim(dim, 0).contiguous()
 
 
 def _unstacked(blocks: torch.Tensor, dim: int) -> torch.Tensor:
-    """Inverse of :func:`_stacked`: ``[ws, *block]`` concatenated along ``dim`` (a view when it can be)."""
+    """Inverse of :func:`_stacked`: ``[ws, *block]`` concatenated along ``dim``, contiguous (a view when it can be)."""
     shape = blocks.shape[1:]
-    return blocks.movedim(0, dim).reshape(_with(shape, dim, blocks.shape[0] * shape[dim]))
+    out = _with(shape, dim, blocks.shape[0] * shape[dim])
+    if _leading(shape, dim) and blocks.is_contiguous():
+        return blocks.view(out)
+    return blocks.movedim(0, dim).reshape(out).contiguous()
 
 
 def _pack_many(xs: list[torch.Tensor], dim: int, sizes: list[list[int]], in_splits: list[int]) -> torch.Tensor:
@@ -90,7 +93,7 @@ def _unpack_many(buf: torch.Tensor, shapes: list[list[tuple[int, ...]]], dim: in
         rows, col, outs = buf.view(ws, -1), 0, []
         for ts in shapes:
             n = math.prod(ts[0])
-            outs.append(_unstacked(rows[:, col : col + n].view(ws, *ts[0]), dim).contiguous())
+            outs.append(_unstacked(rows[:, col : col + n].view(ws, *ts[0]), dim))
             col += n
         return outs
     starts = [sum(out_splits[:j]) for j in range(ws)]
@@ -115,6 +118,11 @@ def all_to_all(
     on one flat buffer, chunk j of each tensor in turn for rank j.
     """
     rank, ws = group.rank, group.world_size
+    if len(xs) == 1 and _uniform(send_sizes[0]) and _uniform(recv_sizes[0]):
+        # The hot path (Ulysses, equal lengths): few torch calls, at most a copy each way. The wire
+        # tensor [ws, *block] shows every rank's block shape (its length included) to debug mode.
+        send = _stacked(xs[0], send_dim, ws)
+        return [_unstacked(group.all_to_all(send, None, None), recv_dim)]
     shapes = [[_with(_with(x.shape, send_dim, ss[rank]), recv_dim, n) for n in rs] for x, ss, rs in zip(xs, send_sizes, recv_sizes)]
     in_splits = [sum(math.prod(_with(x.shape, send_dim, ss[j])) for x, ss in zip(xs, send_sizes)) for j in range(ws)]
     out_splits = [sum(math.prod(ts[j]) for ts in shapes) for j in range(ws)]
@@ -145,11 +153,12 @@ def scatter_from_first(x: torch.Tensor, dim: int, sizes: list[int], group: Group
     Rows on the wire are positions along ``dim``, so the split sizes are lengths.
     """
     ws, rank = group.world_size, group.rank
-    rest = x.movedim(dim, 0).shape[1:]
     if rank == 0:
         send, in_splits = _positions(x, dim), list(sizes)
     else:
-        send, in_splits = x.new_empty((0, *rest)), [0] * ws
+        # An empty slice of x, not a new tensor: a send that does not depend on x would let compile's
+        # partitioner hoist this backward collective into the forward graph on this rank only.
+        send, in_splits = _positions(x.narrow(dim, 0, 0), dim), [0] * ws
     out_splits = [sizes[rank] if j == 0 else 0 for j in range(ws)]
     return group.all_to_all(send, out_splits, in_splits).movedim(0, dim).contiguous()
 
@@ -175,7 +184,7 @@ def all_gather(x: torch.Tensor, dim: int, sizes: list[int], group: Group) -> tor
         padded.narrow(dim, 0, x.shape[dim]).copy_(x)
     blocks = group.all_gather(padded)
     if min(sizes) == longest:
-        return _unstacked(blocks, dim).contiguous()
+        return _unstacked(blocks, dim)
     return torch.cat([b.narrow(dim, 0, n) for b, n in zip(blocks.unbind(0), sizes)], dim)
 
 

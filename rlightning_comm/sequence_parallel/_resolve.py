@@ -44,8 +44,7 @@ class Group:
 
     def all_to_all(self, send: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None) -> torch.Tensor:
         """``all_to_all_single`` of the contiguous ``send`` (rows along dim 0) into a new tensor with the same row shape."""
-        rows = send.shape[0] if out_splits is None else sum(out_splits)
-        out = send.new_empty((rows, *send.shape[1:]))
+        out = torch.empty_like(send) if out_splits is None else send.new_empty((sum(out_splits), *send.shape[1:]))
         self.comm.all_to_all_single(out, send, out_splits, in_splits)
         return out
 
