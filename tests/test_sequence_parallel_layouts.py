@@ -11,7 +11,8 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from sp_oracle import Checks, assert_all_within, data, init_sp
+from sp_oracle import Checks, assert_all_within, init_sp
+from sp_oracle import data as _data
 
 B, H, D = 2, 4, 3
 KINDS = ("sum", "mean", "strided", "transposed")
@@ -25,7 +26,8 @@ def _loss(kind: str, out: torch.Tensor, scale: float) -> torch.Tensor:
         return out.mean() * scale
     if kind == "strided":
         return out[..., ::2].sum() * scale  # zeros between the slices
-    (a,) = data(int(out.shape[-2]), (out.shape[-2], 3))
+    (a,) = _data(int(out.shape[-2]), (out.shape[-2], 3))
+    a = a.to(out.device)
     return (out.transpose(-1, -2) @ a).square().sum() * scale  # a transposed gradient
 
 
@@ -46,11 +48,20 @@ def _check(chk: Checks, tag: str, P: int, r: int, full: torch.Tensor, local: Cal
 
 
 def _task(rank: int, size: int, url: str) -> dict[str, float]:
+    init_sp(rank, size, url)
+    return run_checks(size, rank, torch.device("cpu"))
+
+
+def run_checks(P: int, r: int, device: torch.device) -> dict[str, float]:
+    """Every op under every loss kind on ``device``, on this rank of a bound SEQUENCE_PARALLEL group of P ranks."""
     import rlightning_comm.sequence_parallel as sp
 
-    init_sp(rank, size, url)
-    chk, P, r = Checks(), size, rank
+    chk = Checks()
     S = 3 * P
+
+    def data(seed, *shapes):
+        return [t.to(device) for t in _data(seed, *shapes)]
+
     (X,) = data(S, (B, S, H, D))
     chunk = lambda t, j=r: t[:, 3 * j : 3 * j + 3]
     heads = lambda t, j: t[:, :, j * H // P : (j + 1) * H // P]
