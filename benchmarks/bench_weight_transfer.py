@@ -16,7 +16,7 @@ the slowest rank's, from a barrier to that rank holding every tensor. Medians
 over rounds, and the medians of the per-round ratios to the limit's speed.
 Every way's destinations are checked bit-identical to the source first.
 
-    python benchmarks/bench_weight_transfer.py [--rounds 25] [--bucket-mib 64]
+    python benchmarks/bench_weight_transfer.py [--rounds 20] [--bucket-mib 64]
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def _task(rank: int, nproc: int, rounds: int, bucket_bytes: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=25)
+    parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--bucket-mib", type=float, default=64.0, help="the library's bucket_bytes, in MiB")
     args = parser.parse_args()
     load = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
