@@ -28,6 +28,7 @@ NCCL_TESTS = {
     "scatter": [0.0, 0.5, 2 / 3, 0.75, 0.875],
     "broadcast": [1.0, 1.0, 1.0, 1.0, 1.0],
     "broadcast_object_list": [1.0, 1.0, 1.0, 1.0, 1.0],
+    "barrier": [0.0, 0.0, 0.0, 0.0, 0.0],
 }
 
 
@@ -134,7 +135,7 @@ def test_bench_smoke_every_op_json_and_table(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
     rows = doc["rows"]
-    assert [(r["op"], r["size"]) for r in rows] == [(op, s) for op in OPS for s in (8, 64, 512)]
+    assert [(r["op"], r["size"]) for r in rows] == [(op, s) for op in OPS if op != "barrier" for s in (8, 64, 512)] + [("barrier", 0)]
     _check_rows(rows, group_size=2)
     assert doc["wrong"] == 0 and doc["meta"]["world_size"] == 2 and doc["meta"]["backend"] == "gloo"
     # One printed line per row, as nccl-tests prints them, and the verdict.
@@ -230,3 +231,21 @@ def test_without_numpy_broadcast_object_list_is_skipped_with_a_reason(world2, tm
     assert world2.run(_no_numpy_task, path) == [0, 0]
     rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
     assert [r["op"] for r in rows] == ["all_reduce"]
+
+
+def _repeat_task(rank, size, url, path):
+    from rlightning_comm.bench.runner import run_rank
+
+    return run_rank(rank, size, url, BenchConfig(sizes=(64,), ops=("all_reduce", "barrier"), iters=2, warmup=0, repeat=3, json_path=path))
+
+
+def test_repeat_reports_the_median_overhead_and_its_spread(world2, tmp_path, capsys):
+    path = str(tmp_path / "repeat.json")
+    assert world2.run(_repeat_task, path) == [0, 0]
+    doc = json.loads(Path(path).read_text())
+    assert doc["meta"]["repeat"] == 3
+    for r in doc["rows"]:
+        runs = r["overhead_runs_pct"]
+        assert len(runs) == 3 and runs == sorted(runs) and r["overhead_pct"] == runs[1] and r["repeat"] == 3
+        assert report.format_row(r).split()[-1] == f"{runs[0]:+.1f}..{runs[-1]:+.1f}"
+    assert [r["op"] for r in doc["rows"]] == ["all_reduce", "barrier"]

@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 
 from rlightning_comm import collective
+from rlightning_comm._compat import all_gather_single as _all_gather_flat
+from rlightning_comm._compat import reduce_scatter_single as _reduce_scatter_flat
 from rlightning_comm.communicators.base import Communicator
 from rlightning_comm.context import CommContext
 
-# What a torch user calls: torch 2.13 renamed all_gather_into_tensor (older releases only have the old name).
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _POISON = 100  # outside the 0..10 the data hold, representable in every dtype
 _context = CommContext()
 
@@ -41,6 +41,8 @@ class Case:
 
     elements: int = 0
     nbytes: int = 0
+    payload: bool = True
+    """Whether the op moves data (a case with a payload but no whole element per rank is skipped)."""
 
     def __init__(self, comm: Communicator, mode: str, size: int, dtype: torch.dtype, device: torch.device, dict_keys: int) -> None:
         self.comm, self.mode, self.dtype, self.device = comm, mode, dtype, device
@@ -223,6 +225,51 @@ class AllToAll(AllGather):
         dist.all_to_all_single(self.out, self.inputs[self.phase], group=self.group)
 
 
+class ReduceScatter(AllReduce):
+    def setup(self, size: int, dict_keys: int) -> None:
+        c = size // (self.n * self.itemsize)  # per-rank output
+        self.elements, self.nbytes = c * self.n, c * self.n * self.itemsize
+        self.inputs = [self.data(c * self.n, self.grank, p) for p in (0, 1)]
+        me = self.grank
+        self.expected = [sum(self.data(c * self.n, r, p) for r in range(self.n))[me * c : (me + 1) * c] for p in (0, 1)]
+        self.buf = torch.empty(c, dtype=self.dtype, device=self.device)
+
+    def prepare(self, phase: int) -> None:
+        self.phase = phase
+        self.buf.fill_(_POISON)
+
+    def facade(self) -> None:
+        # No module-level facade for reduce_scatter: resolve the mode the way the facades do.
+        _context.get_communicator(self.mode).reduce_scatter(self.buf, self.inputs[self.phase])
+
+    def raw(self) -> None:
+        _reduce_scatter_flat(self.buf, self.inputs[self.phase], group=self.group)
+
+
+class Barrier(Case):
+    """No payload: one row per sweep, whatever the sizes."""
+
+    payload = False
+
+    def setup(self, size: int, dict_keys: int) -> None:
+        self.elements, self.nbytes = 0, 0
+
+    def prepare(self, phase: int) -> None:
+        self.phase = phase
+
+    def facade(self) -> None:
+        collective.barrier(self.mode)
+
+    def raw(self) -> None:
+        dist.barrier(group=self.group)
+
+    def wrong(self) -> int:
+        return 0
+
+    def corrupt(self) -> None:
+        return None
+
+
 class AllReduceDict(Case):
     """Tensor values only; raw is what a user would write by hand: cat, one all_reduce, split."""
 
@@ -314,8 +361,10 @@ CASES: dict[str, type[Case]] = {
     "broadcast": Broadcast,
     "gather": Gather,
     "scatter": Scatter,
+    "reduce_scatter": ReduceScatter,
     "all_to_all": AllToAll,
     "all_reduce_dict": AllReduceDict,
     "broadcast_object_list": BroadcastObjectList,
+    "barrier": Barrier,
 }
 """Op name -> case class."""

@@ -47,6 +47,7 @@ def build_parser(prog: str = "rlightning-comm bench") -> argparse.ArgumentParser
     p.add_argument("--dtype", default="float32", help=f"one of {', '.join(sorted(DTYPES))}")
     p.add_argument("--iters", type=int, default=20, help="timed calls per size and path (default 20)")
     p.add_argument("--warmup", type=int, default=5, help="untimed, still checked, calls first (default 5)")
+    p.add_argument("--repeat", type=int, default=1, help="measure each row N times: overhead is their median, with the min..max spread (default 1)")
     p.add_argument("--dict-keys", type=int, default=64, help="keys of the all_reduce_dict payload (default 64)")
     p.add_argument("--timeout", type=float, default=300.0, help="timeout of each collective in seconds (default 300)")
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write every figure as JSON")
@@ -88,6 +89,7 @@ def _config(args: argparse.Namespace, argv: Sequence[str]) -> tuple[BenchConfig,
         dtype=args.dtype,
         iters=args.iters,
         warmup=args.warmup,
+        repeat=args.repeat,
         dict_keys=args.dict_keys,
         timeout=args.timeout,
         json_path=os.path.abspath(args.json_path) if args.json_path else None,

@@ -7,7 +7,7 @@ import re
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-OPS = ("all_reduce", "all_gather", "broadcast", "gather", "scatter", "all_to_all", "all_reduce_dict", "broadcast_object_list")
+OPS = ("all_reduce", "all_gather", "broadcast", "gather", "scatter", "reduce_scatter", "all_to_all", "all_reduce_dict", "broadcast_object_list", "barrier")
 """The ops the bench measures, in the order it runs them."""
 
 _UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
@@ -108,6 +108,8 @@ class BenchConfig(BaseModel):
     """Timed calls per size and path."""
     warmup: int = Field(default=5, ge=0)
     """Untimed calls per size and path before the timed ones (checked all the same)."""
+    repeat: int = Field(default=1, ge=1)
+    """Independent measurements of each row; the overhead column gives their median and spread (noise against cost)."""
     dict_keys: int = Field(default=64, ge=1)
     """Keys of the all_reduce_dict payload (fewer when the size has fewer elements)."""
     timeout: float = Field(default=300.0, gt=0)

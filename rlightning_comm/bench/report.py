@@ -15,7 +15,7 @@ from rlightning_comm.bench.config import BenchConfig
 
 _COLUMNS = (
     f"#{'size':>11} {'elements':>12} {'dtype':>8} {'time(us)':>10} {'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>7}"
-    f" {'raw(us)':>10} {'raw busbw':>10} {'overhead(%)':>11}"
+    f" {'raw(us)':>10} {'raw busbw':>10} {'overhead(%)':>11} {'spread(%)':>15}"
 )
 
 PLOT_MISSING = "--plot needs matplotlib, which is not installed. Install it with: pip install 'rlightning-comm[plot]' (or pip install matplotlib)"
@@ -31,7 +31,8 @@ def header(cfg: BenchConfig, world_size: int, group_size: int) -> str:
                 f"mode {cfg.mode} (group size {group_size}), dtype {cfg.dtype}, warmup {cfg.warmup}, iters {cfg.iters}"
             ),
             "# time: the slowest rank's median per-call time; algbw = size / time; busbw = algbw * the op's bus factor for the group size;",
-            "# raw: the same op on the same buffers through torch.distributed, interleaved with the library's calls; every result is checked.",
+            "# raw: the same op on the same buffers through torch.distributed, interleaved with the library's calls, each call alone after a barrier;",
+            f"# overhead: library / raw - 1 (cold, per call); spread: min..max over --repeat {cfg.repeat} runs; every result is checked.",
         ]
     )
 
@@ -46,8 +47,13 @@ def format_row(row: dict[str, Any]) -> str:
     """One row, as the user watches it arrive."""
     return (
         f"{row['size']:>12} {row['elements']:>12} {row['dtype']:>8} {row['time_us']:>10.1f} {row['algbw_gbps']:>11.3f} "
-        f"{row['busbw_gbps']:>11.3f} {row['wrong']:>7} {row['raw_time_us']:>10.1f} {row['raw_busbw_gbps']:>10.3f} {row['overhead_pct']:>+11.1f}"
+        f"{row['busbw_gbps']:>11.3f} {row['wrong']:>7} {row['raw_time_us']:>10.1f} {row['raw_busbw_gbps']:>10.3f} {row['overhead_pct']:>+11.1f} {_spread(row):>15}"
     )
+
+
+def _spread(row: dict[str, Any]) -> str:
+    runs = row.get("overhead_runs_pct") or []
+    return f"{runs[0]:+.1f}..{runs[-1]:+.1f}" if len(runs) > 1 else "-"
 
 
 def footer(rows: list[dict[str, Any]]) -> str:
@@ -73,6 +79,7 @@ def meta(cfg: BenchConfig, world_size: int, group_size: int) -> dict[str, Any]:
         "dtype": cfg.dtype,
         "iters": cfg.iters,
         "warmup": cfg.warmup,
+        "repeat": cfg.repeat,
         "torch": torch.__version__,
         "python": platform.python_version(),
     }

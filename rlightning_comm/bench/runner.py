@@ -1,5 +1,10 @@
 """The per-rank sweep: every op, every size, the library and raw torch.distributed interleaved, every result checked.
 
+The overhead column is the cold per-call ratio a training loop sees (each
+call alone after a barrier, the two paths interleaved on the same buffers),
+and with ``--repeat N`` the median of N independent measurements with their
+spread, so noise can be told from cost.
+
 Timing: each call is timed on its own (wall clock; on CUDA the device is
 synchronised before the call and the timer stops after a second
 synchronisation), after a barrier so the ranks start together; inputs are reset and outputs poisoned before the
@@ -72,15 +77,20 @@ def sweep(comm: Communicator, cfg: BenchConfig, device: torch.device, world_size
     rows = []
     for op in cfg.ops:
         if op == "broadcast_object_list" and not torch_objects_available():
-            out(f"# {op}: skipped: its raw side, torch.distributed.broadcast_object_list, needs numpy (pip install numpy); the library's own does not", flush=True)
+            out(
+                f"# {op}: skipped: its raw side, torch.distributed.broadcast_object_list, needs numpy (pip install numpy); the library's own does not",
+                flush=True,
+            )
             continue
         out(report.op_header(op, comm.world_size), flush=True)
         for size in cfg.sizes:
+            if op == "barrier" and size != cfg.sizes[0]:
+                continue  # no payload: one row
             case = CASES[op](comm, cfg.mode, size, cfg.torch_dtype, device, cfg.dict_keys)
-            if case.elements == 0:
+            if case.payload and case.elements == 0:
                 out(f"{size:>12} {'':>12} {case.dtype_name:>8}  skipped: fewer bytes than one element per rank", flush=True)
                 continue
-            row = measure(case, op, cfg, device)
+            row = repeated(case, op, cfg, device)
             rows.append(row)
             out(report.format_row(row), flush=True)
             del case
@@ -91,6 +101,16 @@ def sweep(comm: Communicator, cfg: BenchConfig, device: torch.device, world_size
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def repeated(case: Case, op: str, cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
+    """``cfg.repeat`` independent measurements of ``case``: the one with the median overhead, plus every run's overhead and the wrong results of all."""
+    runs = sorted((measure(case, op, cfg, device) for _ in range(cfg.repeat)), key=lambda r: r["overhead_pct"])
+    row = dict(runs[len(runs) // 2])
+    row["overhead_runs_pct"] = [r["overhead_pct"] for r in runs]
+    row["wrong"], row["raw_wrong"] = sum(r["wrong"] for r in runs), sum(r["raw_wrong"] for r in runs)
+    row["repeat"] = cfg.repeat
+    return row
 
 
 def measure(case: Case, op: str, cfg: BenchConfig, device: torch.device) -> dict[str, Any]:

@@ -26,8 +26,8 @@ _COMPLEX_OPS = frozenset({ReduceOp.SUM, ReduceOp.AVG})
 
 
 def _same_device(a: torch.Tensor, b: torch.Tensor) -> bool:
-    # Cheaper than comparing .device, which builds a torch.device per read (this is on every call's path).
-    return a.get_device() == b.get_device() and a.is_cuda == b.is_cuda
+    # Two CPU tensors without building a torch.device per read (this is on every call's path).
+    return (a.is_cpu and b.is_cpu) or a.device == b.device
 
 
 class InputChecks:
@@ -138,8 +138,12 @@ class InputChecks:
         self._check_tensor(output_tensor, "output_tensor")
         self._check_tensor(input_tensor, "input_tensor")
         shape, out_shape, ws = input_tensor.shape, output_tensor.shape, self._world_size
-        concatenated = bool(shape) and out_shape[0] == ws * shape[0] and out_shape[1:] == shape[1:]
-        if not (concatenated or out_shape == (ws, *shape)) or output_tensor.dtype != input_tensor.dtype or not _same_device(output_tensor, input_tensor):
+        n = len(shape)
+        if len(out_shape) == n:  # concatenated along dim 0
+            fits = n > 0 and out_shape[0] == ws * shape[0] and (n == 1 or out_shape[1:] == shape[1:])
+        else:  # stacked: (world_size, *shape)
+            fits = len(out_shape) == n + 1 and out_shape[0] == ws and out_shape[1:] == shape
+        if not fits or output_tensor.dtype is not input_tensor.dtype or not _same_device(output_tensor, input_tensor):
             allowed = [(ws * shape[0], *shape[1:])] if shape else []
             allowed.append((ws, *shape))
             raise ValueError(

@@ -223,7 +223,9 @@ class Communicator(InputChecks, InFlight, DirectLaunch, ABC):
         if compiling() or has_torch_function_unary(input_tensor):
             return _all_gather_flat(output_tensor, input_tensor, group=group, async_op=async_op)
         opts = (self._async if async_op else self._sync).all_gather
-        return self._launch("all_gather", group.all_gather_single, (as_real(output_tensor), as_real(input_tensor), opts), async_op)
+        if input_tensor.is_complex():  # the check made both the same dtype
+            output_tensor, input_tensor = torch.view_as_real(output_tensor), torch.view_as_real(input_tensor)
+        return self._launch("all_gather", group.all_gather_single, (output_tensor, input_tensor, opts), async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Any | None:
         """Copy ``tensor`` from global rank ``src`` into ``tensor`` on every rank.
@@ -265,8 +267,10 @@ class Communicator(InputChecks, InFlight, DirectLaunch, ABC):
         on_root = self._global_rank == dst
         if compiling() or has_torch_function_unary(tensor):
             return dist.gather(tensor, list(gather_list) if on_root else None, dst=dst, group=group, async_op=async_op)
-        outputs = [[as_real(t) for t in gather_list]] if on_root else []
-        return self._launch("gather", group.gather, (outputs, [as_real(tensor)], (self._async if async_op else self._sync).gather[dst]), async_op)
+        if tensor.is_complex():  # the check made the list's dtype the tensor's
+            tensor, gather_list = torch.view_as_real(tensor), [torch.view_as_real(t) for t in gather_list] if on_root else None
+        outputs = [list(gather_list)] if on_root else []
+        return self._launch("gather", group.gather, (outputs, [tensor], (self._async if async_op else self._sync).gather[dst]), async_op)
 
     def scatter(self, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int = 0, async_op: bool = False) -> Any | None:
         """Send ``scatter_list[i]`` from global rank ``src`` to the group's i-th rank, into ``tensor``.
@@ -288,8 +292,10 @@ class Communicator(InputChecks, InFlight, DirectLaunch, ABC):
         on_root = self._global_rank == src
         if compiling() or has_torch_function_unary(tensor):
             return dist.scatter(tensor, list(scatter_list) if on_root else None, src=src, group=group, async_op=async_op)
-        inputs = [[as_real(t) for t in scatter_list]] if on_root else []
-        return self._launch("scatter", group.scatter, ([as_real(tensor)], inputs, (self._async if async_op else self._sync).scatter[src]), async_op)
+        if tensor.is_complex():  # the check made the list's dtype the tensor's
+            tensor, scatter_list = torch.view_as_real(tensor), [torch.view_as_real(t) for t in scatter_list] if on_root else None
+        inputs = [list(scatter_list)] if on_root else []
+        return self._launch("scatter", group.scatter, ([tensor], inputs, (self._async if async_op else self._sync).scatter[src]), async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input_: torch.Tensor, op: Any = _SUM, async_op: bool = False) -> Any | None:
         """Reduce ``input_`` across the group and leave this rank's dim-0 slice in ``output``.
@@ -341,7 +347,9 @@ class Communicator(InputChecks, InFlight, DirectLaunch, ABC):
         if compiling() or has_torch_function_unary(input_):
             return dist.all_to_all_single(output, input_, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
         opts = (self._async if async_op else self._sync).all_to_all
-        args = (as_real(output), as_real(input_), output_split_sizes or [], input_split_sizes or [], opts)
+        if input_.is_complex():  # the check made both the same dtype
+            output, input_ = torch.view_as_real(output), torch.view_as_real(input_)
+        args = (output, input_, output_split_sizes or [], input_split_sizes or [], opts)
         return self._launch("all_to_all_single", group.all_to_all_single, args, async_op)
 
     def broadcast_object_list(self, object_list: list[Any], src: int = 0, *, safe: bool | None = None, max_bytes: int | None = None) -> None:
