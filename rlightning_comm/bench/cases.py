@@ -9,74 +9,16 @@ stale or missing result is a wrong result, not a pass.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
 from rlightning_comm import collective
 from rlightning_comm._compat import all_gather_single as _all_gather_flat
 from rlightning_comm._compat import reduce_scatter_single as _reduce_scatter_flat
-from rlightning_comm.communicators.base import Communicator
-from rlightning_comm.context import CommContext
+from rlightning_comm.bench._case import _POISON, Case, _context, _mismatch
+from rlightning_comm.bench.value_cases import AllReduceDict, BroadcastObjectList, torch_objects_available
 
-_POISON = 100  # outside the 0..10 the data hold, representable in every dtype
-_context = CommContext()
-
-
-def _data(numel: int, grank: int, phase: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(1_000_003 * phase + 7_919 * grank + numel)
-    return torch.randint(0, 11, (numel,), generator=gen, dtype=dtype).to(device)
-
-
-def _mismatch(got: Any, expected: torch.Tensor) -> int:
-    """Number of wrong elements of ``got`` (every element if it is not even a tensor of the right shape)."""
-    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
-        return expected.numel()
-    return 0 if torch.equal(got, expected) else int((got != expected).sum())
-
-
-class Case:
-    """Base: subclasses set ``nbytes``/``elements`` and implement the four calls."""
-
-    elements: int = 0
-    nbytes: int = 0
-    payload: bool = True
-    """Whether the op moves data (a case with a payload but no whole element per rank is skipped)."""
-
-    def __init__(self, comm: Communicator, mode: str, size: int, dtype: torch.dtype, device: torch.device, dict_keys: int) -> None:
-        self.comm, self.mode, self.dtype, self.device = comm, mode, dtype, device
-        self.n, self.grank, self.root, self.group = comm.world_size, comm.rank, comm.ranks[0], comm.group
-        self.itemsize = torch.empty((), dtype=dtype).element_size()
-        self.dtype_name = str(dtype).removeprefix("torch.")
-        self.phase = 0
-        self.setup(size, dict_keys)
-
-    def data(self, numel: int, grank: int, phase: int) -> torch.Tensor:
-        return _data(numel, grank, phase, self.dtype, self.device)
-
-    def setup(self, size: int, dict_keys: int) -> None:
-        raise NotImplementedError
-
-    def prepare(self, phase: int) -> None:
-        """Reset inputs and poison outputs for a call with ``phase``'s data."""
-        raise NotImplementedError
-
-    def facade(self) -> None:
-        """The op through the library's public function."""
-        raise NotImplementedError
-
-    def raw(self) -> None:
-        """The same op through torch.distributed directly."""
-        raise NotImplementedError
-
-    def wrong(self) -> int:
-        """Wrong elements in this rank's result of the last call."""
-        raise NotImplementedError
-
-    def corrupt(self) -> None:
-        """Damage this rank's result (the bench's test hook)."""
-        raise NotImplementedError
+__all__ = ["CASES", "Case", "torch_objects_available"]
 
 
 class AllReduce(Case):
@@ -268,91 +210,6 @@ class Barrier(Case):
 
     def corrupt(self) -> None:
         return None
-
-
-class AllReduceDict(Case):
-    """Tensor values only; raw is what a user would write by hand: cat, one all_reduce, split."""
-
-    def setup(self, size: int, dict_keys: int) -> None:
-        count = size // self.itemsize
-        self.elements, self.nbytes = count, count * self.itemsize
-        keys = [f"k{i:06d}" for i in range(min(dict_keys, count))]  # sorted == insertion order
-        self.dicts = [dict(zip(keys, self.data(count, self.grank, p).tensor_split(len(keys)))) for p in (0, 1)] if count else []
-        self.expected = [dict(zip(keys, sum(self.data(count, r, p) for r in range(self.n)).tensor_split(len(keys)))) for p in (0, 1)] if count else []
-        self.result: dict[str, Any] = {}
-
-    def prepare(self, phase: int) -> None:
-        self.phase = phase
-        self.result = {}
-
-    def facade(self) -> None:
-        self.result = collective.all_reduce_dict(self.dicts[self.phase], self.mode, dtype=self.dtype)
-
-    def raw(self) -> None:
-        values = self.dicts[self.phase]
-        flat = torch.cat([v.reshape(-1) for v in values.values()])
-        dist.all_reduce(flat, group=self.group)
-        self.result = dict(zip(values, flat.split([v.numel() for v in values.values()])))
-
-    def wrong(self) -> int:
-        expected = self.expected[self.phase]
-        return sum(_mismatch(self.result.get(k), v) for k, v in expected.items())
-
-    def corrupt(self) -> None:
-        first = next(iter(self.result))
-        self.result[first] = self.result[first] + 1
-
-
-def _to_bytes(t: torch.Tensor) -> bytes:
-    # Without numpy (tensor.numpy() needs it): copy into a bytearray through a tensor view of it.
-    buf = bytearray(t.numel())
-    if buf:
-        torch.frombuffer(buf, dtype=torch.uint8).copy_(t.reshape(-1))
-    return bytes(buf)
-
-
-def torch_objects_available() -> bool:
-    """Whether torch's own object collectives can receive here (they need numpy; the library's do not)."""
-    try:
-        torch.zeros(1).numpy()
-    except RuntimeError:
-        return False
-    return True
-
-
-class BroadcastObjectList(Case):
-    """One ``bytes`` object of ``size`` bytes, from the group's first rank.
-
-    The raw side is ``torch.distributed.broadcast_object_list``, which needs
-    numpy to receive: without numpy the sweep skips this op and says why.
-    """
-
-    def setup(self, size: int, dict_keys: int) -> None:
-        self.elements = self.nbytes = size
-        self.dtype_name = "bytes"
-        self.payloads = [_to_bytes(_data(size, 0, p, torch.uint8, torch.device("cpu"))) for p in (0, 1)]
-        self.objects: list[Any] = [None]
-
-    def prepare(self, phase: int) -> None:
-        self.phase = phase
-        self.objects = [self.payloads[phase] if self.grank == 0 else None]
-
-    def facade(self) -> None:
-        collective.broadcast_object_list(self.objects, self.mode, src=self.root)
-
-    def raw(self) -> None:
-        dist.broadcast_object_list(self.objects, src=self.root, group=self.group, device=self.comm.device)
-
-    def wrong(self) -> int:
-        got, expected = self.objects[0], self.payloads[self.phase]
-        if not isinstance(got, bytes) or len(got) != len(expected):
-            return len(expected)
-        if got == expected:
-            return 0
-        return int((torch.frombuffer(bytearray(got), dtype=torch.uint8) != torch.frombuffer(bytearray(expected), dtype=torch.uint8)).sum())
-
-    def corrupt(self) -> None:
-        self.objects[0] = b""
 
 
 CASES: dict[str, type[Case]] = {

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -14,12 +14,10 @@ from torch.overrides import has_torch_function_unary
 
 from rlightning_comm._compat import all_gather_single as _all_gather_flat
 from rlightning_comm._compat import reduce_scatter_single as _reduce_scatter_flat
-from rlightning_comm.communicators import _objects
 from rlightning_comm.communicators._checks import InputChecks
 from rlightning_comm.communicators._launch import DirectLaunch, as_real, compiling
-from rlightning_comm.communicators._objects import broadcast_objects
-from rlightning_comm.communicators._packing import pack
 from rlightning_comm.communicators._threads import InFlight
+from rlightning_comm.communicators._values import ValueCollectives
 from rlightning_comm.errors import CommError
 
 _SUM = ReduceOp.SUM
@@ -39,15 +37,17 @@ COLLECTIVES = (
 """Names of the :class:`Communicator` methods that run a collective (what debug mode checks and stats record)."""
 
 
-class Communicator(InputChecks, InFlight, DirectLaunch, ABC):
+class Communicator(InputChecks, InFlight, DirectLaunch, ValueCollectives, ABC):
     """Collectives on one process group, bound to one mode by :class:`CommContext`.
 
     Every method takes and returns what the torch.distributed function of the
-    same name does, with three differences: ``src``/``dst`` must be global
-    ranks of this group (checked), inputs are validated before any collective
-    starts (so a bad argument raises locally instead of hanging the peers), and
-    on a rank that is not a member of the group every collective returns
-    ``None`` and changes nothing.
+    same name does, except: ``src``/``dst`` must be global ranks of this group
+    (checked); inputs are validated before any collective starts (a bad
+    argument raises locally instead of hanging the peers); on a non-member
+    every collective returns ``None`` and changes nothing; ``all_gather`` takes
+    one output tensor (torch's list form is refused: pass a tensor of shape
+    ``(world_size, *input.shape)``); ``gather``/``scatter`` read their list on
+    the root only (torch refuses one on other ranks; it is ignored here).
 
     Failures: a collective that a peer never joins raises
     :class:`CommTimeoutError` after the group's ``timeout``; one that fails in
@@ -58,19 +58,11 @@ class Communicator(InputChecks, InFlight, DirectLaunch, ABC):
     view is refused (``ValueError``) rather than copied, so no op ever reads or
     writes the memory around a view.
 
-    Threads: any thread may call, one call at a time. A call that starts while
-    another thread's call is in flight on the same communicator raises
-    :class:`CommError` naming both threads, before anything is sent, because
-    two threads' calls could pair up differently on different ranks with no
-    error; the call in flight is not disturbed. Calls that follow each other
-    may come from any threads (a pool, a weight-updater thread, a gradient
-    hook on autograd's threads).
-
-    Where this differs from torch.distributed: ``all_gather`` takes one
-    output tensor (torch's list form is refused: pass a tensor of shape
-    ``(world_size, *input.shape)``), and ``gather``/``scatter`` read their
-    list on the root only (torch refuses a list on other ranks; it is ignored
-    here).
+    Threads: any thread may call, one call at a time (a pool, a
+    weight-updater thread, a gradient hook on autograd's threads). A call that
+    starts while another thread's call is in flight on the same communicator
+    raises :class:`CommError` naming both threads, before anything is sent
+    (two threads' calls could pair up differently on different ranks).
 
     Subclasses implement what differs between backends: :attr:`device`,
     :meth:`_check_device` and the class attributes :attr:`backend` and
@@ -115,7 +107,6 @@ class Communicator(InputChecks, InFlight, DirectLaunch, ABC):
         ``init_process_group``; the default does nothing.
         """
 
-    # ----------------------------------------------------------------- identity
     @property
     def mode(self) -> str:
         """Name of the mode this communicator is bound to."""
@@ -165,7 +156,6 @@ class Communicator(InputChecks, InFlight, DirectLaunch, ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(mode={self._mode!r}, ranks={list(self._ranks)}, member={self.is_member})"
 
-    # --------------------------------------------------------------- validation
     @abstractmethod
     def _check_device(self, tensor: torch.Tensor, name: str) -> None:
         """Raise ``ValueError`` when this backend cannot use ``tensor``'s device."""
@@ -232,9 +222,6 @@ class Communicator(InputChecks, InFlight, DirectLaunch, ABC):
 
         Returns:
             A work handle if ``async_op``, else ``None``; ``None`` on a non-member.
-
-        Raises:
-            ValueError: ``src`` is not a rank of the group.
         """
         group = self._group
         if group is None:
@@ -351,90 +338,6 @@ class Communicator(InputChecks, InFlight, DirectLaunch, ABC):
             output, input_ = torch.view_as_real(output), torch.view_as_real(input_)
         args = (output, input_, output_split_sizes or [], input_split_sizes or [], opts)
         return self._launch("all_to_all_single", group.all_to_all_single, args, async_op)
-
-    def broadcast_object_list(self, object_list: list[Any], src: int = 0, *, safe: bool | None = None, max_bytes: int | None = None) -> None:
-        """Broadcast the picklable objects of ``object_list`` from global rank ``src``, in place.
-
-        Every rank passes a list of the same length; receivers' entries are
-        replaced (all of them, or none when a payload is refused). The bytes on
-        the wire are those of ``torch.distributed.broadcast_object_list``
-        whatever the options, so the options are each receiver's own choice.
-
-        By default receiving unpickles what ``src`` sent, which can run
-        arbitrary code: only use it within a trusted job. With ``safe=True`` a
-        receiver accepts only plain data (None, bool, int, float, str, bytes,
-        and lists, tuples and dicts of those, and tensors) and refuses anything
-        else without running any of it.
-
-        Args:
-            object_list: On ``src`` the objects to send; elsewhere a list of
-                the same length that receives them.
-            src: Global rank that sends.
-            safe: Accept only plain data; ``None`` means the context-wide
-                default (:meth:`CommContext.set_object_defaults`, off unless set).
-            max_bytes: Refuse a payload larger than this many serialised bytes;
-                ``None`` means the context-wide default (no limit unless set).
-
-        Raises:
-            TypeError: ``object_list`` is not a list, or ``safe`` not a bool.
-            ValueError: ``src`` is not a rank of the group, or ``max_bytes`` is
-                not a positive int.
-            ObjectRefusedError: (receivers) the payload is not plain data in
-                safe mode or exceeds ``max_bytes``; ``object_list`` is left
-                unchanged and the group stays usable.
-        """
-        group = self._group
-        if group is None:
-            return
-        self._check_broadcast_object_list(object_list, src, safe=safe, max_bytes=max_bytes)
-        safe, max_bytes = _objects.resolve_options(safe, max_bytes, self._mode)
-        with self._exclusive("broadcast_object_list"):
-            try:
-                payloads = broadcast_objects(object_list, src, group, self.device)
-            except RuntimeError as err:
-                raise self._failure("broadcast_object_list", err) from err
-        if payloads is not None:
-            object_list[:] = _objects.decode(payloads, src, safe, max_bytes, self._mode)
-        return
-
-    def all_reduce_dict(self, dictionary: Mapping[Any, Any], op: Any = _SUM, dtype: torch.dtype = torch.float32) -> dict[Any, Any] | None:
-        """Reduce every value of ``dictionary`` across the group with one collective.
-
-        Values may be real numbers (Python or numpy) or dense real tensors of
-        any shape. They are paired across ranks by key, in one total order
-        (``None``, numbers, str, bytes, tuples of those; see
-        :mod:`~rlightning_comm.communicators._packing`), whatever order each
-        rank inserted them in, packed into one buffer, reduced once and
-        unpacked. Every rank must pass the same keys, with a number or a
-        tensor of the same shape under each.
-
-        Args:
-            dictionary: Not modified.
-            op: A supported ``ReduceOp``.
-            dtype: The dtype tensors are returned in. With a floating dtype,
-                a dict holding numbers is reduced in float64, so integer
-                counts come back exact within ``2**53``; with an integer
-                dtype everything is reduced in it.
-
-        Returns:
-            A new dict with the same keys: numbers come back as Python floats
-            (ints for an integer ``dtype``), tensors as ``dtype`` tensors of
-            their shape on their device. ``None`` on a non-member.
-
-        Raises:
-            TypeError: not a mapping, a key outside the total order, a value
-                that is neither a real number nor a dense real tensor, or a
-                ``dtype`` that is not a torch dtype.
-            ValueError: a complex ``dtype``, or a reduce op the dtype lacks.
-        """
-        if self._group is None:
-            return None
-        self._check_all_reduce_dict(dictionary, op, dtype)
-        flat, unpack = pack(dictionary, dtype, self.device, self._mode, checked=True)
-        if flat is None:
-            return {}
-        self.all_reduce(flat, op=op)
-        return unpack(flat)
 
     def barrier(self) -> None:
         """Block until every rank of the group reaches this call (no-op on a non-member)."""

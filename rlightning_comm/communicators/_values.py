@@ -1,0 +1,107 @@
+"""The collectives of Python values: ``broadcast_object_list`` (pickles) and ``all_reduce_dict`` (a dict of numbers and tensors)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed import ReduceOp
+
+from rlightning_comm.communicators import _objects
+from rlightning_comm.communicators._objects import broadcast_objects
+from rlightning_comm.communicators._packing import pack
+
+_SUM = ReduceOp.SUM
+
+
+class ValueCollectives:
+    """Mixin of :class:`Communicator`: the two collectives whose payloads are Python values, built on the tensor ones."""
+
+    _group: Any
+    _mode: str
+    device: torch.device
+
+    def broadcast_object_list(self, object_list: list[Any], src: int = 0, *, safe: bool | None = None, max_bytes: int | None = None) -> None:
+        """Broadcast the picklable objects of ``object_list`` from global rank ``src``, in place.
+
+        Every rank passes a list of the same length; receivers' entries are
+        replaced (all of them, or none when a payload is refused). The bytes on
+        the wire are those of ``torch.distributed.broadcast_object_list``
+        whatever the options, so the options are each receiver's own choice.
+
+        By default receiving unpickles what ``src`` sent, which can run
+        arbitrary code: only use it within a trusted job. With ``safe=True`` a
+        receiver accepts only plain data (None, bool, int, float, str, bytes,
+        and lists, tuples and dicts of those, and tensors) and refuses anything
+        else without running any of it.
+
+        Args:
+            object_list: On ``src`` the objects to send; elsewhere a list of
+                the same length that receives them.
+            src: Global rank that sends.
+            safe: Accept only plain data; ``None`` means the context-wide
+                default (:meth:`CommContext.set_object_defaults`, off unless set).
+            max_bytes: Refuse a payload larger than this many serialised bytes;
+                ``None`` means the context-wide default (no limit unless set).
+
+        Raises:
+            TypeError: ``object_list`` is not a list, or ``safe`` not a bool.
+            ValueError: ``src`` is not a rank of the group, or ``max_bytes`` is
+                not a positive int.
+            ObjectRefusedError: (receivers) the payload is not plain data in
+                safe mode or exceeds ``max_bytes``; ``object_list`` is left
+                unchanged and the group stays usable.
+        """
+        group = self._group
+        if group is None:
+            return
+        self._check_broadcast_object_list(object_list, src, safe=safe, max_bytes=max_bytes)
+        safe, max_bytes = _objects.resolve_options(safe, max_bytes, self._mode)
+        with self._exclusive("broadcast_object_list"):
+            try:
+                payloads = broadcast_objects(object_list, src, group, self.device)
+            except RuntimeError as err:
+                raise self._failure("broadcast_object_list", err) from err
+        if payloads is not None:
+            object_list[:] = _objects.decode(payloads, src, safe, max_bytes, self._mode)
+        return
+
+    def all_reduce_dict(self, dictionary: Mapping[Any, Any], op: Any = _SUM, dtype: torch.dtype = torch.float32) -> dict[Any, Any] | None:
+        """Reduce every value of ``dictionary`` across the group with one collective.
+
+        Values may be real numbers (Python or numpy) or dense real tensors of
+        any shape. They are paired across ranks by key, in one total order
+        (``None``, numbers, str, bytes, tuples of those; see
+        :mod:`~rlightning_comm.communicators._packing`), whatever order each
+        rank inserted them in, packed into one buffer, reduced once and
+        unpacked. Every rank must pass the same keys, with a number or a
+        tensor of the same shape under each.
+
+        Args:
+            dictionary: Not modified.
+            op: A supported ``ReduceOp``.
+            dtype: The dtype tensors are returned in. With a floating dtype,
+                a dict holding numbers is reduced in float64, so integer
+                counts come back exact within ``2**53``; with an integer
+                dtype everything is reduced in it.
+
+        Returns:
+            A new dict with the same keys: numbers come back as Python floats
+            (ints for an integer ``dtype``), tensors as ``dtype`` tensors of
+            their shape on their device. ``None`` on a non-member.
+
+        Raises:
+            TypeError: not a mapping, a key outside the total order, a value
+                that is neither a real number nor a dense real tensor, or a
+                ``dtype`` that is not a torch dtype.
+            ValueError: a complex ``dtype``, or a reduce op the dtype lacks.
+        """
+        if self._group is None:
+            return None
+        self._check_all_reduce_dict(dictionary, op, dtype)
+        flat, unpack = pack(dictionary, dtype, self.device, self._mode, checked=True)
+        if flat is None:
+            return {}
+        self.all_reduce(flat, op=op)
+        return unpack(flat)
