@@ -47,7 +47,7 @@ def seed_all_to_all(x: torch.Tensor, world_size: int) -> torch.Tensor:
 
 
 def _iterations(nbytes: int) -> int:
-    return 2000 if nbytes <= 64 << 10 else 300 if nbytes <= 1 << 20 else 40
+    return 1500 if nbytes <= 64 << 10 else 100 if nbytes <= 4 << 20 else 30
 
 
 def _slowest(times: dict[str, list[float]]) -> dict[str, float]:
@@ -144,7 +144,7 @@ def main_worker(rank: int, world_size: int, url: str, block: bool) -> None:
     ctx.init_group(list(range(world_size)), SP)
     bench_all_to_all(rank, world_size)
     if block:
-        bench_block(rank, world_size, seq=512, dim=128, heads=8, steps=30)
+        bench_block(rank, world_size, seq=512, dim=128, heads=8, steps=20)
     ctx.destroy()
 
 
