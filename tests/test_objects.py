@@ -165,3 +165,33 @@ def _bad_args_task(rank, size, url):
 
 def test_bad_arguments_fail_locally(world1):
     assert world1.run(_bad_args_task, timeout=60) == [["TypeError", "ValueError", "ValueError", "TypeError", "ValueError"]]
+
+
+def _gather_objects_task(rank, size, url):
+    from torch.overrides import TorchFunctionMode
+
+    from rlightning_comm import CommContext
+    from rlightning_comm.communicators._objects import all_gather_objects
+
+    class Reads(TorchFunctionMode):
+        """Counts reads of tensor data back to Python (a device-to-host transfer each on a GPU)."""
+
+        def __init__(self):
+            super().__init__()
+            self.reads = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.reads += func in (torch.Tensor.item, torch.Tensor.tolist)
+            return func(*args, **(kwargs or {}))
+
+    init_world(rank, size, url, timeout=30)
+    comm = CommContext().get_communicator("GLOBAL")
+    with Reads() as seen:
+        got = all_gather_objects({"rank": rank, "pad": "x" * (10 * rank)}, comm.group, comm.device)
+    return got, seen.reads
+
+
+def test_object_all_gather_reads_every_size_in_one_transfer(world4):
+    for got, reads in world4.run(_gather_objects_task, timeout=60):
+        assert got == [{"rank": r, "pad": "x" * (10 * r)} for r in range(4)]
+        assert reads == 1  # one read of all four sizes, not one .item() per rank
