@@ -23,8 +23,22 @@ def _run_example(rank: int, size: int, url: str, corrupt_rank: int | None) -> tu
     os.environ.update({"LOCAL_RANK": str(rank % 2), "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": str(rank // 2)})
     original = Communicator.broadcast
 
+    class Late:
+        """An async broadcast's handle whose wait() corrupts the tensor after the data arrived."""
+
+        def __init__(self, work, tensor):
+            self._work, self._tensor = work, tensor
+
+        def wait(self, *args, **kwargs):
+            out = self._work.wait(*args, **kwargs)
+            with torch.no_grad():
+                self._tensor.add_(1)
+            return out
+
     def off_by_one(self, tensor, src=0, async_op=False):
         out = original(self, tensor, src, async_op)
+        if async_op:  # broadcast_state_dict's pipeline: corrupt once the data is there
+            return Late(out, tensor)
         with torch.no_grad():
             tensor.add_(1)
         return out
