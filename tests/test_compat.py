@@ -79,3 +79,10 @@ def _adopted_store_task(rank, size, url):
 
 def test_default_store_of_a_world_torch_made(world1):
     assert world1.run(_adopted_store_task, timeout=60) == ["value"]
+
+
+def test_flat_collective_shims_resolve_to_torch_functions():
+    import torch.distributed as dist
+
+    assert _compat.all_gather_single in (getattr(dist, "all_gather_single", None), dist.all_gather_into_tensor)
+    assert _compat.reduce_scatter_single in (getattr(dist, "reduce_scatter_single", None), dist.reduce_scatter_tensor)
