@@ -32,7 +32,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rlightning_comm import CommContext
+from rlightning_comm.sequence_parallel import _collectives as C
 from rlightning_comm.sequence_parallel import all_to_all, ulysses_attention
+from rlightning_comm.sequence_parallel._resolve import TracedGroup
 
 SHAPES = [(1, 64, 8, 16), (1, 512, 16, 64), (1, 4096, 16, 64)]  # local [batch, seq/P, heads, head_dim], float32
 SP = "SEQUENCE_PARALLEL"
@@ -59,14 +61,23 @@ def _slowest(times: dict[str, list[float]]) -> dict[str, float]:
 
 def bench_all_to_all(rank: int, world_size: int) -> None:
     group = dist.group.WORLD
+    traced = TracedGroup(group.group_name, world_size, rank)
+
+    def functional(x: torch.Tensor) -> torch.Tensor:
+        # The compiled path's primitives run eagerly: the same packing, the functional collective instead of the communicator.
+        h = x.shape[2] // world_size
+        return C.all_to_all([x], 2, [[h] * world_size], 1, [[x.shape[1]] * world_size], traced)[0]
+
     methods = {
         "seed": lambda x: seed_all_to_all(x, world_size),
         "ours (ProcessGroup)": lambda x: all_to_all(x, 1, 2, group),
         "ours (mode)": lambda x: all_to_all(x, 1, 2, SP),
+        "funcol eager": functional,
     }
     if rank == 0:
         print(f"\nPart 1: the seed's all_to_all(x, 1, 2, group) vs its list of chunks; world size {world_size}, float32, gloo")
-        print(f"{'local shape':>20} {'bytes/rank':>11} {'iters':>5} " + " ".join(f"{m + ' ms':>22}" for m in methods) + f" {'PG/seed':>8} {'mode/seed':>9}")
+        head = " ".join(f"{m + ' ms':>22}" for m in methods)
+        print(f"{'local shape':>20} {'bytes/rank':>11} {'iters':>5} {head} {'PG/seed':>8} {'mode/seed':>9} {'funcol/PG':>9}")
     for shape in SHAPES:
         x = torch.randn(*shape, generator=torch.Generator().manual_seed(rank))
         want = seed_all_to_all(x, world_size)
@@ -87,7 +98,8 @@ def bench_all_to_all(rank: int, world_size: int) -> None:
         if rank == 0:
             cells = " ".join(f"{med[m]:22.4f}" for m in methods)
             pg, mode = med["ours (ProcessGroup)"] / med["seed"], med["ours (mode)"] / med["seed"]
-            print(f"{shape!s:>20} {nbytes:>11} {iters:>5} {cells} {pg:8.2f} {mode:9.2f}", flush=True)
+            funcol = med["funcol eager"] / med["ours (ProcessGroup)"]
+            print(f"{shape!s:>20} {nbytes:>11} {iters:>5} {cells} {pg:8.2f} {mode:9.2f} {funcol:9.2f}", flush=True)
 
 
 class Block(torch.nn.Module):
