@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,37 @@ def _session(sid: int) -> list[int]:
                 continue
             if int(fields[3]) == sid:  # the field after pid, comm, state, ppid, pgrp: the session id
                 found.append(int(entry.name))
+    return found
+
+
+def _is_loopback(hex_ip: str) -> bool:
+    """An address as /proc/net/tcp{,6} prints it (32-bit words in host order, little-endian here)."""
+    if len(hex_ip) == 8:
+        return hex_ip[6:] == "7F"  # 127.x.y.z
+    return hex_ip == "00000000000000000000000001000000" or (hex_ip.startswith("0000000000000000FFFF0000") and hex_ip[30:] == "7F")  # ::1, ::ffff:127.x
+
+
+def _wide_listeners(pids: list[int]) -> set[str]:
+    """The listening TCP sockets of ``pids`` bound beyond loopback, as ``pid hexaddr:port``."""
+    wide = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and not _is_loopback(fields[1].split(":")[0]):  # 0A: LISTEN
+                wide[f"socket:[{fields[9]}]"] = fields[1]
+    found = set()
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue  # gone meanwhile
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue  # closed meanwhile
+            if link in wide:
+                found.add(f"{pid} {wide[link]}")
     return found
 
 
@@ -63,8 +95,13 @@ def test_ray_rl_loop_syncs_every_rollout_bit_for_bit() -> None:
         text=True,
         start_new_session=True,
     )
+    wide: set[str] = set()
+    deadline = time.monotonic() + BOUND
     try:
-        out, _ = proc.communicate(timeout=BOUND)
+        while proc.poll() is None and time.monotonic() < deadline:  # Ray must listen on loopback only, all the while
+            wide |= _wide_listeners(_session(proc.pid))
+            time.sleep(0.5)
+        out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         _kill(_session(proc.pid))
         out, _ = proc.communicate()
@@ -73,6 +110,7 @@ def test_ray_rl_loop_syncs_every_rollout_bit_for_bit() -> None:
         if proc.returncode != 0:
             _kill(_session(proc.pid))  # a failed driver may leave Ray's processes behind
     assert proc.returncode == 0, out
+    assert not wide, f"processes of the Ray example listened beyond loopback: {sorted(wide)}"
     steps = [line for line in out.splitlines() if line.startswith("step ")]
     assert len(steps) == 3 and all("weight sync" in line and "MiB per trainer" in line for line in steps), out
     assert "rank 3 receives in thread 'weight-updater'" in out
