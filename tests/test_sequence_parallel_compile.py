@@ -86,7 +86,28 @@ def _task(rank: int, size: int, url: str, backend: str) -> dict[str, float]:
         chk.close(f"{backend} {name} forward", got_out[name], want)
     for name, want in want_grad.items():
         chk.close(f"{backend} {name} grad", got_grad[name], want)
+    if backend == "aot_eager":
+        _check_group_forms(chk, ctx, rank)
     return chk.errors
+
+
+def _check_group_forms(chk: Checks, ctx, rank: int) -> None:
+    """Every form of group compiles: a CommMode, its string, a Communicator, a ProcessGroup (the context's and WORLD)."""
+    import torch.distributed as dist
+
+    import rlightning_comm.sequence_parallel as sp
+    from rlightning_comm import CommMode
+
+    (x,) = data(rank, (2, 4, 4, 3))
+    forms = {"mode": CommMode.SEQUENCE_PARALLEL, "communicator": ctx.get_communicator(SP), "group": ctx.get_group(SP), "WORLD": dist.group.WORLD}
+    for label, form in forms.items():
+        torch._dynamo.reset()
+
+        def fn(t: torch.Tensor, form=form) -> torch.Tensor:
+            return sp.all_to_all(t, 1, 2, form)
+
+        got = torch.compile(fn, fullgraph=True, backend="aot_eager")(x)
+        chk.close(f"group form {label} compiles", got, fn(x))
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

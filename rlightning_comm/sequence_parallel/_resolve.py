@@ -123,6 +123,8 @@ def resolve_group(group: Any) -> Group | TracedGroup:
         CommError: this process is not a member of the group.
     """
     if torch.compiler.is_compiling():
+        if isinstance(group, dist.ProcessGroup):  # dynamo reads these off the group itself
+            return TracedGroup(group.group_name, group.size(), group.rank())
         return TracedGroup(*_traced_key(group))
     return Group(_communicator(group))
 
