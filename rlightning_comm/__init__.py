@@ -18,7 +18,7 @@ from rlightning_comm.sequence_parallel import (
     sequence_split_sizes,
     ulysses_attention,
 )
-from rlightning_comm.weight_transfer import broadcast_state_dict
+from rlightning_comm.weight_transfer import StateDictTransfer, broadcast_state_dict
 
 __all__ = [
     "CommContext",
@@ -34,6 +34,7 @@ __all__ = [
     "ObjectRefusedError",
     "ParallelConfig",
     "ParallelMode",
+    "StateDictTransfer",
     "UlyssesAttention",
     "WorkHandle",
     "all_gather_from_sequence_parallel_region",

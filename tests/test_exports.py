@@ -21,6 +21,7 @@ EXPECTED = {
     "ObjectRefusedError",
     "ParallelConfig",
     "ParallelMode",
+    "StateDictTransfer",
     "WorkHandle",
     "broadcast_state_dict",
     "collective",
