@@ -137,13 +137,17 @@ class InputChecks:
     def _check_all_gather(self, output_tensor: Any, input_tensor: Any, async_op: bool = False) -> None:
         self._check_tensor(output_tensor, "output_tensor")
         self._check_tensor(input_tensor, "input_tensor")
-        shape, out_shape, ws = input_tensor.shape, output_tensor.shape, self._world_size
-        n = len(shape)
-        if len(out_shape) == n:  # concatenated along dim 0
-            fits = n > 0 and out_shape[0] == ws * shape[0] and (n == 1 or out_shape[1:] == shape[1:])
-        else:  # stacked: (world_size, *shape)
-            fits = len(out_shape) == n + 1 and out_shape[0] == ws and out_shape[1:] == shape
+        ws, n, out_n = self._world_size, input_tensor.dim(), output_tensor.dim()
+        if n == out_n == 1:  # the common flat case, without building shapes: it runs on every call
+            fits = output_tensor.numel() == ws * input_tensor.numel()
+        else:
+            shape, out_shape = input_tensor.shape, output_tensor.shape
+            if out_n == n:  # concatenated along dim 0
+                fits = n > 0 and out_shape[0] == ws * shape[0] and out_shape[1:] == shape[1:]
+            else:  # stacked: (world_size, *shape)
+                fits = out_n == n + 1 and out_shape[0] == ws and out_shape[1:] == shape
         if not fits or output_tensor.dtype is not input_tensor.dtype or not _same_device(output_tensor, input_tensor):
+            shape, out_shape = input_tensor.shape, output_tensor.shape
             allowed = [(ws * shape[0], *shape[1:])] if shape else []
             allowed.append((ws, *shape))
             raise ValueError(

@@ -76,11 +76,3 @@ class InFlight:
             "nothing was sent. Two threads' calls can pair up differently on different ranks, so one communicator takes one call at a time. "
             "Hint: order the calls (one thread after the other), or bind one mode per thread (init_group)"
         )
-
-    def _active_group(self) -> Any:
-        """The group, after refusing a caller that overlaps another thread's call in flight (claims nothing)."""
-        lock = self._lock
-        if not lock.acquire(False):
-            raise self._overlap("a collective")
-        lock.release()
-        return self._group
