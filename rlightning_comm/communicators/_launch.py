@@ -14,7 +14,8 @@ time and ``src``'s group rank read from a dict. What that skips, decided:
 * ``__torch_function__`` dispatch and dynamo: a tensor subclass or an active
   torch function mode, and tracing under ``torch.compile``, take the
   ``torch.distributed`` function itself (``compiling() or has_torch_function_unary(t)``
-  at the top of each method), which dynamo rewrites into functional collectives.
+  at the top of each method), which dynamo rewrites into functional collectives
+  (``broadcast``, which dynamo does not rewrite, calls the functional one itself).
 
 What torch's wrappers do that matters is kept: complex tensors go as real
 pairs where torch does it (``all_reduce``, ``broadcast``, ``all_gather``,
