@@ -59,7 +59,9 @@ def gather(tensor: torch.Tensor, comm_mode: CommMode | str, gather_list: list[to
     return _context.get_communicator(comm_mode).gather(tensor, gather_list, dst, async_op)
 
 
-def scatter(tensor: torch.Tensor, comm_mode: CommMode | str, scatter_list: list[torch.Tensor] | None = None, src: int = 0, async_op: bool = False) -> Any | None:
+def scatter(
+    tensor: torch.Tensor, comm_mode: CommMode | str, scatter_list: list[torch.Tensor] | None = None, src: int = 0, async_op: bool = False
+) -> Any | None:
     """Scatter ``scatter_list`` from global rank ``src`` over ``comm_mode`` into ``tensor``. See :meth:`Communicator.scatter`."""
     return _context.get_communicator(comm_mode).scatter(tensor, scatter_list, src, async_op)
 
