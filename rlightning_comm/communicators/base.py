@@ -37,6 +37,14 @@ COLLECTIVES = (
 """Names of the :class:`Communicator` methods that run a collective (what debug mode checks and stats record)."""
 
 
+def _rooted_args(tensor: torch.Tensor, tensors: Any, on_root: bool) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+    """gather/scatter: ``tensor`` and the root's list as the process group takes them (complex as real pairs; ``[]`` off the root)."""
+    if tensor.is_complex():  # the check made the list's dtype the tensor's
+        tensor = torch.view_as_real(tensor)
+        tensors = [torch.view_as_real(t) for t in tensors] if on_root else None
+    return tensor, [list(tensors)] if on_root else []
+
+
 class Communicator(InputChecks, InFlight, DirectLaunch, ValueCollectives, ABC):
     """Collectives on one process group, bound to one mode by :class:`CommContext`.
 
@@ -254,9 +262,7 @@ class Communicator(InputChecks, InFlight, DirectLaunch, ValueCollectives, ABC):
         on_root = self._global_rank == dst
         if compiling() or has_torch_function_unary(tensor):
             return dist.gather(tensor, list(gather_list) if on_root else None, dst=dst, group=group, async_op=async_op)
-        if tensor.is_complex():  # the check made the list's dtype the tensor's
-            tensor, gather_list = torch.view_as_real(tensor), [torch.view_as_real(t) for t in gather_list] if on_root else None
-        outputs = [list(gather_list)] if on_root else []
+        tensor, outputs = _rooted_args(tensor, gather_list, on_root)
         return self._launch("gather", group.gather, (outputs, [tensor], (self._async if async_op else self._sync).gather[dst]), async_op)
 
     def scatter(self, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int = 0, async_op: bool = False) -> Any | None:
@@ -279,9 +285,7 @@ class Communicator(InputChecks, InFlight, DirectLaunch, ValueCollectives, ABC):
         on_root = self._global_rank == src
         if compiling() or has_torch_function_unary(tensor):
             return dist.scatter(tensor, list(scatter_list) if on_root else None, src=src, group=group, async_op=async_op)
-        if tensor.is_complex():  # the check made the list's dtype the tensor's
-            tensor, scatter_list = torch.view_as_real(tensor), [torch.view_as_real(t) for t in scatter_list] if on_root else None
-        inputs = [list(scatter_list)] if on_root else []
+        tensor, inputs = _rooted_args(tensor, scatter_list, on_root)
         return self._launch("scatter", group.scatter, ([tensor], inputs, (self._async if async_op else self._sync).scatter[src]), async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input_: torch.Tensor, op: Any = _SUM, async_op: bool = False) -> Any | None:
