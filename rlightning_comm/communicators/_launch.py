@@ -44,6 +44,14 @@ def as_real(tensor: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(tensor) if tensor.is_complex() else tensor
 
 
+def rooted_args(tensor: torch.Tensor, tensors: Any, on_root: bool) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+    """gather/scatter: ``tensor`` and the root's list as the process group takes them (complex as real pairs; ``[]`` off the root)."""
+    if tensor.is_complex():  # the check made the list's dtype the tensor's
+        tensor = torch.view_as_real(tensor)
+        tensors = [torch.view_as_real(t) for t in tensors] if on_root else None
+    return tensor, [list(tensors)] if on_root else []
+
+
 def _with(cls: Any, async_op: bool, **fields: Any) -> Any:
     opts = cls()
     opts.asyncOp = async_op

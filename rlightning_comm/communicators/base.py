@@ -15,7 +15,7 @@ from torch.overrides import has_torch_function_unary
 from rlightning_comm._compat import all_gather_single as _all_gather_flat
 from rlightning_comm._compat import reduce_scatter_single as _reduce_scatter_flat
 from rlightning_comm.communicators._checks import InputChecks
-from rlightning_comm.communicators._launch import DirectLaunch, as_real, compiling
+from rlightning_comm.communicators._launch import DirectLaunch, as_real, compiling, rooted_args
 from rlightning_comm.communicators._threads import InFlight
 from rlightning_comm.communicators._values import ValueCollectives
 from rlightning_comm.errors import CommError
@@ -35,14 +35,6 @@ COLLECTIVES = (
     "scatter",
 )
 """Names of the :class:`Communicator` methods that run a collective (what debug mode checks and stats record)."""
-
-
-def _rooted_args(tensor: torch.Tensor, tensors: Any, on_root: bool) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
-    """gather/scatter: ``tensor`` and the root's list as the process group takes them (complex as real pairs; ``[]`` off the root)."""
-    if tensor.is_complex():  # the check made the list's dtype the tensor's
-        tensor = torch.view_as_real(tensor)
-        tensors = [torch.view_as_real(t) for t in tensors] if on_root else None
-    return tensor, [list(tensors)] if on_root else []
 
 
 class Communicator(InputChecks, InFlight, DirectLaunch, ValueCollectives, ABC):
@@ -262,7 +254,7 @@ class Communicator(InputChecks, InFlight, DirectLaunch, ValueCollectives, ABC):
         on_root = self._global_rank == dst
         if compiling() or has_torch_function_unary(tensor):
             return dist.gather(tensor, list(gather_list) if on_root else None, dst=dst, group=group, async_op=async_op)
-        tensor, outputs = _rooted_args(tensor, gather_list, on_root)
+        tensor, outputs = rooted_args(tensor, gather_list, on_root)
         return self._launch("gather", group.gather, (outputs, [tensor], (self._async if async_op else self._sync).gather[dst]), async_op)
 
     def scatter(self, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int = 0, async_op: bool = False) -> Any | None:
@@ -285,7 +277,7 @@ class Communicator(InputChecks, InFlight, DirectLaunch, ValueCollectives, ABC):
         on_root = self._global_rank == src
         if compiling() or has_torch_function_unary(tensor):
             return dist.scatter(tensor, list(scatter_list) if on_root else None, src=src, group=group, async_op=async_op)
-        tensor, inputs = _rooted_args(tensor, scatter_list, on_root)
+        tensor, inputs = rooted_args(tensor, scatter_list, on_root)
         return self._launch("scatter", group.scatter, ([tensor], inputs, (self._async if async_op else self._sync).scatter[src]), async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input_: torch.Tensor, op: Any = _SUM, async_op: bool = False) -> Any | None:
