@@ -1,16 +1,22 @@
 """Cold per-call cost: every tensor collective through the library against raw torch.distributed, as a training loop calls them.
 
 Between two collectives a training loop waits on the backend, so every call
-starts cold. Here each call runs alone right after a barrier (raw
-``torch.distributed.barrier`` on the same group, not timed), and the
-library's call (``collective.<op>(..., mode)``: mode lookup, checks, launch)
+starts cold. Here each call runs alone right after a barrier (not timed), and
+the library's call (``collective.<op>(..., mode)``: mode lookup, checks, launch)
 and the raw call (``torch.distributed.<op>(..., group=group)``) alternate on
 the same buffers, swapping which goes first every round, so both see the same
 machine. Per op and size: the median of each side over ``--rounds`` calls on
 every rank, and library / raw of the slowest rank's medians, in wall time and
 in the calling thread's CPU time (which a loaded machine does not inflate).
 
-    python benchmarks/bench_cold.py [--ranks 2,4] [--rounds 300] [--sizes 4,8192,1048576]
+The barrier is the process group's own (``pg.barrier().wait()``, C++ only) by
+default, so it warms neither side's Python. ``--sync dist`` uses
+``torch.distributed.barrier`` instead, as the first version of this benchmark
+did: its Python shares helpers with the raw side (the exception-logging
+wrapper, ``_rank_not_in_group``, the default-group lookup), so it runs them
+just before each raw call and the raw side starts warmer.
+
+    python benchmarks/bench_cold.py [--ranks 2,4] [--rounds 300] [--sizes 4,8192,1048576] [--sync pg|dist]
 """
 
 from __future__ import annotations
@@ -52,18 +58,21 @@ def _cases(op: str, nbytes: int, rank: int, n: int):
     }[op], group
 
 
-def _task(rank: int, n: int, ops: tuple[str, ...], sizes: tuple[int, ...], rounds: int, warmup: int) -> dict[tuple[str, int], tuple[float, ...]]:
+def _task(
+    rank: int, n: int, ops: tuple[str, ...], sizes: tuple[int, ...], rounds: int, warmup: int, sync_with: str
+) -> dict[tuple[str, int], tuple[float, ...]]:
     import torch.distributed as dist
 
     out = {}
     for op in ops:
         for nbytes in sizes if op != "barrier" else sizes[:1]:
             (lib, raw), group = _cases(op, nbytes, rank, n)
+            sync = (lambda g=group: g.barrier().wait()) if sync_with == "pg" else (lambda g=group: dist.barrier(group=g))
             wall: dict[str, list[float]] = {"lib": [], "raw": []}
             cpu: dict[str, list[float]] = {"lib": [], "raw": []}
             for i in range(warmup + rounds):
                 for side, fn in (("lib", lib), ("raw", raw)) if i & 1 else (("raw", raw), ("lib", lib)):
-                    dist.barrier(group=group)
+                    sync()
                     c0, t0 = time.thread_time(), time.perf_counter()
                     fn()
                     t1, c1 = time.perf_counter(), time.thread_time()
@@ -81,19 +90,21 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--sizes", default="4,8192,1048576", help="bytes per rank's chunk (default 4 B, 8 KiB, 1 MiB)")
     p.add_argument("--ops", default=",".join(OPS))
+    p.add_argument("--sync", choices=("pg", "dist"), default="pg", help="barrier between calls: the process group's own (default) or torch.distributed's")
     args = p.parse_args()
     sizes = tuple(int(s) for s in args.sizes.split(","))
     ops = tuple(args.ops.split(","))
     load = os.getloadavg()
     print(f"# cold per-call cost, library / raw torch.distributed, gloo; {machine()}")
-    print(f"# each call alone after a barrier, sides interleaved on the same buffers; medians of {args.rounds} calls; slowest rank's medians")
+    barrier = "pg.barrier().wait()" if args.sync == "pg" else "torch.distributed.barrier"
+    print(f"# each call alone after a barrier ({barrier}), sides interleaved on the same buffers; medians of {args.rounds} calls; slowest rank's medians")
     print(f"# load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     print("# wall: perf_counter around the call; cpu: the calling thread's CPU time in the call (what the load does not inflate)")
     print(
         f"{'ranks':>5} {'op':<18} {'bytes':>8} {'library us':>11} {'raw us':>9} {'lib/raw':>8} {'lib-raw us':>11} {'cpu lib us':>11} {'cpu raw us':>11} {'cpu lib/raw':>11}"
     )
     for n in (int(r) for r in args.ranks.split(",")):
-        res = run_ranks(_task, n, ops, sizes, args.rounds, args.warmup)
+        res = run_ranks(_task, n, ops, sizes, args.rounds, args.warmup, args.sync)
         for key in res[0]:
             lib, raw, cpu_lib, cpu_raw = (max(r[key][j] for r in res) for j in range(4))
             op, nbytes = key

@@ -83,6 +83,16 @@ class FromBaseCommunicator(Communicator):
             raise ValueError(f"{name} must be on the CPU; got {tensor.device}")
 
 
+@register_communicator("cuda-only-gloo-test")
+class CudaOnlyGloo(GlooCommunicator):
+    """Narrows gloo's devices to CUDA and leaves the fast path's device test alone."""
+
+    @override
+    def _check_device(self, tensor: torch.Tensor, name: str) -> None:
+        if not tensor.is_cuda:
+            raise ValueError(f"{name}: cuda-only-gloo-test takes CUDA tensors; got {tensor.device}")
+
+
 @pytest.fixture
 def ctx(tmp_path) -> CommContext:
     context = CommContext()
@@ -265,3 +275,25 @@ def test_sequence_parallel_ops_apply_the_communicators_device_rule(ctx, monkeypa
     with pytest.raises(ValueError, match="input_ is on cpu; NcclCommunicator \\(mode 'fake-nccl'\\) expects a CUDA tensor"):
         all_to_all(torch.ones(1, 4, 2, 3), 1, 2, nccl)
     assert started == []
+
+
+def test_a_subclass_that_narrows_check_device_is_held_to_it_on_every_op(ctx):
+    # GlooCommunicator's fast path takes two CPU tensors without calling _check_device; a subclass that refuses CPU
+    # tensors there, and does not say how to test its devices fast, must get its own check on every call.
+    comm = ctx.init_group([0], "cuda-only", backend="cuda-only-gloo-test")
+    assert CudaOnlyGloo._on_device(torch.ones(1), torch.ones(1)) is False
+    x, out = torch.ones(4), torch.zeros(4)
+    calls = [
+        lambda: comm.all_reduce(x),
+        lambda: comm.all_gather(out, x),
+        lambda: comm.broadcast(x, 0),
+        lambda: comm.gather(x, [out], 0),
+        lambda: comm.scatter(out, [x], 0),
+        lambda: comm.reduce_scatter(out, x),
+        lambda: comm.all_to_all_single(out, x),
+    ]
+    for call in calls:
+        with backend_calls() as sent, pytest.raises(ValueError, match="cuda-only-gloo-test takes CUDA tensors"):
+            call()
+        assert sent == {}, sent
+    assert torch.equal(x, torch.ones(4)) and torch.equal(out, torch.zeros(4))

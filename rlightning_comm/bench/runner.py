@@ -7,7 +7,8 @@ spread, so noise can be told from cost.
 
 Timing: each call is timed on its own (wall clock; on CUDA the device is
 synchronised before the call and the timer stops after a second
-synchronisation), after a barrier so the ranks start together; inputs are reset and outputs poisoned before the
+synchronisation), after a barrier so the ranks start together (the process group's own, which runs no Python of
+either path); inputs are reset and outputs poisoned before the
 barrier, and results are checked after the timer stops. The library's call
 and the raw call alternate within each iteration, swapping which goes first,
 so both see the same machine. A row reports, per path, the median over the
@@ -98,6 +99,11 @@ def sweep(comm: Communicator, cfg: BenchConfig, device: torch.device, world_size
     return rows
 
 
+def _barrier(comm: Communicator) -> None:
+    """The process group's own barrier, C++ only: the ranks start together and neither path's Python is warmed first."""
+    comm.group.barrier(comm._barrier_options()).wait()
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -123,7 +129,7 @@ def measure(case: Case, op: str, cfg: BenchConfig, device: torch.device) -> dict
         for path in _PATHS if i % 4 < 2 else _PATHS[::-1]:
             case.prepare(phase)
             _sync(device)
-            case.comm.barrier()
+            _barrier(case.comm)
             t0 = time.perf_counter()
             getattr(case, path)()
             _sync(device)

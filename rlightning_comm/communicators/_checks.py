@@ -10,7 +10,7 @@ changes nothing. Debug mode calls them before its fingerprint exchange.
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -18,6 +18,7 @@ from torch.distributed import ReduceOp
 
 from rlightning_comm.communicators import _objects, _packing
 
+_Tensor = torch.Tensor
 _SUM = ReduceOp.SUM
 _AVG = ReduceOp.AVG
 _BITWISE = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
@@ -38,6 +39,7 @@ class InputChecks:
     _global_rank: int
     _group_rank_of: dict[int, int]
     _ranks: tuple[int, ...]
+    _on_device: Callable[[torch.Tensor, torch.Tensor], bool]  # the backend's fast device test (Communicator._on_device)
     supported_reduce_ops: ClassVar[frozenset[Any]]
     integer_avg_supported: ClassVar[bool]
     # _check_device(tensor, name) is the backend's part, declared abstract on Communicator.
@@ -106,6 +108,20 @@ class InputChecks:
             raise ValueError(f"reduce op AVG needs a floating-point tensor with {type(self).__name__}; got {dtype} (mode {self._mode!r})")
 
     def _check_rooted(self, name: str, tensor: Any, tensors: Any, root_name: str, root: Any) -> None:
+        on_device = self._on_device
+        try:  # the common case in C-level reads (a cold call pays for each frame); anything else gets the checks below
+            if type(root) is int and root in self._group_rank_of and isinstance(tensor, _Tensor) and on_device(tensor, tensor) and tensor.is_contiguous():
+                if self._global_rank != root:
+                    return
+                if type(tensors) is list and len(tensors) == self._world_size:
+                    dtype, shape = tensor.dtype, tensor.shape
+                    for t in tensors:
+                        if not (isinstance(t, _Tensor) and t.dtype is dtype and on_device(t, tensor) and t.is_contiguous() and t.shape == shape):
+                            break
+                    else:
+                        return
+        except RuntimeError:  # a sparse compressed tensor raises in is_contiguous
+            pass
         self._check_tensor(tensor, "tensor")
         self._check_peer(root, root_name)
         if self._global_rank == root:

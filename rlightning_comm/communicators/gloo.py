@@ -29,6 +29,11 @@ class GlooCommunicator(Communicator):
     def device(self) -> torch.device:
         return _CPU
 
+    @staticmethod
+    @override
+    def _on_device(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.is_cpu and b.is_cpu  # one host device
+
     @override
     def _check_device(self, tensor: torch.Tensor, name: str) -> None:
         if not (tensor.is_cpu or tensor.is_cuda):  # not .device.type: that builds a torch.device per call

@@ -41,6 +41,11 @@ class NcclCommunicator(Communicator):
     def device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device())
 
+    @staticmethod
+    @override
+    def _on_device(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.is_cuda and b.is_cuda and a.get_device() == b.get_device()
+
     @override
     def _check_device(self, tensor: torch.Tensor, name: str) -> None:
         if not tensor.is_cuda:
