@@ -182,7 +182,7 @@ class StateDictTransfer:
         return self._pipeline.done
 
     def wait(self) -> None:
-        """Launch the broadcasts still to go, wait for all of them, and (on a destination) write the last tensors; a second call returns at once.
+        """Launch the transfers still to go, wait for all of them, and (on a destination) write the last tensors; a second call returns at once.
 
         Raises:
             CommTimeoutError, CommError: as for the communicator's ``broadcast``.
@@ -212,9 +212,11 @@ def broadcast_state_dict(
     against the source's manifest (names, dtypes, shapes): a bad argument or a
     mismatch on any member raises the same error on every member, and nothing
     is transferred. Then pieces of at least ``min(bucket_bytes, 256 KiB)``
-    travel in place, one broadcast each with no copy (where contiguous on the
+    travel in place, each on its own with no copy (where contiguous on the
     communicator's device), and smaller ones coalesced into buckets of at most
-    ``bucket_bytes``, packing and unpacking overlapped with the broadcasts.
+    ``bucket_bytes``, packing and unpacking overlapped with the transfers. Over
+    gloo the source sends each of them to each destination (point to point);
+    other backends broadcast them.
     Each rank stages at most two buckets. Tensors the source holds more than
     once (tied weights) travel once.
 
@@ -227,7 +229,7 @@ def broadcast_state_dict(
             :meth:`CommContext.init_weight_transfer_group` for this mode.
             Every rank must name the same one.
         bucket_bytes: Largest bucket, in bytes; the source's value is used.
-        async_op: Return once every broadcast that needs no wait is launched
+        async_op: Return once every transfer that needs no wait is launched
             (all in-place pieces up to the third bucket, the first two buckets),
             with a :class:`StateDictTransfer` whose ``wait()`` does the rest.
             Until ``wait()`` returns, the source may not modify its tensors
