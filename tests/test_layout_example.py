@@ -14,6 +14,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "parallel_layout.py
 def _run_example(rank: int, size: int, url: str, corrupt_rank: int | None) -> tuple[int, str]:
     import torch
 
+    from rlightning_comm._weight_pipeline import Pipeline
     from rlightning_comm.communicators.base import Communicator
 
     spec = importlib.util.spec_from_file_location("parallel_layout_example", EXAMPLE)
@@ -21,10 +22,10 @@ def _run_example(rank: int, size: int, url: str, corrupt_rank: int | None) -> tu
     spec.loader.exec_module(example)
     # What the example's own spawner sets: two simulated nodes of two ranks.
     os.environ.update({"LOCAL_RANK": str(rank % 2), "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": str(rank // 2)})
-    original = Communicator.broadcast
+    original, original_move = Communicator.broadcast, Pipeline._move
 
     class Late:
-        """An async broadcast's handle whose wait() corrupts the tensor after the data arrived."""
+        """A transfer's handle whose wait() corrupts the tensor after the data arrived."""
 
         def __init__(self, work, tensor):
             self._work, self._tensor = work, tensor
@@ -37,20 +38,23 @@ def _run_example(rank: int, size: int, url: str, corrupt_rank: int | None) -> tu
 
     def off_by_one(self, tensor, src=0, async_op=False):
         out = original(self, tensor, src, async_op)
-        if async_op:  # broadcast_state_dict's pipeline: corrupt once the data is there
+        if async_op:
             return Late(out, tensor)
         with torch.no_grad():
             tensor.add_(1)
         return out
 
+    def late_move(self, data):  # broadcast_state_dict's pipeline, whichever way it moves a unit: corrupt once it arrived
+        return [Late(work, data) for work in original_move(self, data)]
+
     if rank == corrupt_rank:
-        Communicator.broadcast = off_by_one
+        Communicator.broadcast, Pipeline._move = off_by_one, late_move
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out):
             code = example.run(example.parse_args(["--tp", "2", "--timeout", "60"]), dist_url=url, world_size=size, rank=rank)
     finally:
-        Communicator.broadcast = original  # the world's processes outlive this test
+        Communicator.broadcast, Pipeline._move = original, original_move  # the world's processes outlive this test
     return code, out.getvalue()
 
 

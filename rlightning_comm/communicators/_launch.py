@@ -80,7 +80,7 @@ class Options:
 
 
 class DirectLaunch:
-    """Mixin of :class:`Communicator`: options built at bind time, the launch, failure translation."""
+    """Mixin of :class:`Communicator`: options built at bind time, handles and failure translation (each method launches itself, see :mod:`._tensor_collectives`)."""
 
     _group: Any
     _mode: str
@@ -99,22 +99,6 @@ class DirectLaunch:
 
     def _handle(self, work: Any, op: str) -> WorkHandle:
         return WorkHandle(work, self._mode, op, self._timeout)
-
-    def _launch(self, op: str, fn: Any, args: tuple[Any, ...], async_op: bool) -> WorkHandle | None:
-        """Run ``fn(*args)`` (a bound process-group method) holding the one-call claim; wait unless ``async_op``."""
-        lock = self._lock
-        if not lock.acquire(False):
-            raise self._overlap(op)
-        try:
-            work = fn(*args)
-            if async_op:
-                return WorkHandle(work, self._mode, op, self._timeout)
-            work.wait()
-        except RuntimeError as err:
-            raise comm_failure(err, self._mode, op, self._timeout) from err
-        finally:
-            lock.release()
-        return None
 
     def _overlap(self, op: str) -> CommError:  # provided by InFlight
         raise NotImplementedError

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from rlightning_comm._compat import assume_constant_result
 from rlightning_comm.communicators.base import Communicator
 from rlightning_comm.communicators.registry import get_communicator_class
 from rlightning_comm.context import CommContext
@@ -108,7 +109,7 @@ def _communicator(group: Any) -> Communicator:
     return comm
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def _traced_key(group: Any) -> tuple[str, int, int]:
     comm = _communicator(group)
     return (comm.group.group_name, comm.world_size, comm.rank)
