@@ -162,6 +162,8 @@ def _task_against_torch(rank: int, size: int, url: str) -> dict[str, float]:
     import rlightning_comm.sequence_parallel as sp
 
     init_sp(rank, size, url)
+    # torch.distributed.nn.functional's default group is group.WORLD as of its import; these processes outlive worlds.
+    world = dist.group.WORLD
     chk = Checks()
     P, a, c = size, 3, 2
     split = [2, 0, 3, 1][:P]  # uneven, the same list on every rank
@@ -171,7 +173,7 @@ def _task_against_torch(rank: int, size: int, url: str) -> dict[str, float]:
     for sizes in ([a] * P, split):
         L = sum(sizes)
         xt, xo = (x[:L].clone().requires_grad_() for _ in range(2))
-        out_t = tdnf.all_to_all_single(torch.empty(P * sizes[rank], c, dtype=x.dtype), xt, [sizes[rank]] * P, sizes)
+        out_t = tdnf.all_to_all_single(torch.empty(P * sizes[rank], c, dtype=x.dtype), xt, [sizes[rank]] * P, sizes, group=world)
         out_o = sp.all_to_all(xo.view(1, L, c), 0, 1, dist.group.WORLD, scatter_sizes=sizes).reshape(P * sizes[rank], c)
         w = w_out[: P * sizes[rank]]
         (out_t * w).sum().backward()
@@ -181,7 +183,7 @@ def _task_against_torch(rank: int, size: int, url: str) -> dict[str, float]:
 
     # all_gather (backward: sum over ranks) = our Megatron all-gather.
     xt, xo = (x.clone().requires_grad_() for _ in range(2))
-    out_t = torch.cat(tdnf.all_gather(xt), 0)
+    out_t = torch.cat(tdnf.all_gather(xt, group=world), 0)
     out_o = sp.all_gather_from_sequence_parallel_region(xo, dim=0, mode=dist.group.WORLD)
     (w,) = data(20 + rank, out_t.shape)
     (out_t * w).sum().backward()
@@ -191,7 +193,7 @@ def _task_against_torch(rank: int, size: int, url: str) -> dict[str, float]:
 
     # reduce_scatter (list of chunks) = our reduce-scatter on the concatenation.
     xt, xo = (x.clone().requires_grad_() for _ in range(2))
-    out_t = tdnf.reduce_scatter(torch.empty(a, c, dtype=x.dtype), list(xt.chunk(P, 0)))
+    out_t = tdnf.reduce_scatter(torch.empty(a, c, dtype=x.dtype), list(xt.chunk(P, 0)), group=world)
     out_o = sp.reduce_scatter_to_sequence_parallel_region(xo, dim=0, mode=dist.group.WORLD)
     (w,) = data(30 + rank, (a, c))
     (out_t * w).sum().backward()
@@ -201,7 +203,7 @@ def _task_against_torch(rank: int, size: int, url: str) -> dict[str, float]:
 
     # scatter from rank 0 (backward: gather to rank 0, zeros elsewhere) = ours with rank0_only=True.
     xt, xo = (x.clone().requires_grad_() for _ in range(2))
-    out_t = tdnf.scatter(list(xt.chunk(P, 0)), src=0)
+    out_t = tdnf.scatter(list(xt.chunk(P, 0)), src=0, group=world)
     out_o = sp.scatter_to_sequence_parallel_region(xo, True, dim=0, mode=dist.group.WORLD)
     (out_t * w).sum().backward()
     (out_o * w).sum().backward()
