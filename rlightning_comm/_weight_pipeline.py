@@ -1,9 +1,9 @@
-"""The data phase of :func:`broadcast_state_dict`: a plan of broadcasts built from the manifest, and the pipeline that runs it.
+"""The data phase of :func:`broadcast_state_dict`: a plan of transfers built from the manifest, and the pipeline that runs it.
 
 The plan is a pure function of the source's manifest and bucket size, so every
-rank builds the same one and issues the same broadcasts in the same order.
+rank builds the same one and issues the same transfers in the same order.
 Each tensor is cut, along its leading dimensions, into pieces of at most one
-bucket. A piece of at least ``min(bucket, DIRECT_BYTES)`` is a broadcast of its
+bucket. A piece of at least ``min(bucket, DIRECT_BYTES)`` is a unit of its
 own, received in place (no copy) wherever it is contiguous on the
 communicator's device; smaller pieces are coalesced into buckets. Two bucket
 buffers per rank rotate: packing (or unpacking) one bucket overlaps the
@@ -50,7 +50,7 @@ class Piece(NamedTuple):
 
 
 class Unit(NamedTuple):
-    """One broadcast: a single piece that may travel in place (``direct``), or a bucket of coalesced pieces."""
+    """One transfer (a broadcast, or a send to each destination over gloo): a single piece that may travel in place (``direct``), or a bucket of coalesced pieces."""
 
     pieces: tuple[Piece, ...]
     nbytes: int
@@ -58,7 +58,7 @@ class Unit(NamedTuple):
 
 
 class Plan(NamedTuple):
-    """Every broadcast of one transfer, in order, and what to copy afterwards on a destination."""
+    """Every unit of one transfer, in order, and what to copy afterwards on a destination."""
 
     names: tuple[str, ...]
     units: tuple[Unit, ...]
@@ -189,7 +189,7 @@ class Pipeline:
         return [comm._handle(work, "broadcast_state_dict") for work in works]
 
     def _in_place(self, unit: Unit) -> torch.Tensor | None:
-        """The piece's own bytes when it can be broadcast without a copy here."""
+        """The piece's own bytes when it can be moved without a copy here."""
         if not unit.direct:
             return None
         piece = unit.pieces[0]
