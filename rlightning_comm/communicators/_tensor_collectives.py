@@ -23,6 +23,7 @@ once:
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -177,6 +178,7 @@ class TensorCollectives:
             plain = False
         if not plain:
             self._check_broadcast(tensor, src, async_op)
+            src = operator.index(src)  # a rank the check accepted through __index__ (a 0-d tensor): the int the tables are keyed by
         if compiling():  # dynamo does not rewrite dist.broadcast: the functional one, copied back in place
             tensor.copy_(funcol.wait_tensor(funcol.broadcast(tensor, self._group_rank_of[src], group)))
             return None
@@ -216,6 +218,8 @@ class TensorCollectives:
         if group is None:
             return None
         self._check_gather(tensor, gather_list, dst, async_op)  # its own fast path covers the root's list
+        if type(dst) is not int:
+            dst = operator.index(dst)
         on_root = self._global_rank == dst
         if compiling() or has_torch_function_unary(tensor):
             return dist.gather(tensor, list(gather_list) if on_root else None, dst=dst, group=group, async_op=async_op)
@@ -252,6 +256,8 @@ class TensorCollectives:
         if group is None:
             return None
         self._check_scatter(tensor, scatter_list, src, async_op)  # its own fast path covers the root's list
+        if type(src) is not int:
+            src = operator.index(src)
         on_root = self._global_rank == src
         if compiling() or has_torch_function_unary(tensor):
             return dist.scatter(tensor, list(scatter_list) if on_root else None, src=src, group=group, async_op=async_op)
