@@ -48,8 +48,9 @@ def _state(rank: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     # Tied on the source (sent once); rank 3 holds its own copy, which must get the same bytes.
     state["lm_head"] = tied if rank != 3 else _random((3, 4), torch.float32, gen)
     if rank == 2:  # contiguity differs per rank: this destination holds transposed storage where the source is contiguous
-        state["big"] = torch.empty(BIG[1], BIG[0]).t()
-        state["big_t"] = torch.empty(BIG)
+        # Random, not empty: a reused process may hand empty() the very bytes an earlier transfer left there.
+        state["big"] = _random((BIG[1], BIG[0]), torch.float32, gen).t()
+        state["big_t"] = _random(BIG, torch.float32, gen)
     return state, base
 
 
