@@ -67,6 +67,11 @@ class Plan(NamedTuple):
     total_bytes: int
 
 
+def point_to_point(comm: Any) -> bool:
+    """Whether a transfer on ``comm`` moves its data (and its handshake) point to point: gloo on host tensors (gloo's send reads host memory only)."""
+    return comm.backend == "gloo" and comm.device.type == "cpu"
+
+
 def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name.removeprefix("torch."))
 
@@ -124,19 +129,6 @@ def _view(tensor: torch.Tensor, where: tuple[Any, ...]) -> torch.Tensor:
     return tensor[where] if where else tensor
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)``; between contiguous host tensors a plain single-threaded ``memmove``.
-
-    torch splits a large copy over its intra-op threads, and on a host whose
-    cores are all busy (the ranks of one machine, each with its own thread
-    pool) that costs several times a plain copy.
-    """
-    if dst.device.type == src.device.type == "cpu" and dst.is_contiguous() and src.is_contiguous():
-        ctypes.memmove(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
-    else:
-        dst.copy_(src)
-
-
 def _typed(buffer: torch.Tensor, piece: Piece, like: torch.Tensor) -> torch.Tensor:
     """The bytes of ``piece`` in ``buffer``, viewed with ``like``'s dtype and shape."""
     return buffer[piece.at : piece.at + piece.nbytes].view(like.dtype).view(like.shape)
@@ -168,7 +160,7 @@ class Pipeline:
         self._next_unit = 0
         # (works, slot or -1, unit, the staging bytes or None) in launch order.
         self._pending: deque[tuple[list[Any], int, Unit, torch.Tensor | None]] = deque()
-        self._fan_out = comm.backend == "gloo" and self._device.type == "cpu"  # gloo's send reads host memory only
+        self._fan_out = point_to_point(comm)
         src_rank = comm._group_rank_of[src]
         self._src_rank = src_rank
         self._peers = [r for r in range(comm.world_size) if r != src_rank]
@@ -189,14 +181,36 @@ class Pipeline:
         return [comm._handle(work, "broadcast_state_dict") for work in works]
 
     def _in_place(self, unit: Unit) -> torch.Tensor | None:
-        """The piece's own bytes when it can be moved without a copy here."""
+        """The piece itself when it can be moved without a copy here (contiguous, on the communicator's device)."""
         if not unit.direct:
             return None
         piece = unit.pieces[0]
         view = _view(self._tensors[piece.index], piece.where)
-        if view.device != self._device or not view.is_contiguous():
+        if not (view.is_cpu if self._fan_out else view.device == self._device) or not view.is_contiguous():
             return None
-        return view.reshape(-1).view(torch.uint8)
+        return view
+
+    def _stage(self, staged: torch.Tensor, unit: Unit, pack: bool) -> None:
+        """Copy every piece of ``unit`` into ``staged`` (``pack``) or out of it.
+
+        Between contiguous host bytes a plain single-threaded ``memmove`` on
+        the pieces' addresses, with no tensor made per piece: torch's
+        ``copy_`` would split a large copy over its intra-op threads, which on
+        a host whose cores are all busy (the ranks of one machine, each with
+        its own thread pool) costs several times a plain copy, and making two
+        views per piece cost as much as copying a small one.
+        """
+        base = staged.data_ptr() if staged.is_cpu else None
+        for piece in unit.pieces:
+            view = _view(self._tensors[piece.index], piece.where)
+            if base is not None and view.is_cpu and view.is_contiguous():
+                bucket, own = base + piece.at, view.data_ptr()
+                to, from_ = (bucket, own) if pack else (own, bucket)
+                ctypes.memmove(to, from_, piece.nbytes)
+            elif pack:
+                _typed(staged, piece, view).copy_(view)
+            else:
+                view.copy_(_typed(staged, piece, view))
 
     def _slot(self, nbytes: int, block: bool) -> torch.Tensor | None:
         """A free staging buffer's first ``nbytes`` bytes; waits for the older unit that holds it unless not ``block``."""
@@ -217,9 +231,7 @@ class Pipeline:
         for work in works:
             work.wait()
         if staged is not None and not self._is_source:
-            for piece in unit.pieces:
-                view = _view(self._tensors[piece.index], piece.where)
-                _copy(view, _typed(staged, piece, view))
+            self._stage(staged, unit, pack=False)
 
     def _step(self, block: bool) -> bool:
         """Launch the next unit; ``False`` when it needs a busy buffer and ``block`` is off, or when none is left."""
@@ -233,9 +245,7 @@ class Pipeline:
             if staged is None:
                 return False
             if self._is_source:
-                for piece in unit.pieces:
-                    view = _view(self._tensors[piece.index], piece.where)
-                    _copy(_typed(staged, piece, view), view)
+                self._stage(staged, unit, pack=True)
             data = staged
         self._pending.append((self._move(data), -1 if staged is None else 1 - self._next_slot, unit, staged))
         self._next_unit += 1

@@ -1,9 +1,11 @@
 """Broadcast a model's weights from one rank to the others at the wire's speed, loading them in place.
 
 A call first agrees on what moves, then moves it (see :mod:`._weight_pipeline`).
-The agreement is one all-gather of a few integers per rank: each rank's
+The agreement is one exchange of a few integers per rank: each rank's
 verdict on its own arguments, the source it names, a hash of its tensors'
-names, dtypes and shapes, and the plan it kept from its last call. When every
+names, dtypes and shapes, and the plan it kept from its last call (over gloo
+two hops of point-to-point messages through group rank 0, otherwise an
+all-gather). When every
 rank holds the plan of the source's current manifest (the steady state of a
 training loop), that is all; otherwise the source broadcasts its manifest
 (one small object broadcast) and every rank builds the plan. A bad argument or
@@ -21,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rlightning_comm._weight_pipeline import Entry, Pipeline, Plan, build_plan
+from rlightning_comm._weight_pipeline import Entry, Pipeline, Plan, build_plan, point_to_point
 from rlightning_comm.communicators._objects import all_gather_objects
 from rlightning_comm.context import CommContext
 from rlightning_comm.modes import CommMode, ParallelMode
@@ -33,17 +35,31 @@ _Problem = tuple[type[Exception], str] | None
 
 
 class _Kept:
-    """What a communicator keeps between calls: per source, the last agreed manifest key and its plan; the two staging buffers."""
+    """What a communicator keeps between calls: per source, the last agreed manifest key and its plan; the two staging buffers; this rank's last manifest and its hashes."""
 
     def __init__(self) -> None:
         self.plans: dict[int, tuple[tuple[int, int], Plan]] = {}
         self.slots: list[torch.Tensor | None] = [None, None]
         self.unfinished: Pipeline | None = None  # an async transfer not yet waited: it holds the slots
+        # (manifest, bucket_bytes, hash of its sorted names/dtypes/shapes, hash of (manifest, bucket_bytes) or None)
+        self.hashed: tuple[list[Entry], int, tuple[int, int], tuple[int, int] | None] | None = None
+
+    def hashes(self, manifest: list[Entry], bucket_bytes: int, is_source: bool) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The hash of ``manifest``'s sorted names, dtypes and shapes, and (on the source) of the plan's inputs; recomputed only when they changed since the last call."""
+        kept = self.hashed
+        if kept is None or kept[0] != manifest:
+            kept = (manifest, bucket_bytes, _hash(sorted(e[:3] for e in manifest)), None)
+        if is_source and (kept[3] is None or kept[1] != bucket_bytes):
+            kept = (manifest, bucket_bytes, kept[2], _hash((manifest, bucket_bytes)))
+        self.hashed = kept
+        return kept[2], kept[3] if is_source and kept[3] is not None else (0, 0)
 
 
 # Dies with its communicator (a destroyed context frees the buffers).
 _kept: weakref.WeakKeyDictionary[Any, _Kept] = weakref.WeakKeyDictionary()
 _WORDS = 8  # per rank: status, src, sorted-manifest hash (2), source's manifest key (2), kept key (2)
+_HANDSHAKE_TAG = 0x5755  # the point-to-point tag of the exchange over gloo (the data's is the next-lower one)
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
 def _named_tensors(state_dict: Any) -> tuple[list[tuple[str, torch.Tensor]], None] | tuple[None, tuple[type[Exception], str]]:
@@ -74,16 +90,27 @@ def _named_tensors(state_dict: Any) -> tuple[list[tuple[str, torch.Tensor]], Non
 
 
 def _manifest(items: list[tuple[str, torch.Tensor]], is_source: bool) -> list[Entry]:
-    """Names, dtypes and shapes; on the source also which entries are the very same tensor as an earlier one (sent once)."""
-    seen: dict[tuple[Any, ...], int] = {}
+    """Names, dtypes and shapes; on the source also which entries are the very same tensor as an earlier one (sent once).
+
+    The very same tensor: same address, dtype, shape, strides and device. Only
+    tensors at an address seen before are compared in full.
+    """
+    first_at: dict[int, int] = {}
     out = []
     for i, (name, t) in enumerate(items):
         alias = -1
         if is_source and t.numel():
-            alias = seen.setdefault((t.data_ptr(), t.dtype, t.shape, t.stride(), t.device), i)
-            alias = -1 if alias == i else alias
-        out.append((name, str(t.dtype), tuple(t.shape), alias))
+            ptr = t.data_ptr()
+            first = first_at.setdefault(ptr, i)
+            if first != i:  # rare: scan every earlier tensor at this address
+                alias = next((j for j in range(first, i) if items[j][1].numel() and items[j][1].data_ptr() == ptr and _same_tensor(items[j][1], t)), -1)
+        dtype = t.dtype
+        out.append((name, _DTYPE_NAMES.get(dtype) or _DTYPE_NAMES.setdefault(dtype, str(dtype)), tuple(t.shape), alias))
     return out
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride() and a.device == b.device
 
 
 def _mismatch(source: list[Entry], mine: list[Entry]) -> str | None:
@@ -139,11 +166,12 @@ def _agree(ctx: CommContext, comm: Any, state_dict: Any, src: Any, bucket_bytes:
         memory.unfinished.finish()
         memory.unfinished = None
     kept = memory.plans.get(src) if src is not None else None
-    words = [int(problem is not None), -1 if src is None else src, *_hash(sorted(e[:3] for e in manifest))]
-    words += [*(_hash((manifest, bucket_bytes)) if is_source and problem is None else (0, 0)), *(kept[0] if kept else (0, 0))]
-    rows = torch.empty(comm.world_size * _WORDS, dtype=torch.int64, device=comm.device)
-    comm.all_gather(rows, torch.tensor(words, dtype=torch.int64, device=comm.device))
-    rows = rows.view(comm.world_size, _WORDS).tolist()
+    if problem is None:
+        tensors_key, plan_key = memory.hashes(manifest, bucket_bytes, is_source)
+    else:
+        tensors_key, plan_key = _hash(sorted(e[:3] for e in manifest)), (0, 0)
+    words = [int(problem is not None), -1 if src is None else src, *tensors_key, *plan_key, *(kept[0] if kept else (0, 0))]
+    rows = _exchange(comm, words)
     if any(row[0] for row in rows):
         _raise_problems(list(zip(comm.ranks, all_gather_objects(problem, comm.group, comm.device))))
     if len({row[1] for row in rows}) > 1:
@@ -164,8 +192,41 @@ def _agree(ctx: CommContext, comm: Any, state_dict: Any, src: Any, bucket_bytes:
         plan = build_plan(*offer[0])
         memory.plans[src] = ((source[4], source[5]), plan)
     by_name = dict(items or ())
-    memory.unfinished = Pipeline(comm, plan, [by_name[name].detach() for name in plan.names], src, is_source, memory.slots)
+    tensors = [by_name[name] for name in plan.names]
+    tensors = [t.detach() if t.requires_grad else t for t in tensors]  # the pipeline writes them in place
+    memory.unfinished = Pipeline(comm, plan, tensors, src, is_source, memory.slots)
     return memory.unfinished
+
+
+def _exchange(comm: Any, words: list[int]) -> list[list[int]]:
+    """Every member's ``words``, in group-rank order, on every member: the handshake's one round.
+
+    Over gloo with host tensors, two hops of point-to-point messages through
+    group rank 0 (every other member sends it its words, it sends each of
+    them the table), which run in the calling threads. A gloo all-gather hands
+    its work to a worker thread and runs a ring: on 3 ranks of this 2-core
+    machine it took about twice as long (BENCHMARKS.md). Other backends
+    all-gather.
+    """
+    mine = torch.tensor(words, dtype=torch.int64, device=comm.device)
+    rows = torch.empty(comm.world_size, _WORDS, dtype=torch.int64, device=comm.device)
+    if not point_to_point(comm):
+        comm.all_gather(rows.view(-1), mine)
+        return rows.tolist()
+    group, peers = comm.group, range(1, comm.world_size)
+    try:
+        if comm.rank == 0:
+            rows[0] = mine
+            for work in [group.recv([rows[peer]], peer, _HANDSHAKE_TAG) for peer in peers]:
+                work.wait()
+            works = [group.send([rows], peer, _HANDSHAKE_TAG) for peer in peers]
+        else:
+            works = [group.send([mine], 0, _HANDSHAKE_TAG), group.recv([rows], 0, _HANDSHAKE_TAG)]
+        for work in works:
+            work.wait()
+    except RuntimeError as err:
+        raise comm._failure("broadcast_state_dict", err) from err
+    return rows.tolist()
 
 
 class StateDictTransfer:

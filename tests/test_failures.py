@@ -31,14 +31,20 @@ def _expect_failure(fn, kind):
 def _skip_task(rank, size, url):
     import torch
 
-    from rlightning_comm import CommContext, CommError, CommTimeoutError, collective
+    from rlightning_comm import CommContext, CommError, CommTimeoutError, broadcast_state_dict, collective
 
     ctx = init_world(rank, size, url, timeout=30)
     ctx.init_group([0, 1], "SYNC", timeout=GROUP_TIMEOUT)
     ctx.init_group([0, 1], "ASYNC", timeout=GROUP_TIMEOUT)
+    # A weight transfer each rank calls alone: the handshake's first hop (to group rank 0, then back) times out.
+    ctx.init_group([0, 1], "WEIGHTS_0", timeout=GROUP_TIMEOUT)
+    ctx.init_group([0, 1], "WEIGHTS_1", timeout=GROUP_TIMEOUT)
     t = torch.ones(4)
     collective.all_reduce(t, "SYNC")  # both ranks: the group works before the fault
     out = {"before": t.tolist()}
+    weights = {"w": torch.full((3,), float(rank))}
+    out["weights"] = _expect_failure(lambda: broadcast_state_dict(weights, f"WEIGHTS_{rank}", src=0), CommTimeoutError)
+    out["weights_kept"] = weights["w"].tolist()
     if rank == 0:
         # Rank 1 skips both calls and goes on to the GLOBAL barrier below.
         out["sync"] = _expect_failure(lambda: collective.all_reduce(t, "SYNC"), CommTimeoutError)
@@ -51,6 +57,12 @@ def _skip_task(rank, size, url):
 
 def test_skipped_collective_raises_timeout_naming_mode_op_and_timeout(world2):
     results = world2.run(_skip_task, timeout=60)
+    for rank, result in enumerate(results):  # the source (group rank 0) alone, then the destination alone
+        got = result.pop("weights")
+        assert got is not None, f"rank {rank}: no CommTimeoutError from broadcast_state_dict"
+        assert f"broadcast_state_dict on mode 'WEIGHTS_{rank}' timed out after {GROUP_TIMEOUT:g} s" in got["msg"], got
+        assert GROUP_TIMEOUT - 0.1 <= got["elapsed"] <= GROUP_TIMEOUT + BOUND, got
+        assert result.pop("weights_kept") == [float(rank)] * 3
     assert results[1] == {"before": [2.0] * 4}
     r0 = results[0]
     assert r0["before"] == [2.0] * 4

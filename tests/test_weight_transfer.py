@@ -103,19 +103,21 @@ def _count(rank: int, size: int, url: str) -> dict:
 
 
 def test_collectives_per_call_are_bounded_by_buckets_not_tensors(world2) -> None:
-    """24 tensors (3 of at least 256 KiB, 21 small): 3 pieces in place and 1 bucket, plus one all-gather of the verdicts.
+    """24 tensors (3 of at least 256 KiB, 21 small): 3 pieces in place and 1 bucket, plus one exchange of the verdicts.
 
-    Over gloo each unit is a send from the source and a receive on the destination. The first call and a call after
-    the manifest changed also broadcast the manifest (2 broadcasts: sizes, then bytes).
+    Over gloo each unit is a send from the source and a receive on the destination, and the exchange is a send of
+    the destination's words to group rank 0 and a send of the table back. The first call and a call after the
+    manifest changed also broadcast the manifest (2 broadcasts: sizes, then bytes).
     """
     results = world2.run(_count)
     assert results[1]["final"] == results[0]["final"]
     for rank, result in enumerate(results):
-        data = {"gloo:send": 4} if rank == 0 else {"gloo:recv": 4}
+        # 4 units from the source, 1 message of the exchange each way
+        moved = {"gloo:send": 4 + 1, "gloo:recv": 1} if rank == 0 else {"gloo:send": 1, "gloo:recv": 4 + 1}
         first, steady, changed = result["counts"]
-        assert first == {"gloo:all_gather": 1, "gloo:broadcast": 2, **data}
-        assert steady == {"gloo:all_gather": 1, **data}
-        assert changed == {"gloo:all_gather": 1, "gloo:broadcast": 2, **data}
+        assert first == {"gloo:broadcast": 2, **moved}
+        assert steady == moved
+        assert changed == {"gloo:broadcast": 2, **moved}
 
 
 def _async_and_threads(rank: int, size: int, url: str) -> dict:
@@ -183,7 +185,18 @@ def _named_list_with_non_member(rank: int, size: int, url: str) -> dict:
     from rlightning_comm import describe_layout
 
     view = asdict(describe_layout()["WEIGHT_TRANSFER"])
-    return {"handle": handle is not None, "before": before, "after": digests(named), "view": view}
+    # On the world, from global rank 3: the source is not group rank 0, which coordinates the handshake.
+    world = {"x": torch.randn(300, 300, generator=gen), "y": torch.randn(3, generator=gen)}
+    world_before = digests(world.items())
+    broadcast_state_dict(world, comm_mode=CommMode.GLOBAL, src=3)
+    return {
+        "handle": handle is not None,
+        "before": before,
+        "after": digests(named),
+        "view": view,
+        "world_before": world_before,
+        "world": digests(world.items()),
+    }
 
 
 def test_named_tensor_list_and_non_member(world4) -> None:
@@ -200,6 +213,8 @@ def test_named_tensor_list_and_non_member(world4) -> None:
     assert results[2]["after"] == source
     assert results[0]["after"] == source and results[3]["after"] == source
     assert results[1]["after"] == results[1]["before"] != source  # the non-member is untouched
+    assert [r["world"] for r in results] == [results[3]["world_before"]] * 4
+    assert results[0]["world_before"] != results[3]["world_before"]
 
 
 def _one_bad_rank(rank: int, size: int, url: str, case: str) -> dict:
