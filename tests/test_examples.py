@@ -19,7 +19,7 @@ def _run(*cmd: str, timeout: float = 120) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{cmd} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     return proc.stdout
 
@@ -124,7 +124,7 @@ def test_parallel_layout_example_runs_without_numpy(tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{fake.parent}{os.pathsep}{ROOT}"}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
-    proc = subprocess.run([sys.executable, "examples/parallel_layout.py", "--nproc", "4", "--simulated-nodes", "2", "--tp", "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run([sys.executable, "examples/parallel_layout.py", "--nproc", "4", "--simulated-nodes", "2", "--tp", "2"], check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Failed to initialize NumPy" in proc.stderr  # numpy really was missing
     assert "checks: all passed" in proc.stdout and "bit-identical" in proc.stdout, proc.stdout

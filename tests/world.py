@@ -12,6 +12,7 @@ test.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -205,10 +206,8 @@ class World:
     def close(self) -> None:
         """Stop every rank (politely, then by force) and forget the queues."""
         for q in self._tasks:
-            try:
+            with contextlib.suppress(Exception):  # a rank's queue may be closed already: it is being stopped anyway
                 q.put(None)
-            except Exception:  # noqa: BLE001
-                pass
         for p in self._procs:
             p.join(timeout=2)
             if p.is_alive():
