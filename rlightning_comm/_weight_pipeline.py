@@ -290,9 +290,9 @@ class Pipeline:
         if self._tensors is None:
             return
         if self._is_source and self._posted:
-            for work in self._posted:  # every destination's receives are posted: gloo writes each send from this thread
+            posted, self._posted = self._posted, []  # each gloo point-to-point work is waited once, even if one raises
+            for work in posted:  # every destination's receives are posted: gloo writes each send from this thread
                 work.wait()
-            self._posted = []
         self.start()  # a destination tells the source before it waits for anything
         while self._step(block=True):
             pass
@@ -300,12 +300,13 @@ class Pipeline:
             # Wait for the last unit first: a pair's messages complete in order, so the others are done by then and
             # this thread wakes once, not once per unit (gloo's point-to-point work must be waited exactly once).
             works, *rest = self._pending[-1]
+            self._pending[-1] = ([], *rest)
             for work in works:
                 work.wait()
-            self._pending[-1] = ([], *rest)
         while self._pending:
             self._complete(self._pending.popleft())
-        for work in self._posted or ():
+        posted, self._posted = self._posted or [], []
+        for work in posted:
             work.wait()
         if not self._is_source:
             for index, alias in self._plan.aliases:
