@@ -9,6 +9,9 @@
   (``parameters_to_vector``), one async broadcast per dtype, wait, and the receivers copy
   the flat vector back into their tensors (its metadata list goes over Ray, not counted here);
 * per tensor: one ``torch.distributed.broadcast`` per tensor, in place;
+* sends per tensor: hand-written point-to-point, in place: each destination posts a
+  ``torch.distributed.irecv`` per tensor and tells the source (one small send), the source
+  then ``isend``s every tensor to every destination (no handshake, no coalescing);
 * limit: one ``torch.distributed.broadcast`` of a ready flat buffer of the same bytes (no packing at all).
 
 Interleaved rounds (the order rotates each round); a round's time for a way is
@@ -85,10 +88,23 @@ def _task(rank: int, nproc: int, rounds: int, bucket_bytes: int) -> dict:
         for t in tensors:
             dist.broadcast(t, src=0, group=group)
 
+    token = torch.zeros(1, dtype=torch.uint8)
+
+    def sends_per_tensor() -> None:
+        if rank == 0:
+            for peer in range(1, nproc):
+                dist.recv(token, src=peer, group=group)
+            works = [dist.isend(t, dst=peer, group=group) for t in tensors for peer in range(1, nproc)]
+        else:
+            works = [dist.irecv(t, src=0, group=group) for t in tensors]
+            dist.send(token, dst=0, group=group)
+        for work in works:
+            work.wait()
+
     def limit() -> None:
         dist.broadcast(flat, src=0, group=group)
 
-    ways = {"library": library, "rlightning": rlightning, "per_tensor": per_tensor, "limit": limit}
+    ways = {"library": library, "rlightning": rlightning, "per_tensor": per_tensor, "sends_per_tensor": sends_per_tensor, "limit": limit}
     identical = {}
     for name, fn in ways.items():
         if name == "limit":

@@ -204,14 +204,20 @@ class Pipeline:
         return self._point_to_point(lambda: [group.recv([data], self._src_rank, _TAG)])
 
     def _in_place(self, unit: Unit) -> torch.Tensor | None:
-        """The piece itself when it can be moved without a copy here (contiguous, on the communicator's device)."""
+        """The piece's own memory when it can be moved without a copy here (contiguous, on the communicator's device).
+
+        A send moves bytes whatever the dtype, so over gloo the piece goes as it
+        is; a broadcast gets its bytes (``uint8``), which any backend takes.
+        """
         if not unit.direct:
             return None
         piece = unit.pieces[0]
         view = _view(self._tensors[piece.index], piece.where)
-        if not (view.is_cpu if self._fan_out else view.device == self._device) or not view.is_contiguous():
+        if self._fan_out:
+            return view if view.is_cpu and view.is_contiguous() else None
+        if view.device != self._device or not view.is_contiguous():
             return None
-        return view
+        return view.reshape(-1).view(torch.uint8)
 
     def _stage(self, staged: torch.Tensor, unit: Unit, pack: bool) -> None:
         """Copy every piece of ``unit`` into ``staged`` (``pack``) or out of it.

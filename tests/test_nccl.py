@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from rlightning_comm import CommContext, CommMode, NcclCommunicator, collective
+from rlightning_comm import CommContext, CommMode, NcclCommunicator, broadcast_state_dict, collective
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="NCCL needs CUDA; this machine has none")
 
@@ -44,4 +44,14 @@ def test_every_op_on_nccl_world_size_one(tmp_path, monkeypatch):
     assert objs == [{"a": 1}]
     got = collective.all_reduce_dict({"x": 2, "y": torch.ones(2, device=dev)}, g)
     assert got["x"] == 2.0 and got["y"].device == dev
+    # Weight transfer broadcasts each unit on NCCL: GPU tensors in place, host ones (and a transposed one) through the GPU buckets.
+    weights = {
+        "w": torch.randn(512, 512, device=dev),
+        "w_t": torch.randn(64, 32, device=dev).t(),
+        "host": torch.arange(5.0),
+        "b": torch.ones(3, dtype=torch.bfloat16, device=dev),
+    }
+    kept = {name: t.clone() for name, t in weights.items()}
+    broadcast_state_dict(weights, g, src=0, bucket_bytes=4096)
+    assert all(torch.equal(weights[name], kept[name]) and weights[name].device == kept[name].device for name in kept)  # the source's tensors are only read
     collective.barrier(g)

@@ -14,7 +14,7 @@ BIG = (300, 300)  # 360 KB of float32: at least 256 KiB, so it travels in place 
 
 def digests(named) -> dict[str, str]:
     """sha256 of each tensor's raw bytes in logical order: equal digests mean bit-identical tensors."""
-    return {name: hashlib.sha256(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest() for name, t in named}
+    return {name: hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest() for name, t in named}
 
 
 def _random(shape, dtype, gen) -> torch.Tensor:
@@ -119,6 +119,28 @@ def test_collectives_per_call_are_bounded_by_buckets_not_tensors(world2) -> None
         assert first == {"gloo:broadcast": 2, **moved}
         assert steady == moved
         assert changed == {"gloo:broadcast": 2, **moved}
+
+
+def _transfer_cuda_over_gloo(rank: int, size: int, url: str) -> dict:
+    from rlightning_comm import broadcast_state_dict
+
+    ctx = init_world(rank, size, url)
+    ctx.init_weight_transfer_group(src=0, dst_ranks=[1])
+    state, _ = _state(rank)
+    # Every other tensor on the GPU: gloo's sends read host memory, so those travel staged through the host buckets.
+    state = {name: t.cuda() if i % 2 == 0 else t for i, (name, t) in enumerate(state.items())}
+    devices = {name: str(t.device) for name, t in state.items()}
+    before = digests(state.items())
+    for bucket_bytes in (16384, 1 << 20):
+        broadcast_state_dict(state, bucket_bytes=bucket_bytes)
+    return {"before": before, "after": digests(state.items()), "devices": devices, "devices_after": {name: str(t.device) for name, t in state.items()}}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA tensors need a GPU; this machine has none")
+def test_cuda_tensors_over_gloo_arrive_bit_identical(world2) -> None:
+    source, dst = world2.run(_transfer_cuda_over_gloo)
+    assert dst["before"] != source["before"] and dst["after"] == source["before"] == source["after"]
+    assert dst["devices_after"] == dst["devices"] == source["devices"] and "cuda:0" in source["devices"].values()
 
 
 def _async_and_threads(rank: int, size: int, url: str) -> dict:
