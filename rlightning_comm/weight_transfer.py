@@ -306,7 +306,7 @@ def broadcast_state_dict(
         TypeError, ValueError: a bad argument (``src``, ``bucket_bytes``,
             ``state_dict``) or a mismatch on any member, raised on every member.
         ModeNotBoundError: ``comm_mode`` is not bound on this rank.
-        CommTimeoutError, CommError: a broadcast failed.
+        CommTimeoutError, CommError: a transfer (a send, receive or broadcast) failed, or a peer never joined.
     """
     comm = CommContext().get_communicator(comm_mode)
     if not comm.is_member:
