@@ -17,7 +17,10 @@ rank, which dominated the transfer of a model of many tensors, while a send
 starts in the calling thread. A 3-rank broadcast of a model of 121 tensors
 took 0.5x the speed of one broadcast of the same bytes as broadcasts, about
 0.8x as sends (``benchmarks/bench_weight_transfer.py``). Any other backend
-broadcasts each unit (NCCL's broadcast is pipelined on the device).
+broadcasts each unit (NCCL's broadcast is pipelined on the device), and so
+does gloo when stats or debug mode instruments the communicator's
+``broadcast`` on any member (the handshake tells every rank): then every unit
+is counted and fingerprinted like any broadcast.
 
 Over gloo each destination also tells the source, with one small message,
 once it has posted every receive it can without waiting, and a blocking
@@ -149,16 +152,18 @@ class Pipeline:
 
     Args:
         comm: The communicator: its ``broadcast``, or its process group's
-            ``send``/``recv`` over gloo, carries every unit.
+            ``send``/``recv`` (``sends``), carries every unit.
         plan: The transfer's plan (the same on every rank).
         tensors: This rank's tensors, in the plan's order.
         src: Global rank of the source.
         is_source: Whether this rank sends.
         slots: The two staging buffers, kept across calls (fresh pages cost
             more to fault in than the copy into them); grown here when too small.
+        sends: Move the units point to point (gloo on host memory, the same on
+            every member) rather than by the communicator's ``broadcast``.
     """
 
-    def __init__(self, comm: Any, plan: Plan, tensors: list[torch.Tensor], src: int, is_source: bool, slots: list[torch.Tensor | None]) -> None:
+    def __init__(self, comm: Any, plan: Plan, tensors: list[torch.Tensor], src: int, is_source: bool, slots: list[torch.Tensor | None], sends: bool) -> None:
         self._comm = comm
         self._plan = plan
         self._tensors: list[torch.Tensor] | None = tensors
@@ -170,7 +175,7 @@ class Pipeline:
         self._next_unit = 0
         # (works, slot or -1, unit, the staging bytes or None) in launch order.
         self._pending: deque[tuple[list[Any], int, Unit, torch.Tensor | None]] = deque()
-        self._fan_out = point_to_point(comm)
+        self._fan_out = sends
         src_rank = comm._group_rank_of[src]
         self._src_rank = src_rank
         self._peers = [r for r in range(comm.world_size) if r != src_rank]

@@ -5,7 +5,7 @@ The agreement is one exchange of a few integers per rank: each rank's
 verdict on its own arguments, the source it names, a hash of its tensors'
 names, dtypes and shapes, and the plan it kept from its last call (over gloo
 two hops of point-to-point messages through group rank 0, otherwise an
-all-gather). When every
+all-gather), and whether stats or debug mode instruments its broadcasts. When every
 rank holds the plan of the source's current manifest (the steady state of a
 training loop), that is all; otherwise the source broadcasts its manifest
 (one small object broadcast) and every rank builds the plan. A bad argument or
@@ -57,7 +57,7 @@ class _Kept:
 
 # Dies with its communicator (a destroyed context frees the buffers).
 _kept: weakref.WeakKeyDictionary[Any, _Kept] = weakref.WeakKeyDictionary()
-_WORDS = 8  # per rank: status, src, sorted-manifest hash (2), source's manifest key (2), kept key (2)
+_WORDS = 9  # per rank: status, src, sorted-manifest hash (2), source's manifest key (2), kept key (2), instrumented
 _HANDSHAKE_TAG = 0x5755  # the point-to-point tag of the exchange over gloo (the data's is the next-lower one)
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
@@ -170,7 +170,7 @@ def _agree(ctx: CommContext, comm: Any, state_dict: Any, src: Any, bucket_bytes:
         tensors_key, plan_key = memory.hashes(manifest, bucket_bytes, is_source)
     else:
         tensors_key, plan_key = _hash(sorted(e[:3] for e in manifest)), (0, 0)
-    words = [int(problem is not None), -1 if src is None else src, *tensors_key, *plan_key, *(kept[0] if kept else (0, 0))]
+    words = [int(problem is not None), -1 if src is None else src, *tensors_key, *plan_key, *(kept[0] if kept else (0, 0)), int(_instrumented(comm))]
     rows = _exchange(comm, words)
     if any(row[0] for row in rows):
         _raise_problems(list(zip(comm.ranks, all_gather_objects(problem, comm.group, comm.device))))
@@ -194,8 +194,14 @@ def _agree(ctx: CommContext, comm: Any, state_dict: Any, src: Any, bucket_bytes:
     by_name = dict(items or ())
     tensors = [by_name[name] for name in plan.names]
     tensors = [t.detach() if t.requires_grad else t for t in tensors]  # the pipeline writes them in place
-    memory.unfinished = Pipeline(comm, plan, tensors, src, is_source, memory.slots)
+    sends = point_to_point(comm) and not any(row[8] for row in rows)  # the same choice on every member
+    memory.unfinished = Pipeline(comm, plan, tensors, src, is_source, memory.slots, sends)
     return memory.unfinished
+
+
+def _instrumented(comm: Any) -> bool:
+    """Whether stats or debug mode wraps this communicator's ``broadcast`` (an instance attribute over the class's method)."""
+    return "broadcast" in vars(comm)
 
 
 def _exchange(comm: Any, words: list[int]) -> list[list[int]]:

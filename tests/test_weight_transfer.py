@@ -143,6 +143,45 @@ def test_cuda_tensors_over_gloo_arrive_bit_identical(world2) -> None:
     assert dst["devices_after"] == dst["devices"] == source["devices"] and "cuda:0" in source["devices"].values()
 
 
+def _instrumented(rank: int, size: int, url: str) -> dict:
+    from rlightning_comm import broadcast_state_dict
+
+    ctx = init_world(rank, size, url)
+    ctx.init_weight_transfer_group(src=0, dst_ranks=[1])
+    gen = torch.Generator().manual_seed(rank)
+    state = {"big": torch.randn(*BIG, generator=gen), "small": torch.randn(10, generator=gen), "ids": torch.arange(7) * rank}
+    out = {"sent": digests(state.items())}
+    if rank == 0:  # stats on the source only: every member must still choose the same way to move the units
+        ctx.enable_stats()
+    broadcast_state_dict(state)
+    out["after_stats"] = digests(state.items())
+    if rank == 0:
+        out["stats"] = ctx.stats().get("WEIGHT_TRANSFER", {})
+        ctx.disable_stats()
+        ctx.reset_stats()
+    with torch.no_grad():
+        for t in state.values():
+            t.add_(rank + 1)
+    out["sent_debug"] = digests(state.items())
+    ctx.set_debug(True)  # on every rank: each unit's broadcast is fingerprinted
+    try:
+        broadcast_state_dict(state)
+    finally:
+        ctx.set_debug(False)
+    out["after_debug"] = digests(state.items())
+    return out
+
+
+def test_stats_on_one_rank_and_debug_mode_see_every_unit(world2) -> None:
+    source, dst = world2.run(_instrumented)
+    assert dst["sent"] != source["sent"] and dst["after_stats"] == source["sent"]
+    assert dst["sent_debug"] != source["sent_debug"] and dst["after_debug"] == source["sent_debug"]
+    # Two units, each a counted broadcast: "big" in place, and one bucket of "small" and "ids" (aligned to 16 bytes).
+    stats = source["stats"]
+    assert stats["broadcast"]["count"] == 2, stats
+    assert 300 * 300 * 4 + 10 * 4 + 7 * 8 <= stats["broadcast"]["bytes"] <= 300 * 300 * 4 + 10 * 4 + 7 * 8 + 16, stats
+
+
 def _async_and_threads(rank: int, size: int, url: str) -> dict:
     import torch.distributed as dist
 
