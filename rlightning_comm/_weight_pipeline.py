@@ -175,13 +175,13 @@ class Pipeline:
         self._next_unit = 0
         # (works, slot or -1, unit, the staging bytes or None) in launch order.
         self._pending: deque[tuple[list[Any], int, Unit, torch.Tensor | None]] = deque()
-        self._fan_out = sends
+        self._sends = sends
         src_rank = comm._group_rank_of[src]
         self._src_rank = src_rank
         self._peers = [r for r in range(comm.world_size) if r != src_rank]
         # Over gloo: on the source, the receives of every destination's "posted" message; on a destination, its send (once made).
         self._posted: list[Any] | None = None
-        if self._fan_out and is_source:
+        if self._sends and is_source:
             tokens = torch.empty(len(self._peers), dtype=torch.uint8)
             self._posted = self._point_to_point(lambda: [comm.group.recv([tokens[i : i + 1]], peer, _TAG) for i, peer in enumerate(self._peers)])
 
@@ -196,14 +196,14 @@ class Pipeline:
 
     def _tell_source(self) -> None:
         """On a destination over gloo, once: tell the source every receive that needs no wait is posted."""
-        if self._fan_out and not self._is_source and self._posted is None:
+        if self._sends and not self._is_source and self._posted is None:
             group, src = self._comm.group, self._src_rank
             self._posted = self._point_to_point(lambda: [group.send([torch.zeros(1, dtype=torch.uint8)], src, _TAG)])
 
     def _move(self, data: torch.Tensor) -> list[Any]:
         """Start moving ``data`` from the source to every destination; the handles to wait for."""
         comm = self._comm
-        if not self._fan_out:
+        if not self._sends:
             return [comm.broadcast(data, src=self._src, async_op=True)]
         group = comm.group
         if self._is_source:
@@ -220,7 +220,7 @@ class Pipeline:
             return None
         piece = unit.pieces[0]
         view = _view(self._tensors[piece.index], piece.where)
-        if self._fan_out:
+        if self._sends:
             return view if view.is_cpu and view.is_contiguous() else None
         if view.device != self._device or not view.is_contiguous():
             return None
@@ -324,10 +324,11 @@ class Pipeline:
         if not self._is_source:
             for index, alias in self._plan.aliases:
                 mine, theirs = self._tensors[index], self._tensors[alias]
-                if not _same_view(mine, theirs):
+                if not same_view(mine, theirs):
                     mine.copy_(theirs)
         self._tensors = None  # drop the references
 
 
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the very same view: address, dtype, shape, strides and device."""
     return a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride() and a.device == b.device

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rlightning_comm._weight_pipeline import Entry, Pipeline, Plan, build_plan, point_to_point
+from rlightning_comm._weight_pipeline import Entry, Pipeline, Plan, build_plan, point_to_point, same_view
 from rlightning_comm.communicators._objects import all_gather_objects
 from rlightning_comm.context import CommContext
 from rlightning_comm.modes import CommMode, ParallelMode
@@ -103,14 +103,10 @@ def _manifest(items: list[tuple[str, torch.Tensor]], is_source: bool) -> list[En
             ptr = t.data_ptr()
             first = first_at.setdefault(ptr, i)
             if first != i:  # rare: scan every earlier tensor at this address
-                alias = next((j for j in range(first, i) if items[j][1].numel() and items[j][1].data_ptr() == ptr and _same_tensor(items[j][1], t)), -1)
+                alias = next((j for j in range(first, i) if items[j][1].numel() and same_view(items[j][1], t)), -1)
         dtype = t.dtype
         out.append((name, _DTYPE_NAMES.get(dtype) or _DTYPE_NAMES.setdefault(dtype, str(dtype)), tuple(t.shape), alias))
     return out
-
-
-def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride() and a.device == b.device
 
 
 def _mismatch(source: list[Entry], mine: list[Entry]) -> str | None:
@@ -166,10 +162,8 @@ def _agree(ctx: CommContext, comm: Any, state_dict: Any, src: Any, bucket_bytes:
         memory.unfinished.finish()
         memory.unfinished = None
     kept = memory.plans.get(src) if src is not None else None
-    if problem is None:
-        tensors_key, plan_key = memory.hashes(manifest, bucket_bytes, is_source)
-    else:
-        tensors_key, plan_key = _hash(sorted(e[:3] for e in manifest)), (0, 0)
+    # With a problem anywhere every member raises before the keys are read.
+    tensors_key, plan_key = memory.hashes(manifest, bucket_bytes, is_source) if problem is None else ((0, 0), (0, 0))
     words = [int(problem is not None), -1 if src is None else src, *tensors_key, *plan_key, *(kept[0] if kept else (0, 0)), int(_instrumented(comm))]
     rows = _exchange(comm, words)
     if any(row[0] for row in rows):
