@@ -31,6 +31,16 @@ per message: with the receives posted first the same sends took 4 to 8%
 less CPU and about 5% less time here (BENCHMARKS.md). Each rank then waits
 for its last unit first: a pair's messages complete in order, so the
 waiting thread wakes once rather than once per unit.
+
+Over gloo the source never waits for a send before the destination has
+said it received it: each destination sends a receipt (one small message)
+when a bucket's receive completes and once the whole transfer has arrived,
+and the source waits for the receipts before the sends (which have then
+completed). gloo does not fail a send whose receiver died after posting the
+receive: each such send waits out the group's timeout, one after the other,
+while a receive from a dead peer fails at once. So a destination's death
+fails the source's transfer within milliseconds, for two small messages per
+destination per transfer (and one per bucket buffer reused).
 """
 
 from __future__ import annotations
@@ -179,11 +189,16 @@ class Pipeline:
         src_rank = comm._group_rank_of[src]
         self._src_rank = src_rank
         self._peers = [r for r in range(comm.world_size) if r != src_rank]
-        # Over gloo: on the source, the receives of every destination's "posted" message; on a destination, its send (once made).
+        # Over gloo: on the source, the receives of every destination's "posted" message; on a destination, its sends of
+        # that message and of its receipts (once made).
         self._posted: list[Any] | None = None
         if self._sends and is_source:
-            tokens = torch.empty(len(self._peers), dtype=torch.uint8)
-            self._posted = self._point_to_point(lambda: [comm.group.recv([tokens[i : i + 1]], peer, _TAG) for i, peer in enumerate(self._peers)])
+            self._posted = self._tokens()
+
+    def _tokens(self) -> list[Any]:
+        """On the source over gloo: the receives of one small message from every destination (its "posted" message or a receipt)."""
+        group, tokens = self._comm.group, torch.empty(len(self._peers), dtype=torch.uint8)
+        return self._point_to_point(lambda: [group.recv([tokens[i : i + 1]], peer, _TAG) for i, peer in enumerate(self._peers)])
 
     def _point_to_point(self, post: Any) -> list[Any]:
         """The library's handles of the sends or receives ``post()`` makes on the group."""
@@ -197,8 +212,12 @@ class Pipeline:
     def _tell_source(self) -> None:
         """On a destination over gloo, once: tell the source every receive that needs no wait is posted."""
         if self._sends and not self._is_source and self._posted is None:
-            group, src = self._comm.group, self._src_rank
-            self._posted = self._point_to_point(lambda: [group.send([torch.zeros(1, dtype=torch.uint8)], src, _TAG)])
+            self._posted = self._token()
+
+    def _token(self) -> list[Any]:
+        """On a destination over gloo: the send of one small message to the source."""
+        group, src = self._comm.group, self._src_rank
+        return self._point_to_point(lambda: [group.send([torch.zeros(1, dtype=torch.uint8)], src, _TAG)])
 
     def _move(self, data: torch.Tensor) -> list[Any]:
         """Start moving ``data`` from the source to every destination; the handles to wait for."""
@@ -264,9 +283,11 @@ class Pipeline:
 
     def _complete(self, entry: tuple[list[Any], int, Unit, torch.Tensor | None]) -> None:
         works, _, unit, staged = entry
-        for work in works:
+        for work in works:  # on the source over gloo a bucket's receipts come first: see _step
             work.wait()
         if staged is not None and not self._is_source:
+            if self._sends:
+                self._posted += self._token()  # the bucket's receipt: the source may reuse its buffer
             self._stage(staged, unit, pack=False)
 
     def _step(self, block: bool) -> bool:
@@ -283,7 +304,10 @@ class Pipeline:
             if self._is_source:
                 self._stage(staged, unit, pack=True)
             data = staged
-        self._pending.append((self._move(data), -1 if staged is None else 1 - self._next_slot, unit, staged))
+        works = self._move(data)
+        if staged is not None and self._sends and self._is_source:
+            works = self._tokens() + works  # the destinations' receipts, waited before the sends: see the module's docstring
+        self._pending.append((works, -1 if staged is None else 1 - self._next_slot, unit, staged))
         self._next_unit += 1
         return True
 
@@ -309,7 +333,10 @@ class Pipeline:
         self.start()  # a destination tells the source before it waits for anything
         while self._step(block=True):
             pass
-        if self._pending:
+        if self._sends and self._is_source:
+            for work in self._tokens():  # every destination's receipt of the whole transfer: then every send has completed
+                work.wait()
+        elif self._pending:
             # Wait for the last unit first: a pair's messages complete in order, so the others are done by then and
             # this thread wakes once, not once per unit (gloo's point-to-point work must be waited exactly once).
             works, *rest = self._pending[-1]
@@ -318,6 +345,8 @@ class Pipeline:
                 work.wait()
         while self._pending:
             self._complete(self._pending.popleft())
+        if self._sends and not self._is_source:
+            self._posted += self._token()  # the receipt of the whole transfer
         posted, self._posted = self._posted or [], []
         for work in posted:
             work.wait()
