@@ -155,7 +155,7 @@ def _agree(ctx: CommContext, comm: Any, state_dict: Any, src: Any, bucket_bytes:
     src, problem = _check_arguments(ctx, comm, src, bucket_bytes)
     items, bad_input = _named_tensors(state_dict)
     problem = problem or bad_input
-    is_source = src == ctx.get_global_rank()
+    is_source = src == comm.ranks[comm.rank]  # the numbering of src: the world's, or a connected mode's own
     manifest = _manifest(items, is_source) if items is not None else []
     memory = _kept.setdefault(comm, _Kept())
     if memory.unfinished is not None:  # every rank has it, in the same program order: complete it first

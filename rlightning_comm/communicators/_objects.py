@@ -22,27 +22,32 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions
 
 from rlightning_comm import _compat
 from rlightning_comm.errors import ObjectRefusedError
 
 
-def broadcast_objects(object_list: list[Any], src: int, group: dist.ProcessGroup, device: torch.device) -> list[memoryview] | None:
-    """Broadcast the pickles of ``object_list`` from global rank ``src``.
+def broadcast_objects(object_list: list[Any], root: int, is_src: bool, group: Any, device: torch.device) -> list[memoryview] | None:
+    """Broadcast the pickles of ``object_list`` from group rank ``root`` (this process when ``is_src``).
+
+    Calls the process group itself (as the communicators do), so it works on a
+    group outside torch's world too.
 
     Returns:
-        On a receiver, the ``len(object_list)`` payloads, not unpickled; ``None`` on ``src``
+        On a receiver, the ``len(object_list)`` payloads, not unpickled; ``None`` on the source
         or for an empty list (no collective then).
     """
     if not object_list:
         return None
-    is_src = dist.get_rank() == src
+    opts = dist.BroadcastOptions()
+    opts.rootRank = root
     if is_src:
         payloads = [pickle.dumps(obj) for obj in object_list]
         sizes = torch.tensor([len(p) for p in payloads], dtype=torch.long, device=device)
     else:
         sizes = torch.empty(len(object_list), dtype=torch.long, device=device)
-    dist.broadcast(sizes, src=src, group=group)
+    group.broadcast([sizes], opts).wait()
     if is_src:
         data = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).to(device)
     else:
@@ -51,7 +56,7 @@ def broadcast_objects(object_list: list[Any], src: int, group: dist.ProcessGroup
         buffer = bytearray(int(sizes.sum().item()))
         host = torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0, dtype=torch.uint8)  # frombuffer refuses b""
         data = host if device.type == "cpu" else torch.empty(len(buffer), dtype=torch.uint8, device=device)
-    dist.broadcast(data, src=src, group=group)
+    group.broadcast([data], opts).wait()
     if is_src:
         return None
     if data is not host:
@@ -65,17 +70,19 @@ def broadcast_objects(object_list: list[Any], src: int, group: dist.ProcessGroup
     return received
 
 
-def all_gather_objects(obj: Any, group: dist.ProcessGroup, device: torch.device) -> list[Any]:
+def all_gather_objects(obj: Any, group: Any, device: torch.device) -> list[Any]:
     """Every group rank's ``obj``, in group-rank order: torch's ``all_gather_object`` without numpy.
 
     For the library's own exchanges between trusted ranks (it unpickles what
     peers send): two all-gathers, of the pickle sizes and of the pickles
-    padded to the longest, received straight into one ``bytearray``.
+    padded to the longest, received straight into one ``bytearray``. Calls the
+    process group itself, so it works on a group outside torch's world too.
     """
     payload = pickle.dumps(obj)
-    world = dist.get_world_size(group)
+    world = group.size()
+    opts = AllgatherOptions()
     sizes = torch.empty(world, dtype=torch.long, device=device)
-    _compat.all_gather_single(sizes, torch.tensor([len(payload)], dtype=torch.long, device=device), group=group)
+    group.all_gather_single(sizes, torch.tensor([len(payload)], dtype=torch.long, device=device), opts).wait()
     lengths = sizes.tolist()  # one device-to-host copy for every rank's size
     width = max(lengths)
     padded = bytearray(width)
@@ -84,10 +91,10 @@ def all_gather_objects(obj: Any, group: dist.ProcessGroup, device: torch.device)
     buffer = bytearray(world * width)
     host = torch.frombuffer(buffer, dtype=torch.uint8)
     if device.type == "cpu":
-        _compat.all_gather_single(host, mine, group=group)
+        group.all_gather_single(host, mine, opts).wait()
     else:
         data = torch.empty(world * width, dtype=torch.uint8, device=device)
-        _compat.all_gather_single(data, mine.to(device), group=group)
+        group.all_gather_single(data, mine.to(device), opts).wait()
         host.copy_(data)
     raw = memoryview(buffer)
     return [pickle.loads(raw[r * width : r * width + n]) for r, n in enumerate(lengths)]

@@ -53,7 +53,7 @@ class TensorCollectives:
     _lock: Any
     _sync: Any
     _async: Any
-    # Provided by the other mixins: _on_device, the _check_<op> methods, _overlap, _failure, _handle, _barrier_options.
+    # Provided by the other mixins: _on_device, the _check_<op> methods, _overlap, _failure, _handle, _barrier_options, _traced_group.
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = _SUM, async_op: bool = False) -> Any | None:
         """Reduce ``tensor`` across the group, in place; every rank gets the result.
@@ -84,7 +84,7 @@ class TensorCollectives:
         if not plain:
             self._check_all_reduce(tensor, op, async_op)
         if compiling() or has_torch_function_unary(tensor):
-            return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+            return dist.all_reduce(tensor, op=op, group=self._traced_group("all_reduce"), async_op=async_op)
         if plain:
             opts = self._async.allreduce_sum if async_op else self._sync.allreduce_sum
         else:
@@ -140,7 +140,7 @@ class TensorCollectives:
             if output_tensor.dim() != input_tensor.dim():
                 output_tensor, input_tensor = output_tensor.view(-1), input_tensor.view(-1)
         if compiling() or has_torch_function_unary(input_tensor):
-            return _all_gather_flat(output_tensor, input_tensor, group=group, async_op=async_op)
+            return _all_gather_flat(output_tensor, input_tensor, group=self._traced_group("all_gather"), async_op=async_op)
         if not plain and input_tensor.is_complex():  # the check made both the same dtype
             output_tensor, input_tensor = torch.view_as_real(output_tensor), torch.view_as_real(input_tensor)
         opts = self._async.all_gather if async_op else self._sync.all_gather
@@ -182,10 +182,10 @@ class TensorCollectives:
             self._check_broadcast(tensor, src, async_op)
             src = operator.index(src)  # a rank the check accepted through __index__ (a 0-d tensor): the int the tables are keyed by
         if compiling():  # dynamo does not rewrite dist.broadcast: the functional one, copied back in place
-            tensor.copy_(funcol.wait_tensor(funcol.broadcast(tensor, self._group_rank_of[src], group)))
+            tensor.copy_(funcol.wait_tensor(funcol.broadcast(tensor, self._group_rank_of[src], self._traced_group("broadcast"))))
             return None
         if has_torch_function_unary(tensor):
-            return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+            return dist.broadcast(tensor, src=src, group=self._traced_group("broadcast"), async_op=async_op)
         if not plain:
             tensor = as_real(tensor)
         opts = self._async.broadcast[src] if async_op else self._sync.broadcast[src]
@@ -224,7 +224,7 @@ class TensorCollectives:
             dst = operator.index(dst)
         on_root = self._global_rank == dst
         if compiling() or has_torch_function_unary(tensor):
-            return dist.gather(tensor, list(gather_list) if on_root else None, dst=dst, group=group, async_op=async_op)
+            return dist.gather(tensor, list(gather_list) if on_root else None, dst=dst, group=self._traced_group("gather"), async_op=async_op)
         tensor, outputs = rooted_args(tensor, gather_list, on_root)
         opts = self._async.gather[dst] if async_op else self._sync.gather[dst]
         lock = self._lock
@@ -262,7 +262,7 @@ class TensorCollectives:
             src = operator.index(src)
         on_root = self._global_rank == src
         if compiling() or has_torch_function_unary(tensor):
-            return dist.scatter(tensor, list(scatter_list) if on_root else None, src=src, group=group, async_op=async_op)
+            return dist.scatter(tensor, list(scatter_list) if on_root else None, src=src, group=self._traced_group("scatter"), async_op=async_op)
         tensor, inputs = rooted_args(tensor, scatter_list, on_root)
         opts = self._async.scatter[src] if async_op else self._sync.scatter[src]
         lock = self._lock
@@ -316,7 +316,7 @@ class TensorCollectives:
             if input_.dim() != 1:
                 input_ = input_.view(-1)
         if compiling() or has_torch_function_unary(input_):
-            return _reduce_scatter_flat(output, input_, op=op, group=group, async_op=async_op)
+            return _reduce_scatter_flat(output, input_, op=op, group=self._traced_group("reduce_scatter"), async_op=async_op)
         if plain:
             opts = self._async.reduce_scatter_sum if async_op else self._sync.reduce_scatter_sum
         else:
@@ -373,7 +373,9 @@ class TensorCollectives:
         if not plain:
             self._check_all_to_all_single(output, input_, output_split_sizes, input_split_sizes, async_op)
         if compiling() or has_torch_function_unary(input_):
-            return dist.all_to_all_single(output, input_, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+            return dist.all_to_all_single(
+                output, input_, output_split_sizes, input_split_sizes, group=self._traced_group("all_to_all_single"), async_op=async_op
+            )
         if not plain and input_.is_complex():  # the check made both the same dtype
             output, input_ = torch.view_as_real(output), torch.view_as_real(input_)
         opts = self._async.all_to_all if async_op else self._sync.all_to_all
@@ -397,7 +399,7 @@ class TensorCollectives:
         if group is None:
             return None
         if compiling():
-            return dist.barrier(group=group, device_ids=self._barrier_device_ids())
+            return dist.barrier(group=self._traced_group("barrier"), device_ids=self._barrier_device_ids())
         opts = self._barrier_options()
         lock = self._lock
         if not lock.acquire(False):

@@ -20,6 +20,8 @@ class ValueCollectives:
 
     _group: Any
     _mode: str
+    _global_rank: int
+    _group_rank_of: dict[int, int]
     device: torch.device
 
     def broadcast_object_list(self, object_list: list[Any], src: int = 0, *, safe: bool | None = None, max_bytes: int | None = None) -> None:
@@ -60,7 +62,7 @@ class ValueCollectives:
         safe, max_bytes = _objects.resolve_options(safe, max_bytes, self._mode)
         with self._exclusive("broadcast_object_list"):
             try:
-                payloads = broadcast_objects(object_list, src, group, self.device)
+                payloads = broadcast_objects(object_list, self._group_rank_of[src], self._global_rank == src, group, self.device)
             except RuntimeError as err:
                 raise self._failure("broadcast_object_list", err) from err
         if payloads is not None:

@@ -71,6 +71,13 @@ class Communicator(InputChecks, InFlight, DirectLaunch, TensorCollectives, Value
         ranks: Global ranks of the group, in group-rank order.
         mode: Name of the mode this communicator is bound to (used in messages).
         timeout: The group's timeout in seconds (used in messages), if known.
+        rank: For a group outside torch.distributed's world (a connected mode, see
+            :meth:`CommContext.connect`): this process's rank in the numbering of
+            ``ranks``, whose ``src``/``dst`` then mean that numbering. ``None`` (a
+            group of the world) reads the world rank. A group outside the world is
+            a backend object that torch.distributed's functions do not know, so
+            its compiled and ``__torch_function__`` paths are refused
+            (:class:`CommError`); the eager path calls the group itself.
     """
 
     backend: ClassVar[str]
@@ -82,7 +89,7 @@ class Communicator(InputChecks, InFlight, DirectLaunch, TensorCollectives, Value
     integer_avg_supported: ClassVar[bool] = True
     """Whether ``ReduceOp.AVG`` works on integer tensors with this backend."""
 
-    def __init__(self, group: dist.ProcessGroup | None, ranks: Sequence[int], mode: str, timeout: float | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, ranks: Sequence[int], mode: str, timeout: float | None = None, *, rank: int | None = None) -> None:
         self._group = group
         self._timeout = None if timeout is None else float(timeout)
         self._init_claim()
@@ -90,7 +97,8 @@ class Communicator(InputChecks, InFlight, DirectLaunch, TensorCollectives, Value
         self._group_rank_of = {r: i for i, r in enumerate(self._ranks)}
         self._mode = str(mode)
         self._world_size = len(self._ranks)
-        self._global_rank = dist.get_rank() if dist.is_initialized() else 0
+        self._outside_world = rank is not None
+        self._global_rank = int(rank) if rank is not None else dist.get_rank() if dist.is_initialized() else 0
         if group is not None and self._global_rank not in self._group_rank_of:
             raise ValueError(f"global rank {self._global_rank} has a group for mode {self._mode!r} but is not in its ranks {list(self._ranks)}")
         self._rank = self._ranks.index(self._global_rank) if group is not None else -1
