@@ -8,6 +8,7 @@ so a torch release that moves it fails in one place (and in
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -35,6 +36,23 @@ TENSOR_PICKLE_GLOBALS = (("torch._utils", "_rebuild_tensor_v2"), ("torch.storage
 Safe mode's unpickler resolves exactly these (to checked replacements of its own); they are the wire format of
 ``torch.distributed.broadcast_object_list``, not functions the library calls.
 """
+
+
+BACKEND_METHODS = {"all_gather_single": "_allgather_base", "reduce_scatter_single": "_reduce_scatter_base", "all_to_all_single": "alltoall_base"}
+"""The methods of a backend object (``ProcessGroupGloo``, ``ProcessGroupNCCL``) that the communicators call by a ``ProcessGroup``'s name.
+
+A connected mode's group is a backend object built outside the world (no
+``ProcessGroup`` wraps it, which would take torch's private ``_register_backend``);
+it takes the same arguments under these names.
+"""
+
+
+def gloo_options(timeout: timedelta, host: str | None) -> Any:
+    """Options of a ``ProcessGroupGloo`` with ``timeout`` whose device listens on ``host`` (``None``: torch's default interface)."""
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host) if host else dist.ProcessGroupGloo.create_default_device()]
+    return opts
 
 
 def assume_constant_result(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -123,7 +123,7 @@ class _Checker:
     """
 
     def __init__(self, comm: Communicator, timeout: float) -> None:
-        self.store = dist.PrefixStore(f"rlightning_comm/debug/{_generation}/{comm.group.group_name}", rendezvous.world_store())
+        self.store = dist.PrefixStore(f"rlightning_comm/debug/{_generation}/{comm.group.group_name}", rendezvous.group_store(comm.group))
         self.timeout = timeout
         self.mode = comm.mode
         self.ranks = comm.ranks
