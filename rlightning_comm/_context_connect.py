@@ -10,6 +10,8 @@ import threading
 from collections.abc import Callable
 from datetime import timedelta
 
+import torch
+
 from rlightning_comm.communicators.base import Communicator
 from rlightning_comm.communicators.registry import get_communicator_class
 from rlightning_comm.config import GroupConfig
@@ -93,6 +95,7 @@ class ContextConnect:
 
         Raises:
             TypeError, ValueError, KeyError: a bad argument (before anything is sent).
+            RuntimeError: an NCCL backend without CUDA (before anything is sent).
             CommMismatchError: the members do not match (raised on every member, naming who differs).
             CommTimeoutError: a member did not arrive within ``timeout`` (named), or rank 0 could not be reached.
             PeerLostError: a member died while the group was being built.
@@ -112,6 +115,8 @@ class ContextConnect:
         cls = get_communicator_class(backend)
         if cls.backend not in ("gloo", "nccl"):
             raise ValueError(f"backend {backend!r} is built on {cls.backend!r}; a connected mode needs a backend built on 'gloo' or 'nccl'")
+        if cls.backend == "nccl" and not torch.cuda.is_available():
+            raise RuntimeError(f"backend {backend!r} needs CUDA, and torch.cuda.is_available() is False; connect with backend='gloo' on CPU")
         for label, value in (("rank", rank), ("world_size", world_size)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{label} must be an int; got {type(value).__name__} {value!r}")

@@ -27,7 +27,7 @@ from world import init_world
 
 from rlightning_comm import CommContext, CommError, CommMismatchError, CommMode, CommTimeoutError, PeerLostError, broadcast_state_dict, collective
 from rlightning_comm.communicators import _tensor_collectives
-from rlightning_comm.connect._forming import compare
+from rlightning_comm.connect._forming import compare, member_info
 
 MODE = "WEIGHT_SYNC"
 
@@ -132,6 +132,21 @@ def test_preflight_names_every_member_that_differs():
     problem = compare([info(0), info(1), info(1, world_size=4)], 3)
     assert "world_size differs" in problem and "rank 1 is claimed 2 times (pid 1, pid 1)" in problem and "no process claimed ranks [2]" in problem
     assert "rank 5 is out of range for world_size 3" in compare([info(0), info(1), info(5)], 3)
+
+
+def test_an_nccl_member_brings_its_nccl_version_and_cumem_setting(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 21, 5))
+    monkeypatch.setenv("NCCL_CUMEM_ENABLE", "0")
+    info = member_info(1, 3, "nccl", uses_nccl=True)
+    assert (info["nccl"], info["NCCL_CUMEM_ENABLE"], info["torch"]) == ("2.21.5", "0", torch.__version__)
+    assert "nccl" not in member_info(1, 3, "gloo", uses_nccl=False)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_nccl_without_cuda_is_refused_before_anything_is_sent():
+    with pytest.raises(RuntimeError, match="needs CUDA"):
+        CommContext().connect(MODE, rank=1, world_size=2, address="127.0.0.1:1", backend="nccl")  # nothing listens on port 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a connected NCCL mode needs a GPU; this machine has none")
@@ -330,7 +345,14 @@ def _member(role: str, rank: int, address: str, generations: range, out) -> None
             state = _model(g if rank == 0 else 50 + rank)
             broadcast_state_dict(state, MODE, src=0)
             out.put(("synced", role, g, ctx.get_generation(MODE), _digest(state), reform_s, os.getpid()))
-            if g == generations[-1] and role == "trainer" or g == 3:
+            if g == 3:  # the last generation: the trainer (the store's host) is killed; the engines' next calls name it
+                if role == "trainer":
+                    time.sleep(60)
+                try:
+                    while True:
+                        broadcast_state_dict(state, MODE, src=0)
+                except PeerLostError as err:
+                    out.put(("lost", role, g, time.monotonic(), err.generation, err.member))
                 break
             if role == "engine2":
                 out.put(("entering", g, os.getpid()))
@@ -345,7 +367,7 @@ def _member(role: str, rank: int, address: str, generations: range, out) -> None
         out.put(("failed", role, traceback.format_exc()))
 
 
-def test_engine_killed_during_transfer_is_replaced_three_times():
+def test_engine_killed_during_transfer_is_replaced_three_times_then_the_trainer_dies():
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "rlightning_comm"])
     out = ctx.Queue()
@@ -384,6 +406,9 @@ def test_engine_killed_during_transfer_is_replaced_three_times():
             got = [next_message(("synced",)) for _ in range(3)]
             synced.append(got)
             if g == 3:
+                os.kill(procs[0].pid, signal.SIGKILL)  # the trainer, idle
+                kills.append(time.monotonic())
+                lost.append([next_message(("lost",)) for _ in range(2)])
                 break
             _, _, pid = next_message(("entering",))
             time.sleep(0.02)
@@ -405,5 +430,5 @@ def test_engine_killed_during_transfer_is_replaced_three_times():
     assert len(pids) == 2, f"the trainer or engine 1 restarted: {pids}"
     for g, (kill, got) in enumerate(zip(kills, lost)):
         for _, role, gen, when, err_gen, member in got:
-            assert (gen, err_gen, member) == (g, g, 2), got
+            assert (gen, err_gen, member) == (g, g, 2 if g < 3 else 0), got  # engine 2 three times, then the trainer
             assert when - kill < 5.0, f"{role} learned of the death {when - kill:.2f} s after it (timeout 60 s)"

@@ -94,6 +94,7 @@ class Connection:
         self.group: Any = None
         self.watch: Watch | None = None
         self.lost: tuple[int | None, str] | None = None
+        self.lost_at: float | None = None  # time.monotonic() of the loss
         self.name = f"connected/{mode}/{generation}"  # the group's name (debug mode keys its checks by it)
         self._lost_event = threading.Event()
         self._lock = threading.Lock()
@@ -111,6 +112,7 @@ class Connection:
             if self.lost is not None:
                 return
             self.lost = (member, what)
+            self.lost_at = time.monotonic()
         self._refuse()
         if self.group is not None:
             break_group(self.group)
@@ -137,13 +139,18 @@ class Connection:
         """The communicator's failure translation: :class:`PeerLostError` once a loss is known, else the usual error.
 
         A timeout of the group stays a :class:`CommTimeoutError` (a member was
-        absent, whatever happened since); any other backend error waits briefly
-        for the watch, which tells a death within milliseconds.
+        absent) unless the loss was known well before it (then the timeout is
+        the loss's doing: gloo's sends to a receiver that died mid-message wait
+        it out); any other backend error waits briefly for the watch, which
+        tells a death within milliseconds.
         """
         if isinstance(err, PeerLostError):  # the stand-in of a lost generation
             return self._lost_error(op)
         error = comm_failure(err, self.mode, op, self.timeout)
-        if isinstance(error, CommTimeoutError) or (self.lost is None and not self._lost_event.wait(_VERDICT_WAIT)):
+        if isinstance(error, CommTimeoutError):
+            if self.lost_at is None or time.monotonic() - self.lost_at < _VERDICT_WAIT:
+                return error
+        elif self.lost is None and not self._lost_event.wait(_VERDICT_WAIT):
             return error
         return self._lost_error(op)
 

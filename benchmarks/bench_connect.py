@@ -1,0 +1,229 @@
+"""A connected mode across worlds: the weight sync against one raw broadcast, and what a member's death costs.
+
+``sync``: 3 processes, each in a world of its own (a 1-rank gloo world), joined
+by a connected mode (rank 0, the trainer, hosts it at 127.0.0.1); the trainer
+sends the 68 MiB model of 121 tensors of ``bench_weight_transfer.py`` to the
+two engines. Ways, on the same connected group, interleaved (the order
+rotates each round); a round's time for a way is the slowest member's, from a
+barrier to that member holding every tensor; medians over rounds, and the
+median of the per-round ratios to the limit's speed:
+
+* library: ``broadcast_state_dict(state, mode, src=0)``, in place (the steady state: the plan is kept);
+* load: the same, into the ``load`` callable, where this checkout has it;
+* limit: one broadcast of a ready flat buffer of the same bytes, by the group itself (no packing at all).
+
+``loss``: a trainer (member 0), an engine that survives (member 1) and an
+engine replaced after each death (member 2, forked from a server that
+imported torch once). Each round member 2 enters a transfer of a 12 MiB model
+and is SIGKILLed; recorded: the time from the kill to each survivor's
+``PeerLostError``, and the time to re-form (the slowest member's ``connect``,
+from the moment every member, the replacement included, is ready to call it).
+
+    python benchmarks/bench_connect.py [--rounds 20] [--kills 10] [--only sync|loss]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import queue
+import signal
+import statistics
+import subprocess
+import tempfile
+import time
+import traceback
+
+from _common import machine, print_speed_table, run_ranks
+from bench_weight_transfer import _model, measure
+
+MODE = "WEIGHT_SYNC"
+
+
+# ---------------------------------------------------------------------------- sync
+def _sync_task(rank: int, nproc: int, rounds: int, address_file: str) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from rlightning_comm import CommContext, broadcast_state_dict
+
+    ctx = CommContext()  # in a world of its own (run_ranks(own_worlds=True))
+    if rank == 0:
+        address = ctx.listen("127.0.0.1:0")
+        with open(address_file + ".tmp", "w") as f:
+            f.write(address)
+        os.replace(address_file + ".tmp", address_file)
+    else:
+        while not os.path.exists(address_file):
+            time.sleep(0.01)
+        with open(address_file) as f:
+            address = f.read()
+    comm = ctx.connect(MODE, rank=rank, world_size=nproc, address=address, timeout=300)
+    state = _model(seed=rank)
+    tensors = list(state.values())
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    flat = torch.empty(total, dtype=torch.uint8)
+    root = dist.BroadcastOptions()
+    root.rootRank = 0
+
+    def load(named_tensors) -> None:  # an engine that copies each bucket's tensors into its own (same names here)
+        for name, t in named_tensors:
+            state[name].copy_(t)
+
+    def library() -> None:
+        broadcast_state_dict(state, MODE, src=0)
+
+    def via_load() -> None:
+        broadcast_state_dict(state if rank == 0 else load, MODE, src=0)
+
+    def limit() -> None:
+        comm.group.broadcast([flat], root).wait()
+
+    ways = {"library": library, "load": via_load, "limit": limit} if _has_load(broadcast_state_dict) else {"library": library, "limit": limit}
+
+    def slowest(elapsed: torch.Tensor) -> None:
+        comm.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+
+    times, identical = measure(ways, rank, tensors, rounds, comm.barrier, slowest)
+    return {"times": times, "identical": identical, "bytes": total, "tensors": len(tensors)}
+
+
+def _has_load(fn) -> bool:
+    """Whether this checkout's broadcast_state_dict takes a ``load`` callable on destinations (its docstring says so)."""
+    return "load(" in (fn.__doc__ or "")
+
+
+def sync(rounds: int) -> None:
+    load = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
+    out = run_ranks(_sync_task, 3, rounds, os.path.join(tempfile.mkdtemp(prefix="rlc-bench-connect-"), "address"), timeout=1200, own_worlds=True)[0]
+    print(f"{machine()}; 3 processes, each in its own gloo world, joined by a connected mode (1 trainer, 2 engines)")
+    print(f"{out['tensors']} tensors, {out['bytes'] / 2**20:.1f} MiB; {rounds} interleaved rounds; load before: {load}")
+    print()
+    print_speed_table(out["times"], out["identical"])
+    if "load" not in out["times"]:
+        print("\n(the load callable is not in this checkout: not measured)")
+    print(f"\nload after: {os.getloadavg()}")
+    if not all(out["identical"].values()):
+        raise SystemExit("a way left an engine different from the trainer")
+
+
+# ---------------------------------------------------------------------------- loss
+def _loss_member(role: str, rank: int, address: str, control, out) -> None:
+    """Member 0 and 1 run every round; each member 2 runs one. ``control`` says when to connect."""
+    try:
+        from rlightning_comm import CommContext, PeerLostError, broadcast_state_dict
+
+        ctx = CommContext()
+        if role == "trainer":
+            address = ctx.listen("127.0.0.1:0")
+            out.put(("address", address))
+        state = {name: t for name, t in list(_model(seed=rank).items())[:13]}  # about 12 MiB
+        while True:
+            out.put(("ready", role))
+            if control.get(timeout=300) == "stop":
+                break
+            t0 = time.monotonic()
+            ctx.connect(MODE, rank=rank, world_size=3, address=address, timeout=120)
+            out.put(("formed", role, t0, time.monotonic(), ctx.get_generation(MODE)))
+            broadcast_state_dict(state, MODE, src=0)
+            if role == "engine2":
+                out.put(("entering", os.getpid()))
+            try:
+                while True:
+                    broadcast_state_dict(state, MODE, src=0)
+            except PeerLostError as err:
+                out.put(("lost", role, time.monotonic(), err.member))
+        ctx.destroy()
+    except BaseException:  # noqa: BLE001 - the traceback goes to the parent
+        out.put(("failed", role, traceback.format_exc()))
+
+
+def loss(kills: int) -> None:
+    load = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "rlightning_comm"])
+    out = ctx.Queue()
+    controls = {role: ctx.Queue() for role in ("trainer", "engine1")}
+    procs = []
+    pending: list = []
+
+    def wait_for(kind: str):
+        for i, message in enumerate(pending):
+            if message[0] == kind:
+                return pending.pop(i)
+        while True:
+            message = out.get(timeout=300)
+            if message[0] == "failed":
+                raise RuntimeError(f"{message[1]} failed:\n{message[2]}")
+            if message[0] == kind:
+                return message
+            pending.append(message)
+
+    def start(role, rank, address, control):
+        p = ctx.Process(target=_loss_member, args=(role, rank, address, control, out), daemon=True)
+        p.start()
+        procs.append(p)
+
+    detect: dict[str, list[float]] = {"trainer": [], "engine1": []}
+    reform: list[float] = []
+    try:
+        start("trainer", 0, "", controls["trainer"])
+        address = wait_for("address")[1]
+        start("engine1", 1, address, controls["engine1"])
+        for k in range(kills + 1):
+            control = ctx.Queue()
+            start("engine2", 2, address, control)
+            for _ in range(3):
+                wait_for("ready")
+            for q in (*controls.values(), control):
+                q.put("go")
+            formed = [wait_for("formed") for _ in range(3)]
+            if k:  # the first formation is not a re-forming
+                reform.append(max(m[3] for m in formed) - min(m[2] for m in formed))
+            if k == kills:
+                break
+            pid = wait_for("entering")[1]
+            time.sleep(0.02)
+            os.kill(pid, signal.SIGKILL)
+            killed = time.monotonic()
+            for _ in range(2):
+                _, role, when, member = wait_for("lost")
+                assert member == 2, member
+                detect[role].append(when - killed)
+            control.put("stop")
+        for q in controls.values():
+            q.put("stop")
+    except queue.Empty:
+        raise SystemExit(f"no word from the members within 300 s; pending: {pending}") from None
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    print(f"{machine()}; a connected mode of 3 (gloo, 127.0.0.1), member 2 SIGKILLed during a 12 MiB transfer, {kills} times; load before: {load}")
+    print()
+    print("| what | median ms | min ms | max ms |")
+    print("|---|---|---|---|")
+    for role, samples in detect.items():
+        print(f"| SIGKILL to PeerLostError on the {role} | {statistics.median(samples) * 1e3:.1f} | {min(samples) * 1e3:.1f} | {max(samples) * 1e3:.1f} |")
+    print(f"| re-form (connect of the next generation) | {statistics.median(reform) * 1e3:.1f} | {min(reform) * 1e3:.1f} | {max(reform) * 1e3:.1f} |")
+    print(f"\nload after: {os.getloadavg()}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--kills", type=int, default=10)
+    parser.add_argument("--only", choices=("sync", "loss"))
+    args = parser.parse_args()
+    if args.only != "loss":
+        sync(args.rounds)
+    if args.only != "sync":
+        if args.only is None:
+            print()
+        loss(args.kills)
+
+
+if __name__ == "__main__":
+    main()
