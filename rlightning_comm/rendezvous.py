@@ -107,18 +107,13 @@ _STORES: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.Store] = weakref.Weak
 
 
 def register_store(group: object, store: dist.Store) -> None:
-    """Record ``store`` as the one every member of ``group`` reaches (a group outside the world, made with its own store)."""
+    """Record ``store`` as the one every member of ``group`` reaches: a group outside the world, made with a store of its own."""
     _STORES[group] = store
 
 
-def group_store(group: object) -> dist.Store:
-    """The store every member of ``group`` reaches: its own if one was registered, else the world's.
-
-    Raises:
-        CommError: no store was registered for ``group`` and torch.distributed is not initialised.
-    """
-    store = _STORES.get(group)
-    return world_store() if store is None else store
+def own_store(group: object) -> dist.Store | None:
+    """The store registered for ``group`` (:func:`register_store`), or ``None`` for a group of the world."""
+    return None if group is dist.group.WORLD else _STORES.get(group)
 
 
 def world_store() -> dist.Store:

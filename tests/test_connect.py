@@ -243,6 +243,9 @@ def _two_worlds(rank: int, size: int, url: str) -> dict:
     """Test ranks 0, 1: the trainer world; 2, 3: the engine world; the connected mode: trainer rank 0 (member 0), both engines (1, 2)."""
     world, local = divmod(rank, 2)
     ctx = init_world(local, 2, f"{url}-{'trainer' if world == 0 else 'engine'}")
+    if world == 0:  # the trainer world is initialised twice: its processes count world generations apart from the engines'
+        ctx.destroy()
+        ctx = init_world(local, 2, f"{url}-trainer-again")
     me = {0: 0, 2: 1, 3: 2}.get(rank)
     path = url.removeprefix("file://") + ".address"
     report: dict = {"wrong": []}
