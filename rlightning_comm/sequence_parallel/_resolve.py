@@ -5,8 +5,16 @@ A :class:`Group` issues its collectives through the group's
 :class:`Communicator` methods, so debug mode and stats see them; a raw
 ``ProcessGroup`` gets a communicator of its backend's registered class, made
 once per group. A :class:`TracedGroup` holds only the group's name and two
-ints (nothing dynamo has to trace through, nothing that breaks a graph when an
-autograd ctx keeps it: pytorch#129942) and uses the functional collectives.
+ints (nothing that breaks a graph when an autograd ctx keeps it:
+pytorch#129942) and uses the functional collectives.
+
+Under torch.compile the resolution is traced, as the collective facades' mode
+lookup is: dynamo reads the context's binding of the mode and the
+communicator's group name, size and rank, and guards on each value it read. A
+binding that changes (``destroy()`` and a new declaration, the same group name
+with this rank elsewhere, or the name now another mode's) fails a guard and
+the function is traced again; an unbound mode raises while tracing. Nothing of
+this runs in the compiled steady state but the guards.
 """
 
 from __future__ import annotations
@@ -19,13 +27,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from rlightning_comm._compat import assume_constant_result
 from rlightning_comm.communicators.base import Communicator
 from rlightning_comm.communicators.registry import get_communicator_class
 from rlightning_comm.context import CommContext
 from rlightning_comm.errors import CommError
 
 _WRAPPED: weakref.WeakKeyDictionary[Any, Communicator] = weakref.WeakKeyDictionary()
+_CONTEXT = CommContext()
 
 
 class Group:
@@ -91,7 +99,7 @@ def _communicator(group: Any) -> Communicator:
     if isinstance(group, Communicator):
         comm = group
     elif isinstance(group, str):
-        comm = CommContext().get_communicator(group)
+        comm = _CONTEXT.get_communicator(group)
     elif isinstance(group, dist.ProcessGroup):
         comm = _WRAPPED.get(group)
         if comm is None:
@@ -109,10 +117,27 @@ def _communicator(group: Any) -> Communicator:
     return comm
 
 
-@assume_constant_result
-def _traced_key(group: Any) -> tuple[str, int, int]:
-    comm = _communicator(group)
-    return (comm.group.group_name, comm.world_size, comm.rank)
+def _bound_to(pg: dist.ProcessGroup) -> Communicator | None:
+    """The context's communicator whose group is ``pg``, matched by group name (what dynamo guards on a group)."""
+    name = pg.group_name
+    for mode in _CONTEXT.bound_modes():
+        comm = _CONTEXT.get_communicator(mode)
+        if comm.group is not None and comm.group.group_name == name:
+            return comm
+    return None
+
+
+def _traced(group: Any) -> TracedGroup:
+    """Resolve under torch.compile, reading only values dynamo guards: a new binding retraces (see the module docstring)."""
+    if isinstance(group, dist.ProcessGroup):
+        # dynamo bakes pg.rank() and pg.size() without a guard (only the group's name is guarded), so a group
+        # the context binds is read through its communicator; any other group is the caller's to keep.
+        comm = _bound_to(group)
+        if comm is None:
+            return TracedGroup(group.group_name, group.size(), group.rank())
+    else:
+        comm = _communicator(group)
+    return TracedGroup(comm.group.group_name, comm.world_size, comm.rank)
 
 
 def resolve_group(group: Any) -> Group | TracedGroup:
@@ -124,9 +149,7 @@ def resolve_group(group: Any) -> Group | TracedGroup:
         CommError: this process is not a member of the group.
     """
     if torch.compiler.is_compiling():
-        if isinstance(group, dist.ProcessGroup):  # dynamo reads these off the group itself
-            return TracedGroup(group.group_name, group.size(), group.rank())
-        return TracedGroup(*_traced_key(group))
+        return _traced(group)
     return Group(_communicator(group))
 
 
