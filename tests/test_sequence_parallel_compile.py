@@ -160,3 +160,39 @@ def _redeclare_task(rank: int, size: int, url: str) -> dict[str, float]:
 
 def test_compiled_ops_follow_a_new_binding_after_destroy_without_a_dynamo_reset(world2) -> None:
     assert_all_within(world2.run(_redeclare_task, timeout=300), tol=0.0)
+
+
+def _shared_roles(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Self-attention's one tensor in three roles, and a key that is also the value."""
+    import rlightning_comm.sequence_parallel as sp
+
+    return sp.ulysses_attention(q, q, q), sp.ulysses_attention(q, k, k, is_causal=True)
+
+
+def _shared_roles_task(rank: int, size: int, url: str) -> dict[str, float]:
+    from sp_oracle import init_sp
+
+    from rlightning_comm.sequence_parallel import sdpa_bshd
+
+    init_sp(rank, size, url)
+    chk = Checks()
+    full_q, full_k, w1, w2 = data(9, *[(2, 6, 4, 3)] * 4)  # every rank builds the full tensors; rank r holds chunk r of the sequence
+    # The oracle: the same attention on the full sequence on one process, and its autograd.
+    oq, ok = full_q.clone().requires_grad_(), full_k.clone().requires_grad_()
+    want = (sdpa_bshd(oq, oq, oq), sdpa_bshd(oq, ok, ok, is_causal=True))
+    ((want[0] * w1).sum() + (want[1] * w2).sum()).backward()
+    local = slice(3 * rank, 3 * rank + 3)
+    torch._dynamo.reset()
+    for label, fn in (("eager", _shared_roles), ("compiled", torch.compile(_shared_roles, fullgraph=True, backend="aot_eager"))):
+        q, k = full_q[:, local].clone().requires_grad_(), full_k[:, local].clone().requires_grad_()
+        got = fn(q, k)
+        ((got[0] * w1[:, local]).sum() + (got[1] * w2[:, local]).sum()).backward()
+        chk.close(f"{label} q, q, q forward", got[0], want[0][:, local])
+        chk.close(f"{label} q, k, k forward", got[1], want[1][:, local])
+        chk.close(f"{label} grad of q (three roles and one)", q.grad, oq.grad[:, local])
+        chk.close(f"{label} grad of k (two roles)", k.grad, ok.grad[:, local])
+    return chk.errors
+
+
+def test_ulysses_with_one_tensor_in_two_roles_compiles_and_adds_up_its_gradients(world2) -> None:
+    assert_all_within(world2.run(_shared_roles_task, timeout=300), tol=TOL)

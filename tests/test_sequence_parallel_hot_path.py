@@ -114,7 +114,7 @@ def test_debug_mode_names_every_ranks_length_before_sending(world2) -> None:
         "gather r0=True": "input_tensor: float64[2, 4, 4, 3] on global ranks [0]; float64[2, 3, 4, 3] on global ranks [1]",
         "gather r0=False": "input_tensor: float64[2, 4, 4, 3] on global ranks [0]; float64[2, 3, 4, 3] on global ranks [1]",
         "all_gather": "input_tensor: float64[2, 4, 4, 3] on global ranks [0]; float64[2, 3, 4, 3] on global ranks [1]",
-        "ulysses_attention": "rows of shape [4, 36] on global ranks [0]; float64 rows of shape [3, 36] on global ranks [1]",
+        "ulysses_attention": "rows of shape [2, 4, 2, 3] on global ranks [0]; float64 rows of shape [2, 3, 2, 3] on global ranks [1]",  # x once for q, k, v
         "reduce_scatter": "output: float32[2, 4, 4] on global ranks [0]; float32[2, 3, 4] on global ranks [1]",
         "scatter r0=True": "global rank 0 sends 4 rows to global rank 1, which expects 3",
     }
