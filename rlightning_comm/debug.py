@@ -15,6 +15,12 @@ starts, on every rank of the group:
   raise :class:`CommTimeoutError` naming it: every waiting rank names the
   same absent ranks, and raises as soon as the first of them times out.
 
+A :class:`CommMismatchError` raised for a disagreement carries ``shapes``:
+for each global rank of the group, the shape of every tensor argument of its
+call (``{global rank: {argument: shape}}``), for the layers above to explain
+what their own arguments made of it (the sequence-parallel ops name a
+forgotten ``seq_lens``).
+
 In all three cases no collective was started and the group stays usable:
 the sequence numbers stay in step even after a timeout (a rank that arrives
 at a check the others gave up on takes the next one), so the next good call
@@ -138,10 +144,10 @@ class _Checker:
         self.done = 0  # keys of checks before this one are no longer read by anyone once a check completes
         self.depth = 0  # > 0 inside a checked call: its inner collectives are not checked again
 
-    def check(self, op: str, fields: dict[str, Any], extra: Any, refusal: BaseException | None) -> None:
+    def check(self, op: str, fields: dict[str, Any], extra: Any, refusal: BaseException | None, shapes: dict[str, list[int]]) -> None:
         """Exchange this rank's fingerprint; raise on every rank when a rank refused the call, the ranks disagree or one is absent."""
         why = None if refusal is None else [_refusal_type(refusal), str(refusal)]
-        mine = json.dumps([op, fields, extra, why])
+        mine = json.dumps([op, fields, extra, why, shapes])
         while True:
             seq = self.seq
             self.seq += 1
@@ -169,7 +175,9 @@ class _Checker:
             raise error from refusal
         problem = self._disagreement(calls)
         if problem:
-            raise CommMismatchError(f"{where}: the ranks disagree: {problem}. No collective was started; the group is still usable")
+            error = CommMismatchError(f"{where}: the ranks disagree: {problem}. No collective was started; the group is still usable")
+            error.shapes = {self.ranks[r]: c[4] for r, c in enumerate(calls)}  # type: ignore[attr-defined]
+            raise error
 
     def _all_arrived(self, keys: list[str]) -> bool:
         """Poll until every slot is filled (``True``) or the timeout is up (``False``).
@@ -239,14 +247,16 @@ def _checked(comm: Communicator, name: str, checker: _Checker) -> Callable[..., 
         with comm._exclusive(name):  # a second thread is refused here, before anything is exchanged
             fields: dict[str, Any] = {}
             extra = refusal = None
+            shapes: dict[str, list[int]] = {}
             try:
                 local_checks(comm, *args, **kwargs)  # the op's own local checks; a refusal goes to every rank
                 bound = signature.bind(comm, *args, **kwargs)
                 bound.apply_defaults()
                 fields, extra = describe(bound.arguments, ws, comm.mode)
+                shapes = {arg: list(value.shape) for arg, value in bound.arguments.items() if isinstance(value, torch.Tensor)}
             except Exception as err:  # noqa: BLE001 - whatever this rank cannot do, its peers must learn before they wait
                 refusal = err
-            checker.check(name, fields, extra, refusal)
+            checker.check(name, fields, extra, refusal, shapes)
             checker.depth += 1
             try:
                 return method(comm, *args, **kwargs)

@@ -30,7 +30,8 @@ import torch.distributed._functional_collectives as funcol
 from rlightning_comm.communicators.base import Communicator
 from rlightning_comm.communicators.registry import get_communicator_class
 from rlightning_comm.context import CommContext
-from rlightning_comm.errors import CommError
+from rlightning_comm.errors import CommError, CommMismatchError
+from rlightning_comm.sequence_parallel._sizes import forgotten_lengths_hint
 
 _WRAPPED: weakref.WeakKeyDictionary[Any, Communicator] = weakref.WeakKeyDictionary()
 _CONTEXT = CommContext()
@@ -39,12 +40,33 @@ _CONTEXT = CommContext()
 class Group:
     """A resolved group on the eager path: its communicator, size and this process's rank in it."""
 
-    __slots__ = ("comm", "rank", "world_size")
+    __slots__ = ("_assumed", "comm", "rank", "world_size")
 
     def __init__(self, comm: Communicator) -> None:
         self.comm = comm
         self.world_size = comm.world_size
         self.rank = comm.rank
+        self._assumed: tuple[str, int, int] | None = None
+
+    def assume_lengths(self, name: str, dim: int, length: int) -> None:
+        """Note that ``name`` was not given, so every rank's length along ``dim`` was taken as this rank's ``length``.
+
+        A debug-mode mismatch of the collective that follows then says so,
+        when the ranks' shapes show their lengths differ.
+        """
+        self._assumed = (name, dim, length)
+
+    def _explain(self, err: CommMismatchError, sent: str) -> None:
+        """Raise ``err`` with the hint naming the lengths argument when its shapes of the argument ``sent`` call for it; else return."""
+        shapes = getattr(err, "shapes", None)
+        if self._assumed is None or shapes is None:
+            return
+        wire = [shapes.get(r, {}).get(sent) for r in self.comm.ranks]
+        hint = None if None in wire else forgotten_lengths_hint(wire, self.rank, *self._assumed)
+        if hint is not None:
+            hinted = CommMismatchError(f"{err}. {hint}")
+            hinted.shapes = shapes  # type: ignore[attr-defined]
+            raise hinted from err
 
     @property
     def name(self) -> str:
@@ -54,13 +76,21 @@ class Group:
     def all_to_all(self, send: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None) -> torch.Tensor:
         """``all_to_all_single`` of the contiguous ``send`` (rows along dim 0) into a new tensor with the same row shape."""
         out = torch.empty_like(send) if out_splits is None else send.new_empty((sum(out_splits), *send.shape[1:]))
-        self.comm.all_to_all_single(out, send, out_splits, in_splits)
+        try:
+            self.comm.all_to_all_single(out, send, out_splits, in_splits)
+        except CommMismatchError as err:
+            self._explain(err, "input_")
+            raise
         return out
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's contiguous ``x`` (same shape everywhere), stacked: ``[world_size, *x.shape]``."""
         out = x.new_empty((self.world_size, *x.shape))
-        self.comm.all_gather(out, x)
+        try:
+            self.comm.all_gather(out, x)
+        except CommMismatchError as err:
+            self._explain(err, "input_tensor")
+            raise
         return out
 
     def reduce_scatter(self, send: torch.Tensor) -> torch.Tensor:
@@ -81,6 +111,9 @@ class TracedGroup(NamedTuple):
     def name(self) -> str:
         """The group as error messages name it."""
         return f"process group {self.group_name!r}"
+
+    def assume_lengths(self, name: str, dim: int, length: int) -> None:
+        """As :meth:`Group.assume_lengths`; nothing to note: compiled code runs no debug mode."""
 
     def all_to_all(self, send: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None) -> torch.Tensor:
         """As :meth:`Group.all_to_all`, with the functional collective."""
