@@ -7,7 +7,6 @@ so a torch release that moves it fails in one place (and in
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -53,17 +52,6 @@ def gloo_options(timeout: timedelta, host: str | None) -> Any:
     opts._timeout = timeout
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host) if host else dist.ProcessGroupGloo.create_default_device()]
     return opts
-
-
-def assume_constant_result(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``torch.compiler.assume_constant_result(fn)`` without importing dynamo at import time.
-
-    torch's decorator imports ``torch._dynamo`` (about 1.6 s, in every process
-    that imports the library) only to set this mark, which dynamo reads when it
-    traces a call to ``fn``.
-    """
-    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
-    return fn
 
 
 def default_store() -> dist.Store:
