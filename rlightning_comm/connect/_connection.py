@@ -149,10 +149,15 @@ class Connection:
         error = comm_failure(err, self.mode, op, self.timeout)
         if isinstance(error, CommTimeoutError):
             if self.lost_at is None or time.monotonic() - self.lost_at < _VERDICT_WAIT:
-                return error
+                return self._re_form_hint(error)
         elif self.lost is None and not self._lost_event.wait(_VERDICT_WAIT):
-            return error
+            return self._re_form_hint(error)
         return self._lost_error(op)
+
+    def _re_form_hint(self, error: CommError) -> CommError:
+        """``error`` telling to re-form the mode (all of this process's context need not go)."""
+        hint = f"re-form the mode: every member calls connect({self.mode!r}, ...) again (generation {self.generation + 1})"
+        return type(error)(str(error).replace("destroy() the context", hint))
 
     def close(self, what: str) -> None:
         """Leave this generation (the members are told); the communicator refuses every call from now on."""
