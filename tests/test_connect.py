@@ -271,6 +271,7 @@ def _two_worlds(rank: int, size: int, url: str) -> dict:
             world_step(step)
         report["listeners"] = sorted(_wide_listeners([os.getpid()]))
         return report
+    world_groups = dict(dist.distributed_c10d._world.pg_map)  # torch's registry of the world's groups: connect adds nothing
     comm = connect()
     report["ranks"] = (ctx.get_ranks_in_group(MODE), ctx.get_local_rank(MODE), ctx.get_world_size(MODE), ctx.get_world_size(), ctx.get_local_rank())
     store = dist.TCPStore(address.split(":")[0], int(address.split(":")[1]), None, False, timedelta(seconds=30))
@@ -317,6 +318,8 @@ def _two_worlds(rank: int, size: int, url: str) -> dict:
     connect()
     report["generation"] = ctx.get_generation(MODE)
     report["wrong"] += _sync_against_raw(raw, me, seed=4)
+    if dict(dist.distributed_c10d._world.pg_map) != world_groups:
+        report["wrong"].append("connect changed torch's registry of the world's groups")
     report["listeners"] = sorted(_wide_listeners([os.getpid()]))
     return report
 
