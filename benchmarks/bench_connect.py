@@ -19,15 +19,15 @@ and is SIGKILLed; recorded: the time from the kill to each survivor's
 ``PeerLostError``, and the time to re-form (the slowest member's ``connect``,
 from the moment every member, the replacement included, is ready to call it).
 
-    python benchmarks/bench_connect.py [--rounds 20] [--kills 10] [--only sync|loss]
+    python benchmarks/bench_connect.py [--rounds 20] [--kills 11] [--only sync|loss]
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import multiprocessing.connection
 import os
-import queue
 import signal
 import statistics
 import subprocess
@@ -109,98 +109,114 @@ def sync(rounds: int) -> None:
 
 
 # ---------------------------------------------------------------------------- loss
-def _loss_member(role: str, rank: int, address: str, control, out) -> None:
-    """Member 0 and 1 run every round; each member 2 runs one. ``control`` says when to connect."""
+def _loss_member(role: str, rank: int, address: str, pipe) -> None:
+    """Member 0 and 1 run every round; each member 2 runs one. ``pipe`` (its own) carries the go-aheads and its reports."""
     try:
         from rlightning_comm import CommContext, PeerLostError, broadcast_state_dict
 
         ctx = CommContext()
         if role == "trainer":
             address = ctx.listen("127.0.0.1:0")
-            out.put(("address", address))
+            pipe.send(("address", address))
         state = {name: t for name, t in list(_model(seed=rank).items())[:13]}  # about 12 MiB
         while True:
-            out.put(("ready", role))
-            if control.get(timeout=300) == "stop":
+            pipe.send(("ready", role))
+            if pipe.recv() == "stop":
                 break
             t0 = time.monotonic()
             ctx.connect(MODE, rank=rank, world_size=3, address=address, timeout=120)
-            out.put(("formed", role, t0, time.monotonic(), ctx.get_generation(MODE)))
+            pipe.send(("formed", role, t0, time.monotonic(), ctx.get_generation(MODE)))
             broadcast_state_dict(state, MODE, src=0)
             if role == "engine2":
-                out.put(("entering", os.getpid()))
+                pipe.send(("entering", os.getpid()))
             try:
                 while True:
                     broadcast_state_dict(state, MODE, src=0)
             except PeerLostError as err:
-                out.put(("lost", role, time.monotonic(), err.member))
+                pipe.send(("lost", role, time.monotonic(), err.member))
         ctx.destroy()
     except BaseException:  # noqa: BLE001 - the traceback goes to the parent
-        out.put(("failed", role, traceback.format_exc()))
+        pipe.send(("failed", role, traceback.format_exc()))
+
+
+class _Members:
+    """Processes forked from a server that imported torch once, each on a pipe of its own (a process killed while it
+    wrote to a queue shared by all would keep the queue's lock)."""
+
+    def __init__(self) -> None:
+        self._ctx = mp.get_context("forkserver")
+        self._ctx.set_forkserver_preload(["torch", "rlightning_comm"])
+        self.pipes: dict[str, object] = {}
+        self._procs: list = []
+        self._early: list = []
+
+    def start(self, role: str, rank: int, address: str) -> None:
+        mine, theirs = self._ctx.Pipe()
+        p = self._ctx.Process(target=_loss_member, args=(role, rank, address, theirs), daemon=True)
+        p.start()
+        theirs.close()
+        self._procs.append(p)
+        self.pipes[role] = mine
+
+    def next(self, kind: str, timeout: float = 300) -> tuple:
+        for i, message in enumerate(self._early):
+            if message[0] == kind:
+                return self._early.pop(i)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for pipe in mp.connection.wait(list(self.pipes.values()), timeout=max(0.01, deadline - time.monotonic())):
+                try:
+                    message = pipe.recv()
+                except (EOFError, OSError):  # exited or killed
+                    self.pipes = {role: p for role, p in self.pipes.items() if p is not pipe}
+                    continue
+                if message[0] == "failed":
+                    raise RuntimeError(f"{message[1]} failed:\n{message[2]}")
+                if message[0] == kind:
+                    return message
+                self._early.append(message)
+        raise SystemExit(f"no {kind!r} message from the members within {timeout} s; other messages: {self._early}")
+
+    def close(self) -> None:
+        for p in self._procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
 
 
 def loss(kills: int) -> None:
     load = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "rlightning_comm"])
-    out = ctx.Queue()
-    controls = {role: ctx.Queue() for role in ("trainer", "engine1")}
-    procs = []
-    pending: list = []
-
-    def wait_for(kind: str):
-        for i, message in enumerate(pending):
-            if message[0] == kind:
-                return pending.pop(i)
-        while True:
-            message = out.get(timeout=300)
-            if message[0] == "failed":
-                raise RuntimeError(f"{message[1]} failed:\n{message[2]}")
-            if message[0] == kind:
-                return message
-            pending.append(message)
-
-    def start(role, rank, address, control):
-        p = ctx.Process(target=_loss_member, args=(role, rank, address, control, out), daemon=True)
-        p.start()
-        procs.append(p)
-
+    members = _Members()
     detect: dict[str, list[float]] = {"trainer": [], "engine1": []}
     reform: list[float] = []
     try:
-        start("trainer", 0, "", controls["trainer"])
-        address = wait_for("address")[1]
-        start("engine1", 1, address, controls["engine1"])
-        for k in range(kills + 1):
-            control = ctx.Queue()
-            start("engine2", 2, address, control)
+        members.start("trainer", 0, "")
+        address = members.next("address")[1]
+        members.start("engine1", 1, address)
+        for k in range(kills):
+            members.start("engine2", 2, address)
             for _ in range(3):
-                wait_for("ready")
-            for q in (*controls.values(), control):
-                q.put("go")
-            formed = [wait_for("formed") for _ in range(3)]
+                members.next("ready")
+            for pipe in members.pipes.values():
+                pipe.send("go")
+            formed = [members.next("formed") for _ in range(3)]
             if k:  # the first formation is not a re-forming
                 reform.append(max(m[3] for m in formed) - min(m[2] for m in formed))
-            if k == kills:
-                break
-            pid = wait_for("entering")[1]
+            pid = members.next("entering")[1]
             time.sleep(0.02)
             os.kill(pid, signal.SIGKILL)
             killed = time.monotonic()
             for _ in range(2):
-                _, role, when, member = wait_for("lost")
+                _, role, when, member = members.next("lost")
                 assert member == 2, member
                 detect[role].append(when - killed)
-            control.put("stop")
-        for q in controls.values():
-            q.put("stop")
-    except queue.Empty:
-        raise SystemExit(f"no word from the members within 300 s; pending: {pending}") from None
+            members.pipes.pop("engine2", None)  # killed: its pipe may have closed already
+        for _ in members.pipes:
+            members.next("ready")
+        for pipe in members.pipes.values():
+            pipe.send("stop")
     finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+        members.close()
     print(f"{machine()}; a connected mode of 3 (gloo, 127.0.0.1), member 2 SIGKILLed during a 12 MiB transfer, {kills} times; load before: {load}")
     print()
     print("| what | median ms | min ms | max ms |")
@@ -214,7 +230,7 @@ def loss(kills: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--kills", type=int, default=10)
+    parser.add_argument("--kills", type=int, default=11)
     parser.add_argument("--only", choices=("sync", "loss"))
     args = parser.parse_args()
     if args.only != "loss":

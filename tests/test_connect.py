@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing as mp
+import multiprocessing.connection
 import os
-import queue
 import signal
 import time
 import traceback
@@ -344,7 +344,7 @@ def _member(role: str, rank: int, address: str, generations: range, out) -> None
         ctx = CommContext()
         if role == "trainer":
             address = ctx.listen("127.0.0.1:0")
-            out.put(("address", address))
+            out.send(("address", address))
         big = _model(0, scale=64)  # about 12 MiB: the transfer is in flight when engine 2 dies
         for g in generations:
             t0 = time.monotonic()
@@ -352,7 +352,7 @@ def _member(role: str, rank: int, address: str, generations: range, out) -> None
             reform_s = time.monotonic() - t0
             state = _model(g if rank == 0 else 50 + rank)
             broadcast_state_dict(state, MODE, src=0)
-            out.put(("synced", role, g, ctx.get_generation(MODE), _digest(state), reform_s, os.getpid()))
+            out.send(("synced", role, g, ctx.get_generation(MODE), _digest(state), reform_s, os.getpid()))
             if g == 3:  # the last generation: the trainer (the store's host) is killed; the engines' next calls name it
                 if role == "trainer":
                     time.sleep(60)
@@ -360,77 +360,91 @@ def _member(role: str, rank: int, address: str, generations: range, out) -> None
                     while True:
                         broadcast_state_dict(state, MODE, src=0)
                 except PeerLostError as err:
-                    out.put(("lost", role, g, time.monotonic(), err.generation, err.member))
+                    out.send(("lost", role, g, time.monotonic(), err.generation, err.member))
                 break
             if role == "engine2":
-                out.put(("entering", g, os.getpid()))
+                out.send(("entering", g, os.getpid()))
             try:
                 while True:
                     broadcast_state_dict(big, MODE, src=0)
             except PeerLostError as err:
-                out.put(("lost", role, g, time.monotonic(), err.generation, err.member))
+                out.send(("lost", role, g, time.monotonic(), err.generation, err.member))
         ctx.destroy()
-        out.put(("done", role))
+        out.send(("done", role))
     except BaseException:  # noqa: BLE001 - every failure goes back to the test
-        out.put(("failed", role, traceback.format_exc()))
+        out.send(("failed", role, traceback.format_exc()))
 
 
-def test_engine_killed_during_transfer_is_replaced_three_times_then_the_trainer_dies():
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "rlightning_comm"])
-    out = ctx.Queue()
-    procs = []
+class _Members:
+    """Processes forked from a server that imported torch once, each reporting on a pipe of its own.
 
-    def start(role, rank, address, generations):
-        p = ctx.Process(target=_member, args=(role, rank, address, generations, out), daemon=True)
+    One pipe per process, not one queue for all: a process killed while it writes to a shared queue would keep its
+    lock forever, and every other writer would block on it.
+    """
+
+    def __init__(self) -> None:
+        self._ctx = mp.get_context("forkserver")
+        self._ctx.set_forkserver_preload(["torch", "rlightning_comm"])
+        self.procs: list = []
+        self._readers: list = []
+        self._early: list = []  # messages that came before the ones waited for
+
+    def start(self, *args) -> None:
+        reader, writer = self._ctx.Pipe(duplex=False)
+        p = self._ctx.Process(target=_member, args=(*args, writer), daemon=True)
         p.start()
-        procs.append(p)
-        return p
+        writer.close()
+        self.procs.append(p)
+        self._readers.append(reader)
 
-    def next_message(kinds, timeout=60):
-        for i, message in enumerate(seen):  # one that came before the messages waited for first
-            if message[0] in kinds:
-                return seen.pop(i)
+    def next(self, kind: str, timeout: float = 60) -> tuple:
+        for i, message in enumerate(self._early):
+            if message[0] == kind:
+                return self._early.pop(i)
         deadline = time.monotonic() + timeout
-        while True:
-            try:
-                message = out.get(timeout=max(0.01, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(f"no {kinds} message within {timeout} s; other messages: {seen}")
-            if message[0] == "failed":
-                pytest.fail(f"{message[1]} failed:\n{message[2]}")
-            if message[0] in kinds:
-                return message
-            seen.append(message)
+        while time.monotonic() < deadline:
+            for reader in mp.connection.wait(self._readers, timeout=max(0.01, deadline - time.monotonic())):
+                try:
+                    message = reader.recv()
+                except (EOFError, OSError):  # the process exited or was killed
+                    self._readers.remove(reader)
+                    continue
+                if message[0] == "failed":
+                    pytest.fail(f"{message[1]} failed:\n{message[2]}")
+                if message[0] == kind:
+                    return message
+                self._early.append(message)
+        pytest.fail(f"no {kind!r} message within {timeout} s; other messages: {self._early}")
 
-    seen: list = []
-    try:
-        start("trainer", 0, "", range(4))
-        _, address = next_message(("address",))
-        start("engine1", 1, address, range(4))
-        synced, lost, kills = [], [], []
-        for g in range(4):
-            engine2 = start("engine2", 2, address, range(g, g + 1))
-            got = [next_message(("synced",)) for _ in range(3)]
-            synced.append(got)
-            if g == 3:
-                os.kill(procs[0].pid, signal.SIGKILL)  # the trainer, idle
-                kills.append(time.monotonic())
-                lost.append([next_message(("lost",)) for _ in range(2)])
-                break
-            _, _, pid = next_message(("entering",))
-            time.sleep(0.02)
-            os.kill(pid, signal.SIGKILL)
-            kills.append(time.monotonic())
-            lost.append([next_message(("lost",)) for _ in range(2)])
-            engine2.join(10)
-        for _ in range(2):
-            next_message(("done",))
-    finally:
-        for p in procs:
+    def close(self) -> None:
+        for p in self.procs:
             if p.is_alive():
                 p.kill()
             p.join(5)
+
+
+def test_engine_killed_during_transfer_is_replaced_three_times_then_the_trainer_dies():
+    members = _Members()
+    try:
+        members.start("trainer", 0, "", range(4))
+        _, address = members.next("address")
+        members.start("engine1", 1, address, range(4))
+        synced, lost, kills = [], [], []
+        for g in range(4):
+            members.start("engine2", 2, address, range(g, g + 1))
+            synced.append([members.next("synced") for _ in range(3)])
+            if g == 3:
+                os.kill(members.procs[0].pid, signal.SIGKILL)  # the trainer, idle
+            else:
+                _, _, pid = members.next("entering")
+                time.sleep(0.02)
+                os.kill(pid, signal.SIGKILL)
+            kills.append(time.monotonic())
+            lost.append([members.next("lost") for _ in range(2)])
+        for _ in range(2):
+            members.next("done")
+    finally:
+        members.close()
     for g, got in enumerate(synced):
         digests = {m[4] for m in got}
         assert len(digests) == 1 and {m[3] for m in got} == {g}, f"generation {g}: {got}"

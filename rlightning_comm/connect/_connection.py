@@ -38,7 +38,7 @@ _PREFIX = "rlightning_comm/connect"
 # After a backend error that is not a timeout, how long a call waits for the watch's word on a loss (it comes within
 # milliseconds of a death; the backend may notice the closed connection first).
 _VERDICT_WAIT = 2.0
-_BACKENDS = ("gloo", "nccl")
+_DESTROY = "destroy() the context"  # the advice of comm_failure for a broken group, which a connected mode replaces
 
 
 def parse_address(address: object) -> tuple[str, int]:
@@ -85,10 +85,9 @@ class _Refused:
 class Connection:
     """One generation of a connected mode on this process."""
 
-    def __init__(self, mode: str, generation: int, rank: int, timeout: float) -> None:
+    def __init__(self, mode: str, generation: int, timeout: float) -> None:
         self.mode = mode
         self.generation = generation
-        self.rank = rank
         self.timeout = timeout
         self.comm: Communicator | None = None
         self.group: Any = None
@@ -128,7 +127,8 @@ class Connection:
         if member is None:
             message = f"{op} on mode {mode!r} (generation {g}) is refused: this process {what}"
         else:
-            host = " (rank 0, the store's host: re-form it at an address the new rank 0 listens on)" if member == 0 else ""
+            died = member == 0 and what.startswith("died")
+            host = " (rank 0, the store's host: re-form the mode at an address the new rank 0 listens on)" if died else ""
             message = (
                 f"{op} on mode {mode!r} (generation {g}) failed: member {member}{host} {what}. The mode refuses every call until it is "
                 f"re-formed: every surviving member, and a replacement for the lost one, calls connect({mode!r}, ...) again (generation {g + 1})"
@@ -147,6 +147,8 @@ class Connection:
         if isinstance(err, PeerLostError):  # the stand-in of a lost generation
             return self._lost_error(op)
         error = comm_failure(err, self.mode, op, self.timeout)
+        if _DESTROY not in str(error):  # the backend's own check refused the call here: the group still works
+            return error
         if isinstance(error, CommTimeoutError):
             if self.lost_at is None or time.monotonic() - self.lost_at < _VERDICT_WAIT:
                 return self._re_form_hint(error)
@@ -157,7 +159,7 @@ class Connection:
     def _re_form_hint(self, error: CommError) -> CommError:
         """``error`` telling to re-form the mode (all of this process's context need not go)."""
         hint = f"re-form the mode: every member calls connect({self.mode!r}, ...) again (generation {self.generation + 1})"
-        return type(error)(str(error).replace("destroy() the context", hint))
+        return type(error)(str(error).replace(_DESTROY, hint))
 
     def close(self, what: str) -> None:
         """Leave this generation (the members are told); the communicator refuses every call from now on."""
@@ -244,7 +246,8 @@ class Connections:
         except RuntimeError as err:  # the store or the group build failed: the store's host is gone, or a member never came
             if isinstance(err, CommError):
                 raise
-            raise comm_failure(err, mode, "connect", timeout) from err
+            error = comm_failure(err, mode, "connect", timeout)
+            raise type(error)(str(error).replace(_DESTROY, "call connect again on every member")) from err
         comm = cls(group=conn.group, ranks=range(world_size), mode=mode, timeout=timeout, rank=rank)
         rendezvous.register_store(conn.group, store)  # debug mode's checks go through it
         conn.attach(comm)
@@ -274,7 +277,7 @@ class Connections:
         except BaseException:
             listener.close()
             raise
-        conn = Connection(mode, generation, 0, timeout)
+        conn = Connection(mode, generation, timeout)
         conn.watch = Watch.host(listener, info["world_size"], deadline, conn.lose, conn.name)  # closes the listener
         return conn, store, opening
 
@@ -297,7 +300,7 @@ class Connections:
                 break
             except Late:
                 after = (opening.nonce, opening.generation)
-        conn = Connection(mode, opening.generation, info["rank"], timeout)
+        conn = Connection(mode, opening.generation, timeout)
         conn.watch = Watch.join((host, opening.watch_port), info["rank"], deadline, conn.lose, conn.name)
         return conn, store, opening
 
