@@ -352,7 +352,7 @@ def _member(role: str, rank: int, address: str, generations: range, out) -> None
             reform_s = time.monotonic() - t0
             state = _model(g if rank == 0 else 50 + rank)
             broadcast_state_dict(state, MODE, src=0)
-            out.send(("synced", role, g, ctx.get_generation(MODE), _digest(state), reform_s, os.getpid()))
+            out.send(("synced", role, g, ctx.get_generation(MODE), _digest(state), reform_s, os.getpid(), sorted(_wide_listeners([os.getpid()]))))
             if g == 3:  # the last generation: the trainer (the store's host) is killed; the engines' next calls name it
                 if role == "trainer":
                     time.sleep(60)
@@ -448,6 +448,7 @@ def test_engine_killed_during_transfer_is_replaced_three_times_then_the_trainer_
     for g, got in enumerate(synced):
         digests = {m[4] for m in got}
         assert len(digests) == 1 and {m[3] for m in got} == {g}, f"generation {g}: {got}"
+    assert all(m[7] == [] for got in synced for m in got), f"a member listened beyond loopback: {synced}"
     pids = {(m[1], m[6]) for got in synced for m in got if m[1] != "engine2"}
     assert len(pids) == 2, f"the trainer or engine 1 restarted: {pids}"
     for g, (kill, got) in enumerate(zip(kills, lost)):
