@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from rlightning_comm.errors import CommError, CommTimeoutError
 
 # After a timeout gloo closes the group's connections: the next op fails at
@@ -62,7 +64,10 @@ class WorkHandle:
     """The handle an ``async_op=True`` collective returns: torch's work object whose :meth:`wait` raises the library's errors.
 
     Every other attribute (``is_completed``, ``get_future``, ...) is the
-    wrapped torch work's own.
+    wrapped torch work's own. A backend that returned no work (``None``: the
+    op completed in the call, or runs in stream order) gets a handle that is
+    complete: ``wait()`` and ``is_completed()`` return ``True`` and
+    ``get_future()`` a completed future.
     """
 
     __slots__ = ("_mode", "_op", "_timeout", "_work")
@@ -80,10 +85,25 @@ class WorkHandle:
             CommTimeoutError: a peer did not join within the group's timeout.
             CommError: the collective failed (a peer is gone, the group is broken).
         """
+        work = self._work
+        if work is None:
+            return True
         try:
-            return self._work.wait(*args, **kwargs)
+            return work.wait(*args, **kwargs)
         except RuntimeError as err:
             raise comm_failure(err, self._mode, self._op, self._timeout) from err
+
+    def is_completed(self) -> bool:
+        """Whether the collective has completed (torch's ``Work.is_completed``)."""
+        return True if self._work is None else self._work.is_completed()
+
+    def get_future(self) -> Any:
+        """torch's ``Work.get_future``; a completed future when the backend returned no work."""
+        if self._work is None:
+            future: torch.futures.Future[Any] = torch.futures.Future()
+            future.set_result(None)
+            return future
+        return self._work.get_future()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)

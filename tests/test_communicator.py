@@ -297,3 +297,73 @@ def test_a_subclass_that_narrows_check_device_is_held_to_it_on_every_op(ctx):
             call()
         assert sent == {}, sent
     assert torch.equal(x, torch.ones(4)) and torch.equal(out, torch.zeros(4))
+
+
+class _NoWorkGroup:
+    """A stand-in process group that does each op of a one-rank group in the call and returns no work, as NCCL does for blocking calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def _done(self, name: str) -> None:
+        self.calls.append(name)
+
+    def allreduce(self, tensors, opts):
+        self._done("allreduce")
+
+    def broadcast(self, tensors, opts):
+        self._done("broadcast")
+
+    def all_gather_single(self, output, input_, opts):
+        output.copy_(input_.reshape(output.shape))
+        self._done("all_gather_single")
+
+    def reduce_scatter_single(self, output, input_, opts):
+        output.copy_(input_.reshape(output.shape))
+        self._done("reduce_scatter_single")
+
+    def all_to_all_single(self, output, input_, output_splits, input_splits, opts):
+        output.copy_(input_)
+        self._done("all_to_all_single")
+
+    def gather(self, outputs, inputs, opts):
+        outputs[0][0].copy_(inputs[0])
+        self._done("gather")
+
+    def scatter(self, outputs, inputs, opts):
+        outputs[0].copy_(inputs[0][0])
+        self._done("scatter")
+
+    def barrier(self, opts):
+        self._done("barrier")
+
+
+def test_a_backend_that_returns_no_work_is_waited_on_by_no_one(ctx):
+    # torch's wrappers guard each blocking op with `elif work is not None: work.wait()`; NCCL's blocking calls return None.
+    stand_in = _NoWorkGroup()
+    comm = GlooCommunicator(stand_in, [0], "no-work")
+    x = torch.arange(4.0)
+    ours, theirs = x.clone(), x.clone()
+    comm.all_reduce(ours)
+    dist.all_reduce(theirs)
+    assert torch.equal(ours, theirs)
+    out = torch.empty(4)
+    comm.all_gather(out, x)
+    assert torch.equal(out, x)
+    comm.broadcast(ours, 0)
+    gathered = [torch.empty(4)]
+    comm.gather(x, gathered, 0)
+    assert torch.equal(gathered[0], x)
+    scattered = torch.empty(4)
+    comm.scatter(scattered, [x], 0)
+    assert torch.equal(scattered, x)
+    comm.reduce_scatter(out, x)
+    comm.all_to_all_single(out, x)
+    comm.barrier()
+    assert comm.all_reduce_dict({"loss": 2.0, "n": 3}) == {"loss": 2.0, "n": 3.0}
+    objs = [{"a": 1}]
+    comm.broadcast_object_list(objs, 0)
+    assert objs == [{"a": 1}]
+    handle = comm.all_reduce(ours, async_op=True)
+    assert handle.wait() is True and handle.is_completed() is True and handle.get_future().wait() is None
+    assert set(stand_in.calls) == {"allreduce", "broadcast", "all_gather_single", "reduce_scatter_single", "all_to_all_single", "gather", "scatter", "barrier"}

@@ -25,6 +25,7 @@ copy that gloo otherwise refuses), and a blocking call waits for its work.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -96,6 +97,19 @@ class DirectLaunch:
 
     def _failure(self, op: str, err: BaseException) -> CommError:
         return comm_failure(err, self._mode, op, self._timeout)
+
+    def _run(self, op: str, launch: Callable[[], Any]) -> None:
+        """A blocking launch off the hot path (the object collectives): ``launch()`` returns the backend's work, waited here.
+
+        The caller holds the claim. Backend failures become the library's
+        errors naming ``op``.
+        """
+        try:
+            work = launch()
+            if work is not None:
+                work.wait()
+        except RuntimeError as err:
+            raise self._failure(op, err) from err
 
     def _handle(self, work: Any, op: str) -> WorkHandle:
         return WorkHandle(work, self._mode, op, self._timeout)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import io
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,31 +28,39 @@ from rlightning_comm import _compat
 from rlightning_comm.errors import ObjectRefusedError
 
 
-def broadcast_objects(object_list: list[Any], src: int, group: dist.ProcessGroup, device: torch.device) -> list[memoryview] | None:
-    """Broadcast the pickles of ``object_list`` from global rank ``src``.
+def broadcast_objects(object_list: list[Any], is_src: bool, broadcast: Callable[[torch.Tensor], None], device: torch.device) -> list[memoryview] | None:
+    """Broadcast the pickles of ``object_list`` from the source, through ``broadcast`` (the communicator's own launch).
+
+    Args:
+        object_list: The objects on the source; a list of the same length elsewhere.
+        is_src: Whether this rank sends.
+        broadcast: Broadcasts a tensor in place from the source and returns
+            when it has arrived (so the host reads below never wait on a
+            collective the communicator did not bound).
+        device: Where the payload is staged.
 
     Returns:
-        On a receiver, the ``len(object_list)`` payloads, not unpickled; ``None`` on ``src``
+        On a receiver, the ``len(object_list)`` payloads, not unpickled; ``None`` on the source
         or for an empty list (no collective then).
     """
     if not object_list:
         return None
-    is_src = dist.get_rank() == src
     if is_src:
         payloads = [pickle.dumps(obj) for obj in object_list]
         sizes = torch.tensor([len(p) for p in payloads], dtype=torch.long, device=device)
     else:
         sizes = torch.empty(len(object_list), dtype=torch.long, device=device)
-    dist.broadcast(sizes, src=src, group=group)
+    broadcast(sizes)
     if is_src:
         data = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).to(device)
     else:
         # Receive into a bytearray (through a tensor view of it on CPU, so no copy at all): bytes(storage)
         # iterates element by element (8 s for 4 MiB), and a parallel copy into fresh pages is slow on a busy host.
-        buffer = bytearray(int(sizes.sum().item()))
+        lengths = sizes.tolist()  # one device-to-host copy
+        buffer = bytearray(sum(lengths))
         host = torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0, dtype=torch.uint8)  # frombuffer refuses b""
         data = host if device.type == "cpu" else torch.empty(len(buffer), dtype=torch.uint8, device=device)
-    dist.broadcast(data, src=src, group=group)
+    broadcast(data)
     if is_src:
         return None
     if data is not host:
@@ -59,38 +68,59 @@ def broadcast_objects(object_list: list[Any], src: int, group: dist.ProcessGroup
     raw = memoryview(buffer)
     received = []
     offset = 0
-    for size in sizes.tolist():
+    for size in lengths:
         received.append(raw[offset : offset + size])
         offset += size
     return received
 
 
-def all_gather_objects(obj: Any, group: dist.ProcessGroup, device: torch.device) -> list[Any]:
+def all_gather_objects(
+    obj: Any, group: dist.ProcessGroup, device: torch.device, gather: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+) -> list[Any]:
     """Every group rank's ``obj``, in group-rank order: torch's ``all_gather_object`` without numpy.
 
-    For the library's own exchanges between trusted ranks (it unpickles what
-    peers send): two all-gathers, of the pickle sizes and of the pickles
-    padded to the longest, received straight into one ``bytearray``.
+    It unpickles what peers send (the library's own exchanges between trusted
+    ranks, and ``all_gather_object``, whose safe mode decodes with
+    :func:`decode` instead: see :func:`all_gather_payloads`).
+
+    Args:
+        obj: This rank's object.
+        group: The process group.
+        device: Where the payload is staged.
+        gather: ``gather(output, input)`` all-gathers flat tensors and returns
+            when they have arrived (a communicator's own launch); ``None``
+            means torch's ``all_gather_single`` on ``group``.
     """
-    payload = pickle.dumps(obj)
+    return [pickle.loads(p) for p in all_gather_payloads(pickle.dumps(obj), group, device, gather)]
+
+
+def all_gather_payloads(
+    payload: bytes, group: dist.ProcessGroup, device: torch.device, gather: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+) -> list[memoryview]:
+    """Every group rank's ``payload`` bytes, in group-rank order: two all-gathers (the sizes, then the bytes padded to the longest)."""
+    if gather is None:
+
+        def gather(output: torch.Tensor, input_: torch.Tensor) -> None:
+            _compat.all_gather_single(output, input_, group=group)
+
     world = dist.get_world_size(group)
     sizes = torch.empty(world, dtype=torch.long, device=device)
-    _compat.all_gather_single(sizes, torch.tensor([len(payload)], dtype=torch.long, device=device), group=group)
+    gather(sizes, torch.tensor([len(payload)], dtype=torch.long, device=device))
     lengths = sizes.tolist()  # one device-to-host copy for every rank's size
     width = max(lengths)
     padded = bytearray(width)
     padded[: len(payload)] = payload
-    mine = torch.frombuffer(padded, dtype=torch.uint8)
+    mine = torch.frombuffer(padded, dtype=torch.uint8) if width else torch.empty(0, dtype=torch.uint8)
     buffer = bytearray(world * width)
-    host = torch.frombuffer(buffer, dtype=torch.uint8)
+    host = torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0, dtype=torch.uint8)
     if device.type == "cpu":
-        _compat.all_gather_single(host, mine, group=group)
+        gather(host, mine)
     else:
         data = torch.empty(world * width, dtype=torch.uint8, device=device)
-        _compat.all_gather_single(data, mine.to(device), group=group)
+        gather(data, mine.to(device))
         host.copy_(data)
     raw = memoryview(buffer)
-    return [pickle.loads(raw[r * width : r * width + n]) for r, n in enumerate(lengths)]
+    return [raw[r * width : r * width + n] for r, n in enumerate(lengths)]
 
 
 _default_safe = False

@@ -96,7 +96,8 @@ class TensorCollectives:
             work = group.allreduce([tensor], opts)
             if async_op:
                 return self._handle(work, "all_reduce")
-            work.wait()
+            if work is not None:  # NCCL returns no work for a blocking call (it runs on the current stream)
+                work.wait()
         except RuntimeError as err:
             raise self._failure("all_reduce", err) from err
         finally:
@@ -151,7 +152,8 @@ class TensorCollectives:
             work = group.all_gather_single(output_tensor, input_tensor, opts)
             if async_op:
                 return self._handle(work, "all_gather")
-            work.wait()
+            if work is not None:  # NCCL returns no work for a blocking call (it runs on the current stream)
+                work.wait()
         except RuntimeError as err:
             raise self._failure("all_gather", err) from err
         finally:
@@ -196,7 +198,8 @@ class TensorCollectives:
             work = group.broadcast([tensor], opts)
             if async_op:
                 return self._handle(work, "broadcast")
-            work.wait()
+            if work is not None:  # NCCL returns no work for a blocking call (it runs on the current stream)
+                work.wait()
         except RuntimeError as err:
             raise self._failure("broadcast", err) from err
         finally:
@@ -234,7 +237,8 @@ class TensorCollectives:
             work = group.gather(outputs, [tensor], opts)
             if async_op:
                 return self._handle(work, "gather")
-            work.wait()
+            if work is not None:  # NCCL returns no work for a blocking call (it runs on the current stream)
+                work.wait()
         except RuntimeError as err:
             raise self._failure("gather", err) from err
         finally:
@@ -272,7 +276,8 @@ class TensorCollectives:
             work = group.scatter([tensor], inputs, opts)
             if async_op:
                 return self._handle(work, "scatter")
-            work.wait()
+            if work is not None:  # NCCL returns no work for a blocking call (it runs on the current stream)
+                work.wait()
         except RuntimeError as err:
             raise self._failure("scatter", err) from err
         finally:
@@ -328,7 +333,8 @@ class TensorCollectives:
             work = group.reduce_scatter_single(output, input_, opts)
             if async_op:
                 return self._handle(work, "reduce_scatter")
-            work.wait()
+            if work is not None:  # NCCL returns no work for a blocking call (it runs on the current stream)
+                work.wait()
         except RuntimeError as err:
             raise self._failure("reduce_scatter", err) from err
         finally:
@@ -384,7 +390,8 @@ class TensorCollectives:
             work = group.all_to_all_single(output, input_, output_split_sizes or [], input_split_sizes or [], opts)
             if async_op:
                 return self._handle(work, "all_to_all_single")
-            work.wait()
+            if work is not None:  # NCCL returns no work for a blocking call (it runs on the current stream)
+                work.wait()
         except RuntimeError as err:
             raise self._failure("all_to_all_single", err) from err
         finally:
@@ -403,7 +410,9 @@ class TensorCollectives:
         if not lock.acquire(False):
             raise self._overlap("barrier")
         try:
-            group.barrier(opts).wait()
+            work = group.barrier(opts)
+            if work is not None:
+                work.wait()
         except RuntimeError as err:
             raise self._failure("barrier", err) from err
         finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,7 +21,10 @@ class ValueCollectives:
 
     _group: Any
     _mode: str
+    _global_rank: int
+    _sync: Any
     device: torch.device
+    # Provided by the other mixins: _check_<op>, _exclusive, _run, all_reduce.
 
     def broadcast_object_list(self, object_list: list[Any], src: int = 0, *, safe: bool | None = None, max_bytes: int | None = None) -> None:
         """Broadcast the picklable objects of ``object_list`` from global rank ``src``, in place.
@@ -58,11 +62,13 @@ class ValueCollectives:
             return
         self._check_broadcast_object_list(object_list, src, safe=safe, max_bytes=max_bytes)
         safe, max_bytes = _objects.resolve_options(safe, max_bytes, self._mode)
+        opts = self._sync.broadcast[operator.index(src)]
+
+        def broadcast(tensor: torch.Tensor) -> None:
+            self._run("broadcast_object_list", lambda: group.broadcast([tensor], opts))
+
         with self._exclusive("broadcast_object_list"):
-            try:
-                payloads = broadcast_objects(object_list, src, group, self.device)
-            except RuntimeError as err:
-                raise self._failure("broadcast_object_list", err) from err
+            payloads = broadcast_objects(object_list, self._global_rank == src, broadcast, self.device)
         if payloads is not None:
             object_list[:] = _objects.decode(payloads, src, safe, max_bytes, self._mode)
         return
