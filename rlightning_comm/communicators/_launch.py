@@ -86,13 +86,15 @@ class DirectLaunch:
     _group: Any
     _mode: str
     _timeout: float | None
+    _bounded_wait: bool
     _lock: Any
     _group_rank_of: dict[int, int]
     supported_reduce_ops: Any
 
     def _init_launch(self) -> None:
-        self._sync = Options(self._group_rank_of, self.supported_reduce_ops, False)
         self._async = Options(self._group_rank_of, self.supported_reduce_ops, True)
+        # Bounded wait: blocking calls launch as async ones, so the backend returns a work whose wait() blocks the host.
+        self._sync = self._async if self._bounded_wait else Options(self._group_rank_of, self.supported_reduce_ops, False)
         self._barrier_opts: Any = None
 
     def _failure(self, op: str, err: BaseException) -> CommError:
@@ -121,7 +123,7 @@ class DirectLaunch:
         opts = self._barrier_opts
         if opts is None:
             opts = dist.BarrierOptions()
-            opts.asyncOp = False
+            opts.asyncOp = self._bounded_wait
             device_ids = self._barrier_device_ids()
             if device_ids:
                 opts.device_ids = device_ids

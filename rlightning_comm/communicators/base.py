@@ -71,6 +71,13 @@ class Communicator(InputChecks, InFlight, DirectLaunch, TensorCollectives, Value
         ranks: Global ranks of the group, in group-rank order.
         mode: Name of the mode this communicator is bound to (used in messages).
         timeout: The group's timeout in seconds (used in messages), if known.
+        bounded_wait: On NCCL, every blocking call (and every ``WorkHandle.wait``)
+            waits on the host for its work, within the group's timeout, so a
+            peer that never joins raises :class:`CommTimeoutError` instead of
+            torch's watchdog taking the process down; the group must have been
+            created with ``TORCH_NCCL_BLOCKING_WAIT=1`` (the context sets it for
+            ``init_distributed_env(bounded_wait=True)``). No effect on gloo,
+            whose calls always wait so.
     """
 
     backend: ClassVar[str]
@@ -82,9 +89,14 @@ class Communicator(InputChecks, InFlight, DirectLaunch, TensorCollectives, Value
     integer_avg_supported: ClassVar[bool] = True
     """Whether ``ReduceOp.AVG`` works on integer tensors with this backend."""
 
-    def __init__(self, group: dist.ProcessGroup | None, ranks: Sequence[int], mode: str, timeout: float | None = None) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup | None, ranks: Sequence[int], mode: str, timeout: float | None = None, *, bounded_wait: bool = False
+    ) -> None:
         self._group = group
         self._timeout = None if timeout is None else float(timeout)
+        # gloo's own wait already blocks the host within the group's timeout; NCCL's does only in blocking-wait mode,
+        # and only for a call that returns its work, so there blocking calls are launched as async ones and waited.
+        self._bounded_wait = bool(bounded_wait) and self.backend == "nccl"
         self._init_claim()
         self._ranks = tuple(int(r) for r in ranks)
         self._group_rank_of = {r: i for i, r in enumerate(self._ranks)}
@@ -128,6 +140,11 @@ class Communicator(InputChecks, InFlight, DirectLaunch, TensorCollectives, Value
     def timeout(self) -> float | None:
         """The group's timeout in seconds (``None`` when the creator did not pass it)."""
         return self._timeout
+
+    @property
+    def bounded_wait(self) -> bool:
+        """Whether blocking calls wait on the host within the group's timeout because of the ``bounded_wait`` option (NCCL only)."""
+        return self._bounded_wait
 
     @property
     def is_member(self) -> bool:

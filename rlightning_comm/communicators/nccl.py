@@ -13,6 +13,42 @@ from rlightning_comm.communicators.base import Communicator
 from rlightning_comm.communicators.registry import register_communicator
 
 
+BLOCKING_WAIT_ENV = "TORCH_NCCL_BLOCKING_WAIT"
+"""torch's switch, read when an NCCL process group is created: its ``wait()`` then blocks the host within the group's timeout."""
+_ON = ("1", "true", "yes", "on", "y")
+_OFF = ("0", "false", "no", "off", "n")
+
+
+def enable_blocking_wait() -> bool:
+    """Make the NCCL process groups this process creates from now on wait on the host (``TORCH_NCCL_BLOCKING_WAIT=1``).
+
+    With it, torch's ``WorkNCCL.wait()`` blocks the calling thread until the
+    work completes, and past the group's timeout aborts the group's
+    communicator and raises in that thread; torch then runs no watchdog thread
+    for the group, so nothing tears the process down. The variable is read
+    when a group is created, so it must be set before the first one.
+
+    Returns:
+        Whether it was on already (set by the user or an earlier call).
+
+    Raises:
+        ValueError: ``TORCH_NCCL_BLOCKING_WAIT`` is set to a value that turns it off, or to no boolean at all.
+    """
+    raw = os.environ.get(BLOCKING_WAIT_ENV)
+    if raw is None:
+        os.environ[BLOCKING_WAIT_ENV] = "1"
+        return False
+    value = raw.strip().lower()
+    if value in _ON:
+        return True
+    if value in _OFF:
+        raise ValueError(
+            f"bounded_wait=True needs {BLOCKING_WAIT_ENV}=1 in the NCCL process groups, but the environment sets {BLOCKING_WAIT_ENV}={raw!r}; "
+            f"unset it (the library then sets it) or pass bounded_wait=False"
+        )
+    raise ValueError(f"environment variable {BLOCKING_WAIT_ENV} must be a boolean such as 1 or 0; got {raw!r}")
+
+
 @register_communicator("nccl")
 class NcclCommunicator(Communicator):
     """Communicator on an NCCL process group; every tensor must be on a CUDA device.

@@ -1,0 +1,145 @@
+"""The NCCL-only Python paths, on CPU: the bounded wait, the device bound at bind time, the backend's own refusals.
+
+No GPU here: a test-only subclass of ``NcclCommunicator`` takes CPU tensors (so ``backend`` is still ``"nccl"``) and a
+stand-in process group plays ProcessGroupNCCL's part as torch 2.13's source describes it (a blocking call returns no
+work; an async one returns a work whose ``wait()`` raises torch's own error text). ``torch.cuda`` functions are patched
+where a CUDA call is needed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from typing_extensions import override
+
+from rlightning_comm import CommContext, CommTimeoutError, NcclCommunicator
+from rlightning_comm.communicators.nccl import BLOCKING_WAIT_ENV
+
+# torch 2.13's WorkNCCL: checkTimeout's text, rethrown by wait() in blocking-wait mode after aborting the communicator.
+NCCL_TIMEOUT = (
+    "[PG ID 1 PG GUID 1 Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE, NumelIn=4, "
+    "NumelOut=4, Timeout(ms)=1500) ran for 1501 milliseconds before timing out."
+)
+
+
+class HostNccl(NcclCommunicator):
+    """NCCL's Python paths with CPU tensors and buffers (test only)."""
+
+    @property
+    @override
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @override
+    def _barrier_device_ids(self) -> list[int] | None:
+        return None
+
+    @staticmethod
+    @override
+    def _on_device(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.is_cpu and b.is_cpu
+
+    @override
+    def _check_device(self, tensor: torch.Tensor, name: str) -> None:
+        if not tensor.is_cpu:
+            raise ValueError(f"{name}: HostNccl takes CPU tensors")
+
+
+class _Work:
+    def __init__(self, error: str | None) -> None:
+        self.error = error
+        self.waits = 0
+
+    def wait(self, *args: Any) -> bool:
+        self.waits += 1
+        if self.error:
+            raise dist.DistBackendError(self.error)
+        return True
+
+
+class StandInNccl:
+    """ProcessGroupNCCL as its source reads: ``asyncOp=False`` returns no work, ``asyncOp=True`` a work to wait on."""
+
+    def __init__(self, error: str | None = None) -> None:
+        self.error = error
+        self.launched: list[tuple[str, bool]] = []
+        self.works: list[_Work] = []
+
+    def _launch(self, name: str, opts: Any) -> _Work | None:
+        self.launched.append((name, opts.asyncOp))
+        if not opts.asyncOp:
+            return None
+        self.works.append(_Work(self.error))
+        return self.works[-1]
+
+    def allreduce(self, tensors, opts):
+        return self._launch("allreduce", opts)
+
+    def broadcast(self, tensors, opts):
+        return self._launch("broadcast", opts)
+
+    def all_gather_single(self, output, input_, opts):
+        output.copy_(input_.reshape(output.shape))
+        return self._launch("all_gather_single", opts)
+
+    def barrier(self, opts):
+        return self._launch("barrier", opts)
+
+
+@pytest.fixture
+def world(tmp_path) -> CommContext:
+    ctx = CommContext()
+    ctx.init_distributed_env(world_size=1, rank=0, backend="gloo", dist_url=f"file://{tmp_path}/store", timeout=30)
+    return ctx
+
+
+def test_bounded_wait_launches_blocking_calls_as_async_and_waits_for_their_work(world):
+    default, bounded = StandInNccl(), StandInNccl()
+    plain = HostNccl(default, [0], "plain", timeout=1.5)
+    waited = HostNccl(bounded, [0], "bounded", timeout=1.5, bounded_wait=True)
+    assert (plain.bounded_wait, waited.bounded_wait) == (False, True)
+    for comm in (plain, waited):
+        comm.all_reduce(torch.ones(4))
+        comm.broadcast(torch.ones(4), 0)
+        comm.barrier()
+        assert comm.all_reduce_dict({"loss": 1.0}) == {"loss": 1.0}
+        comm.broadcast_object_list([{"a": 1}], 0)
+    # Default: torch's blocking calls (no work to wait on, as NCCL returns none). Bounded: async launches, each waited once.
+    assert {a for _, a in default.launched} == {False} and not default.works
+    assert {a for _, a in bounded.launched} == {True} and len(bounded.works) == len(bounded.launched) == 6
+    assert all(w.waits == 1 for w in bounded.works)
+
+
+def test_bounded_wait_turns_nccls_timeout_into_the_librarys_error(world):
+    comm = HostNccl(StandInNccl(NCCL_TIMEOUT), [0], "TP", timeout=1.5, bounded_wait=True)
+    with pytest.raises(CommTimeoutError, match=r"all_reduce on mode 'TP' timed out after 1.5 s \(the group's timeout\)") as info:
+        comm.all_reduce(torch.ones(4))
+    assert isinstance(info.value.__cause__, dist.DistBackendError)
+    handle = comm.all_reduce(torch.ones(4), async_op=True)
+    with pytest.raises(CommTimeoutError, match="all_reduce on mode 'TP' timed out"):
+        handle.wait()
+    with pytest.raises(CommTimeoutError, match="broadcast_object_list on mode 'TP' timed out"):
+        comm.broadcast_object_list([1], 0)
+
+
+def test_bounded_wait_is_a_world_setting_that_sets_torchs_blocking_wait(tmp_path, monkeypatch):
+    monkeypatch.delenv(BLOCKING_WAIT_ENV, raising=False)
+    ctx = CommContext()
+    comm = ctx.init_distributed_env(world_size=1, rank=0, backend="gloo", dist_url=f"file://{tmp_path}/store", timeout=30, bounded_wait=True)
+    import os
+
+    assert os.environ[BLOCKING_WAIT_ENV] == "1"  # before any NCCL group this context creates
+    assert comm.bounded_wait is False  # gloo's calls wait within the timeout anyway
+    with pytest.raises(Exception, match="already initialised"):
+        ctx.init_distributed_env(world_size=1, rank=0, backend="gloo", dist_url=f"file://{tmp_path}/store", timeout=30)
+    assert ctx.init_distributed_env(world_size=1, rank=0, backend="gloo", dist_url=f"file://{tmp_path}/store", timeout=30, bounded_wait=True) is comm
+
+
+def test_bounded_wait_refuses_an_environment_that_turns_blocking_wait_off(tmp_path, monkeypatch):
+    monkeypatch.setenv(BLOCKING_WAIT_ENV, "0")
+    with pytest.raises(ValueError, match=r"bounded_wait=True needs TORCH_NCCL_BLOCKING_WAIT=1 .* sets TORCH_NCCL_BLOCKING_WAIT='0'"):
+        CommContext().init_distributed_env(world_size=1, rank=0, backend="gloo", dist_url=f"file://{tmp_path}/store", timeout=30, bounded_wait=True)
+    assert not dist.is_initialized()
