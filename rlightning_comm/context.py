@@ -40,9 +40,7 @@ def initialize_distributed_env(
     Returns:
         The communicator bound to ``CommMode.GLOBAL``.
     """
-    return CommContext().init_distributed_env(
-        world_size=world_size, rank=rank, backend=backend, dist_url=dist_url, timeout=timeout, bounded_wait=bounded_wait
-    )
+    return CommContext().init_distributed_env(world_size=world_size, rank=rank, backend=backend, dist_url=dist_url, timeout=timeout, bounded_wait=bounded_wait)
 
 
 class CommContext(ContextLookups, ContextLayouts, ContextPolicies):
@@ -176,7 +174,8 @@ class CommContext(ContextLookups, ContextLayouts, ContextPolicies):
                     )
             else:
                 cls.setup_process()
-                rendezvous.init_process_group(cls.backend, config.dist_url, config.world_size, config.rank, timedelta(seconds=config.timeout))
+                limit = timedelta(seconds=config.timeout)
+                rendezvous.init_process_group(cls.backend, config.dist_url, config.world_size, config.rank, limit, cls.bind_device())
                 self._owns_world = True
             self._dist_config = config
             world = tuple(range(config.world_size))
@@ -263,6 +262,7 @@ class CommContext(ContextLookups, ContextLayouts, ContextPolicies):
             backend = "gloo"  # as in the seed, use_cpu forces gloo whatever backend says (a gloo-based custom backend is kept)
         backend = backend or dist_config.backend
         cls = get_communicator_class(backend)
+        cls.bind_device()  # an environment that names no device is refused before any group exists
         config = GroupConfig(
             partition=ranks,
             world_size=dist_config.world_size,

@@ -143,3 +143,118 @@ def test_bounded_wait_refuses_an_environment_that_turns_blocking_wait_off(tmp_pa
     with pytest.raises(ValueError, match=r"bounded_wait=True needs TORCH_NCCL_BLOCKING_WAIT=1 .* sets TORCH_NCCL_BLOCKING_WAIT='0'"):
         CommContext().init_distributed_env(world_size=1, rank=0, backend="gloo", dist_url=f"file://{tmp_path}/store", timeout=30, bounded_wait=True)
     assert not dist.is_initialized()
+
+
+class FakeCuda:
+    """torch.cuda as a machine with ``count`` GPUs whose current device is per thread, as CUDA's is."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import threading
+
+        self.count = 4
+        self.state = threading.local()
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: self.count)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: getattr(self.state, "device", 0))
+        monkeypatch.setattr(torch.cuda, "set_device", lambda d: setattr(self.state, "device", torch.device(d).index))
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+
+
+@pytest.fixture
+def cuda(monkeypatch) -> FakeCuda:
+    return FakeCuda(monkeypatch)
+
+
+def _in_thread(fn):
+    import threading
+
+    out = []
+    thread = threading.Thread(target=lambda: out.append(fn()))
+    thread.start()
+    thread.join(10)
+    return out[0]
+
+
+def test_the_device_is_bound_from_local_rank_and_used_by_every_entry_point_whatever_the_calling_thread(world, cuda, monkeypatch):
+    from rlightning_comm.communicators import _values
+    from rlightning_comm.stats._recorder import _Recorder
+
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    comm = NcclCommunicator(dist.group.WORLD, [0], "gpu")
+    cuda.state.device = 3  # the calling thread's device changes after the bind
+    staged = []
+    monkeypatch.setattr(_values, "pack", lambda d, dtype, device, mode, checked: staged.append(device) or (None, None))
+    monkeypatch.setattr(_values, "broadcast_objects", lambda objs, is_src, send, device: staged.append(device))
+    events = []
+
+    class Event:
+        def __init__(self, enable_timing):
+            pass
+
+        def record(self, stream):
+            events.append(stream)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: f"stream of {device}")
+    recorder = _Recorder()
+    recorder.enabled = True
+    recorder.attach(comm)
+
+    def calls():
+        assert comm.all_reduce_dict({"loss": 1.0}) == {}
+        comm.broadcast_object_list([1], 0)
+        return comm.device, comm._barrier_device_ids()
+
+    assert _in_thread(calls) == (torch.device("cuda", 2), [2])  # a thread whose current device is 0
+    assert staged == [torch.device("cuda", 2)] * 2
+    assert events == ["stream of cuda:2"] * 4  # start and end of both calls, on the bound device's stream
+
+
+def test_without_local_rank_the_device_is_the_binding_threads_current_one(world, cuda):
+    cuda.state.device = 1
+    comm = NcclCommunicator(dist.group.WORLD, [0], "gpu")
+    cuda.state.device = 0
+    assert _in_thread(lambda: comm.device) == comm.device == torch.device("cuda", 1)
+
+
+def test_local_rank_must_name_a_visible_gpu(world, cuda, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "4")
+    with pytest.raises(ValueError, match=r"LOCAL_RANK=4 names no GPU of this process: expected 0 <= LOCAL_RANK < 4 \(torch.cuda.device_count\(\)\)"):
+        NcclCommunicator(dist.group.WORLD, [0], "gpu")
+    with pytest.raises(ValueError, match="LOCAL_RANK=4 names no GPU"):  # init_group refuses before any group is created
+        world.init_group([0], "GPU", backend="nccl")
+    assert "GPU" not in world.bound_modes()
+    cuda.count = 1  # each process sees its own GPU only (CUDA_VISIBLE_DEVICES, Ray's num_gpus=1)
+    assert NcclCommunicator(dist.group.WORLD, [0], "gpu").device == torch.device("cuda", 0)
+    cuda.count = 4
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    NcclCommunicator.setup_process()
+    assert cuda.state.device == 2
+
+
+def test_an_nccl_world_is_bound_to_its_device(tmp_path, cuda, monkeypatch):
+    from rlightning_comm import rendezvous
+    from rlightning_comm.context import CommContext as Context
+
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    seen = []
+    real = rendezvous.init_process_group
+
+    def init(backend, url, world_size, rank, timeout, device_id=None):
+        seen.append((backend, device_id))
+        real("gloo", url, world_size, rank, timeout)  # a CPU machine: gloo stands in for the world NCCL would make
+
+    monkeypatch.setattr(rendezvous, "init_process_group", init)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    Context().init_distributed_env(world_size=1, rank=0, backend="nccl", dist_url=f"file://{tmp_path}/store", timeout=30)
+    assert seen == [("nccl", torch.device("cuda", 3))] and cuda.state.device == 3
+    assert Context().get_communicator().device == torch.device("cuda", 3)
+
+
+def test_members_of_a_gloo_group_take_part_in_the_world_split(world, monkeypatch):
+    from rlightning_comm import _compat
+
+    joined = []
+    monkeypatch.setattr(_compat, "join_world_split", lambda: joined.append(1))
+    world.init_group([0], "HOST", backend="gloo")
+    assert joined == [1]  # a no-op on this unbound world; on an NCCL world bound to a device it is the members' split

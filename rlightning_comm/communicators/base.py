@@ -89,9 +89,7 @@ class Communicator(InputChecks, InFlight, DirectLaunch, TensorCollectives, Value
     integer_avg_supported: ClassVar[bool] = True
     """Whether ``ReduceOp.AVG`` works on integer tensors with this backend."""
 
-    def __init__(
-        self, group: dist.ProcessGroup | None, ranks: Sequence[int], mode: str, timeout: float | None = None, *, bounded_wait: bool = False
-    ) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, ranks: Sequence[int], mode: str, timeout: float | None = None, *, bounded_wait: bool = False) -> None:
         self._group = group
         self._timeout = None if timeout is None else float(timeout)
         # gloo's own wait already blocks the host within the group's timeout; NCCL's does only in blocking-wait mode,
@@ -115,6 +113,18 @@ class Communicator(InputChecks, InFlight, DirectLaunch, TensorCollectives, Value
         Called by :meth:`CommContext.init_distributed_env` before
         ``init_process_group``; the default does nothing.
         """
+
+    @classmethod
+    def bind_device(cls) -> torch.device | None:
+        """The accelerator this process's groups of this backend are bound to, or ``None`` (host backends: the default).
+
+        :meth:`CommContext.init_distributed_env` passes it to
+        ``init_process_group(device_id=...)`` (torch then connects eagerly and
+        splits later groups from the world's communicator), and
+        :meth:`CommContext.init_group` calls it before creating a group, so a
+        bad environment is refused before anything is created.
+        """
+        return None
 
     @property
     def mode(self) -> str:

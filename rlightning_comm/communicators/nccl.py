@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import os
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch.distributed import ReduceOp
 from typing_extensions import override
 
+from rlightning_comm._env import parse_int
 from rlightning_comm.communicators.base import Communicator
 from rlightning_comm.communicators.registry import register_communicator
-
+from rlightning_comm.errors import CommError
 
 BLOCKING_WAIT_ENV = "TORCH_NCCL_BLOCKING_WAIT"
 """torch's switch, read when an NCCL process group is created: its ``wait()`` then blocks the host within the group's timeout."""
@@ -53,29 +54,68 @@ def enable_blocking_wait() -> bool:
 class NcclCommunicator(Communicator):
     """Communicator on an NCCL process group; every tensor must be on a CUDA device.
 
-    The CUDA device of the process is set from ``LOCAL_RANK`` (as torchrun
-    sets it) when the distributed environment is initialised.
+    The communicator's CUDA device is fixed when it is bound (:meth:`bind_device`:
+    ``cuda:LOCAL_RANK`` when the launcher set ``LOCAL_RANK``, else the binding
+    thread's current device), and everything the communicator allocates or
+    synchronises itself uses it, whichever thread calls: the staging buffers of
+    ``all_reduce_dict`` and the object collectives, the barrier, stats' events.
     """
 
     backend: ClassVar[str] = "nccl"
     supported_reduce_ops: ClassVar[frozenset[object]] = frozenset({ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX})
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Without CUDA no NCCL group exists; a communicator made anyway (tests, a CPU-only rank) refuses every tensor.
+        self._device = type(self).bind_device() if torch.cuda.is_available() else None
+
     @classmethod
+    @override
     def setup_process(cls) -> None:
-        """Select this process's GPU from ``LOCAL_RANK`` before the world is initialised.
+        """Select this process's GPU (:meth:`bind_device`) before the world is initialised.
 
         Raises:
             RuntimeError: CUDA is not available.
+            ValueError: ``LOCAL_RANK`` names no visible GPU.
+        """
+        torch.cuda.set_device(cls.bind_device())
+
+    @classmethod
+    @override
+    def bind_device(cls) -> torch.device:
+        """This process's GPU: ``cuda:LOCAL_RANK`` when ``LOCAL_RANK`` is set, else the calling thread's current device.
+
+        A process that sees one GPU only (``CUDA_VISIBLE_DEVICES`` set per
+        process, Ray's ``num_gpus=1``) uses it whatever ``LOCAL_RANK`` says.
+
+        Raises:
+            RuntimeError: CUDA is not available.
+            ValueError: ``LOCAL_RANK`` is not an integer, or with several visible
+                GPUs not one of their indices.
         """
         if not torch.cuda.is_available():
             raise RuntimeError("backend 'nccl' needs CUDA, and torch.cuda.is_available() is False; use backend='gloo' on CPU")
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        raw = os.environ.get("LOCAL_RANK")
+        if raw is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        local_rank = parse_int("LOCAL_RANK", raw)
+        count = torch.cuda.device_count()
+        if count == 1:
+            return torch.device("cuda", 0)
+        if not 0 <= local_rank < count:
+            raise ValueError(
+                f"LOCAL_RANK={local_rank} names no GPU of this process: expected 0 <= LOCAL_RANK < {count} (torch.cuda.device_count()). "
+                "Hint: launch at most one rank per GPU per node, or make each process see only its own GPU (CUDA_VISIBLE_DEVICES)"
+            )
+        return torch.device("cuda", local_rank)
 
     @property
     @override
     def device(self) -> torch.device:
-        return torch.device("cuda", torch.cuda.current_device())
+        device = self._device
+        if device is None:
+            raise CommError(f"NcclCommunicator (mode {self._mode!r}) has no CUDA device: torch.cuda.is_available() was False when it was bound")
+        return device
 
     @staticmethod
     @override
@@ -89,4 +129,4 @@ class NcclCommunicator(Communicator):
 
     @override
     def _barrier_device_ids(self) -> list[int] | None:
-        return [torch.cuda.current_device()]
+        return [self.device.index]

@@ -27,7 +27,8 @@ What is recorded, per mode and op:
   completes it counts as ``in_flight``. Failed calls (a bad argument) are not
   recorded.
 * On CUDA tensors time comes from CUDA events recorded on the current stream
-  before and after the call (for async calls the second event is recorded from
+  of the tensor's device (for dicts and objects, the communicator's bound
+  device; never the calling thread's current device) before and after the call (for async calls the second event is recorded from
   the work future's callback, on a stream ordered after the collective). No
   event is waited on when an op runs: events are resolved when stats are read
   (``stats()``/``stats_table()`` wait for outstanding ones), and already

@@ -116,7 +116,8 @@ class _Recorder:
         n = comm.world_size
         factor = bus_factor(op, n)
         size_of = _SIZES.get(op)
-        on_cuda = comm.device.type == "cuda"  # where dict and object payloads are staged
+        staged_on = comm.device  # where dict and object payloads are staged: the device bound to the communicator
+        staged = staged_on if staged_on.type == "cuda" else None
         local = self._local
         rec = self
 
@@ -128,12 +129,13 @@ class _Recorder:
                     local.inner_bytes += size_of(comm, args, kwargs)[0]
                 return result
             nbytes, probe = size_of(comm, args, kwargs) if size_of is not None else (0, None)
-            cuda = probe.is_cuda if isinstance(probe, torch.Tensor) else on_cuda
+            # CUDA events go on the current stream of the data's device, not the calling thread's current device.
+            cuda = (probe.device if probe.is_cuda else None) if isinstance(probe, torch.Tensor) else staged
             local.depth, local.inner_bytes = 1, 0
             try:
-                if cuda:
+                if cuda is not None:
                     start: Any = torch.cuda.Event(enable_timing=True)
-                    start.record()
+                    start.record(torch.cuda.current_stream(cuda))
                 else:
                     start = _perf_counter()
                 result = inner(*args, **kwargs)
@@ -149,11 +151,11 @@ class _Recorder:
         return record
 
     # ------------------------------------------------------------ recording
-    def _finish(self, key: tuple[str, str], n: int, nbytes: int, factor: float, start: Any, cuda: bool, was_async: bool) -> None:
-        """Record the end of a call: now, on the current stream if ``cuda``; may run on another thread."""
-        if cuda:
+    def _finish(self, key: tuple[str, str], n: int, nbytes: int, factor: float, start: Any, cuda: torch.device | None, was_async: bool) -> None:
+        """Record the end of a call: now, on the current stream of the CUDA device ``cuda`` if given; may run on another thread."""
+        if cuda is not None:
             end = torch.cuda.Event(enable_timing=True)
-            end.record()
+            end.record(torch.cuda.current_stream(cuda))
             with self._lock:
                 self._done.append((key, n, nbytes, factor, (start, end), was_async))
                 self._cuda_backlog += 1
@@ -183,7 +185,7 @@ class _Recorder:
         if was_async and acc[6] > 0:
             acc[6] -= 1
 
-    def _track_async(self, key: tuple[str, str], n: int, nbytes: int, factor: float, work: Any, start: Any, cuda: bool) -> None:
+    def _track_async(self, key: tuple[str, str], n: int, nbytes: int, factor: float, work: Any, start: Any, cuda: torch.device | None) -> None:
         with self._lock:
             acc = self._acc.get(key)
             if acc is None:
@@ -198,8 +200,8 @@ class _Recorder:
         except RuntimeError:  # e.g. gloo's reduce_scatter: no future, so a watcher thread waits on it
             self._watcher().put((work, finished))
             return
-        if cuda:
-            future.then(finished)  # the callback's current stream is ordered after the collective
+        if cuda is not None:
+            future.then(finished)  # the callback's current stream of the device is ordered after the collective
         else:
             future.add_done_callback(finished)
 
