@@ -59,6 +59,13 @@ def _cases(torch, rank):
         ("reduce_scatter dtype", "reduce_scatter", lambda: (torch.empty(2, dtype=torch.float64), full(4))),
         ("reduce_scatter MAX", "reduce_scatter", lambda: (torch.empty(2), full(4), torch.distributed.ReduceOp.MAX)),
         ("reduce_scatter transposed input", "reduce_scatter", lambda: (torch.empty(3), full(3, 2).t())),
+        ("reduce_scatter complex", "reduce_scatter", lambda: (torch.empty(2, dtype=torch.complex64), full(4, dtype=torch.complex64))),
+        (
+            "reduce_scatter complex MAX",
+            "reduce_scatter",
+            lambda: (torch.empty(2, dtype=torch.complex64), full(4, dtype=torch.complex64), torch.distributed.ReduceOp.MAX),
+        ),
+        ("all_reduce bool AVG", "all_reduce", lambda: (torch.ones(3, dtype=torch.bool), torch.distributed.ReduceOp.AVG)),
         ("all_to_all flat", "all_to_all_single", lambda: (torch.empty(4), full(4))),
         ("all_to_all 2-d rows", "all_to_all_single", lambda: (torch.empty(2, 3), full(2, 3))),
         ("all_to_all odd length", "all_to_all_single", lambda: (torch.empty(3), full(3))),
@@ -82,6 +89,8 @@ def _cases(torch, rank):
 
 def _raw(dist, op, args, group):
     """The same call through torch.distributed (the oracle), or None where torch has no same-shaped form."""
+    import torch
+
     from rlightning_comm._compat import all_gather_single, reduce_scatter_single
 
     if op == "all_reduce":
@@ -90,7 +99,8 @@ def _raw(dist, op, args, group):
         out, inp = args
         return all_gather_single(out.view(-1), inp.view(-1), group=group) if out.dim() != inp.dim() else all_gather_single(out, inp, group=group)
     if op == "reduce_scatter":
-        return reduce_scatter_single(args[0], args[1], *(args[2:3] or ()), group=group)
+        out, inp = (torch.view_as_real(t).view(-1) for t in args[:2]) if args[1].is_complex() else args[:2]  # complex: the real pairs' bytes
+        return reduce_scatter_single(out, inp, *(args[2:3] or ()), group=group)
     if op == "all_to_all_single":
         return dist.all_to_all_single(*args, group=group)
     if op == "broadcast":

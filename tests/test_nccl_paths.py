@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
-from rlightning_comm import CommContext, CommTimeoutError, NcclCommunicator
+from rlightning_comm import CommContext, CommError, CommTimeoutError, NcclCommunicator
+from rlightning_comm.communicators import nccl
 from rlightning_comm.communicators.nccl import BLOCKING_WAIT_ENV
 
 # torch 2.13's WorkNCCL: checkTimeout's text, rethrown by wait() in blocking-wait mode after aborting the communicator.
@@ -40,7 +41,7 @@ class HostNccl(NcclCommunicator):
     @staticmethod
     @override
     def _on_device(a: torch.Tensor, b: torch.Tensor) -> bool:
-        return a.is_cpu and b.is_cpu
+        return a.is_cpu and b.is_cpu and a.dtype in nccl._FAST and b.dtype in nccl._FAST  # NCCL's own test, devices aside
 
     @override
     def _check_device(self, tensor: torch.Tensor, name: str) -> None:
@@ -87,6 +88,12 @@ class StandInNccl:
 
     def barrier(self, opts):
         return self._launch("barrier", opts)
+
+    def reduce_scatter_single(self, output, input_, opts):
+        if input_.is_complex():  # ProcessGroupNCCL._reduce_scatter_base does not view complex as real: no NCCL type for it
+            raise TypeError(f"Input tensor data type is not supported for NCCL process group: {input_.dtype}")
+        output.copy_(input_.reshape(output.shape))
+        return self._launch("reduce_scatter_single", opts)
 
 
 @pytest.fixture
@@ -258,3 +265,103 @@ def test_members_of_a_gloo_group_take_part_in_the_world_split(world, monkeypatch
     monkeypatch.setattr(_compat, "join_world_split", lambda: joined.append(1))
     world.init_group([0], "HOST", backend="gloo")
     assert joined == [1]  # a no-op on this unbound world; on an NCCL world bound to a device it is the members' split
+
+
+class _Tensorish:
+    """What NcclCommunicator's fast test reads of a tensor (no CUDA tensor can exist here)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.is_cuda, self.dtype = True, dtype
+
+    def get_device(self) -> int:
+        return 0
+
+
+def test_nccls_fast_test_passes_only_the_dtypes_it_moves_and_reduces():
+    taken = {dt for dt in (torch.float32, torch.bfloat16, torch.int64, torch.bool) if NcclCommunicator._on_device(_Tensorish(dt), _Tensorish(dt))}
+    assert taken == {torch.float32, torch.bfloat16, torch.int64, torch.bool}
+    for dt in (torch.uint16, torch.uint32, torch.uint64, torch.int16, torch.float8_e4m3fn, torch.complex64):
+        assert not NcclCommunicator._on_device(_Tensorish(dt), _Tensorish(dt)), dt  # to the full checks
+
+
+def test_nccl_refuses_what_it_cannot_move_or_reduce_before_anything_is_sent(world, monkeypatch):
+    group = StandInNccl()
+    comm = HostNccl(group, [0], "TP")
+    ReduceOp = dist.ReduceOp
+    for dtype in (torch.uint16, torch.uint32, torch.uint64, torch.int16):
+        for call in (
+            lambda t: comm.all_reduce(t),
+            lambda t: comm.broadcast(t, 0),
+            lambda t: comm.all_gather(torch.empty(4, dtype=t.dtype), t),
+            lambda t: comm.reduce_scatter(torch.empty(4, dtype=t.dtype), t),
+        ):
+            with pytest.raises(ValueError, match=rf"is {dtype}, which HostNccl \(mode 'TP'\) cannot move; expected one of: bfloat16, bool, "):
+                call(torch.zeros(4, dtype=dtype))
+    with pytest.raises(ValueError, match="dtype is torch.uint16, which HostNccl"):
+        comm.all_reduce_dict({"x": 1}, dtype=torch.uint16)
+    with pytest.raises(ValueError, match="AVG needs a floating-point tensor with HostNccl; got torch.bool"):
+        comm.all_reduce(torch.zeros(4, dtype=torch.bool), ReduceOp.AVG)
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 3))
+    nccl._unreducible.cache_clear()
+    try:
+        for dtype in (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz):
+            with pytest.raises(ValueError, match=rf"HostNccl \(mode 'TP'\) cannot reduce {dtype} tensors"):
+                comm.all_reduce(torch.zeros(4, dtype=dtype))
+            with pytest.raises(ValueError, match="cannot reduce"):
+                comm.reduce_scatter(torch.empty(4, dtype=dtype), torch.zeros(4, dtype=dtype))
+        assert group.launched == []  # nothing reached the backend
+        comm.all_reduce(torch.zeros(4, dtype=torch.float8_e4m3fn))  # NCCL >= 2.24 reduces e4m3fn and e5m2
+        monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 21, 5))
+        nccl._unreducible.cache_clear()
+        with pytest.raises(ValueError, match="cannot reduce torch.float8_e5m2 tensors"):
+            comm.all_reduce(torch.zeros(4, dtype=torch.float8_e5m2))
+    finally:
+        nccl._unreducible.cache_clear()
+    # Moving fp8 is fine: the full checks take it, the backend gets it.
+    comm.broadcast(torch.zeros(4, dtype=torch.float8_e5m2), 0)
+    comm.all_gather(torch.empty(4, dtype=torch.float8_e4m3fnuz), torch.zeros(4, dtype=torch.float8_e4m3fnuz))
+    assert [name for name, _ in group.launched] == ["allreduce", "broadcast", "all_gather_single"]
+
+
+class _Refusing(StandInNccl):
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.raised = error
+
+    def allreduce(self, tensors, opts):
+        raise self.raised
+
+
+@pytest.mark.parametrize(
+    ("raised", "expected"),
+    [
+        (ValueError("Tensors must be CUDA and dense"), ValueError),
+        (TypeError("Cannot use ReduceOp.AVG with boolean inputs"), TypeError),
+        (RuntimeError("Unsupported Float8 type for NCCL reduction"), CommError),
+        (NotImplementedError("Could not run 'c10d::allreduce_' with arguments from the 'NestedTensorCPU' backend."), CommError),
+    ],
+    ids=["value", "type", "fp8", "not implemented"],
+)
+def test_a_backends_own_refusal_is_reported_as_one_and_the_group_still_works(world, raised, expected):
+    comm = HostNccl(_Refusing(raised), [0], "TP")
+    with pytest.raises(expected, match=r"all_reduce on mode 'TP' was refused by the backend's own check on this rank.*the group still works here") as info:
+        comm.all_reduce(torch.ones(4))
+    assert "a peer is gone" not in str(info.value) and info.value.__cause__ is raised
+    assert not comm._lock._is_owned()  # released: the next call may go
+
+
+def test_a_peer_gone_on_nccl_still_says_so():
+    from rlightning_comm.failures import comm_failure
+
+    gone = dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:2087, remote process exited or there was a network error, NCCL version 2.27.3")
+    assert "a peer is gone" in str(comm_failure(gone, "TP", "all_reduce", 30.0))
+
+
+def test_complex_reduce_scatter_goes_as_real_pairs(world):
+    comm = HostNccl(StandInNccl(), [0], "TP")
+    x = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    out = torch.zeros(2, dtype=torch.complex64)
+    comm.reduce_scatter(out, x)  # SUM over one rank: the input itself
+    assert torch.equal(out, x)
+    with pytest.raises(ValueError, match="not defined on complex tensors"):
+        comm.reduce_scatter(out, x, dist.ReduceOp.MAX)

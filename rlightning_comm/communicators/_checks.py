@@ -42,6 +42,7 @@ class InputChecks:
     _on_device: Callable[[torch.Tensor, torch.Tensor], bool]  # the backend's fast device test (Communicator._on_device)
     supported_reduce_ops: ClassVar[frozenset[Any]]
     integer_avg_supported: ClassVar[bool]
+    supported_dtypes: ClassVar[frozenset[torch.dtype] | None]
     # _check_device(tensor, name) is the backend's part, declared abstract on Communicator.
 
     # ------------------------------------------------------------ primitives
@@ -55,6 +56,16 @@ class InputChecks:
         if not contiguous:
             self._refuse_layout(tensor, name)
         self._check_device(tensor, name)
+        dtypes = self.supported_dtypes
+        if dtypes is not None and tensor.dtype not in dtypes:
+            self._refuse_dtype(tensor.dtype, name)
+
+    def _refuse_dtype(self, dtype: torch.dtype, name: str) -> None:
+        moves = ", ".join(sorted(str(d).removeprefix("torch.") for d in self.supported_dtypes or ()))
+        raise ValueError(
+            f"{name} is {dtype}, which {type(self).__name__} (mode {self._mode!r}) cannot move; expected one of: {moves}. "
+            "Hint: cast it (for example t.to(torch.int64)) and cast the result back"
+        )
 
     def _refuse_layout(self, tensor: torch.Tensor, name: str) -> None:
         if tensor.layout != torch.strided:
@@ -92,6 +103,20 @@ class InputChecks:
         if operator.index(rank) not in self._group_rank_of:
             raise ValueError(f"{name}={rank!r} is not a global rank of mode {self._mode!r}; expected one of {expected}")
 
+    def _check_reduction(self, op: Any, dtype: torch.dtype) -> None:
+        """The checks of a reducing op (``op`` on ``dtype``), whatever the op: SUM too."""
+        if op is not _SUM:
+            self._check_reduce_op(op, dtype)
+        if dtype in self._unreducible_dtypes():
+            raise ValueError(
+                f"{type(self).__name__} (mode {self._mode!r}) cannot reduce {dtype} tensors (the backend has no such reduction); "
+                "expected another dtype. Hint: reduce a copy in a wider dtype (t.float()); moving this dtype (broadcast, all_gather) works"
+            )
+
+    def _unreducible_dtypes(self) -> frozenset[torch.dtype]:
+        """Dtypes the backend moves but cannot reduce (none by default)."""
+        return frozenset()
+
     def _check_reduce_op(self, op: Any, dtype: torch.dtype) -> None:
         if op is _SUM:
             return
@@ -104,7 +129,7 @@ class InputChecks:
         elif op in _BITWISE:
             if dtype.is_floating_point:
                 raise ValueError(f"bitwise reduce op {op!r} needs an integer or bool tensor; got {dtype} (mode {self._mode!r})")
-        elif op is _AVG and not dtype.is_floating_point and not self.integer_avg_supported:
+        elif op is _AVG and (dtype is torch.bool or (not dtype.is_floating_point and not self.integer_avg_supported)):
             raise ValueError(f"reduce op AVG needs a floating-point tensor with {type(self).__name__}; got {dtype} (mode {self._mode!r})")
 
     def _check_rooted(self, name: str, tensor: Any, tensors: Any, root_name: str, root: Any) -> None:
@@ -147,8 +172,7 @@ class InputChecks:
     # ------------------------------------------------------------ per op
     def _check_all_reduce(self, tensor: Any, op: Any = _SUM, async_op: bool = False) -> None:
         self._check_tensor(tensor, "tensor")
-        if op is not _SUM:
-            self._check_reduce_op(op, tensor.dtype)
+        self._check_reduction(op, tensor.dtype)
 
     def _check_all_gather(self, output_tensor: Any, input_tensor: Any, async_op: bool = False) -> None:
         self._check_tensor(output_tensor, "output_tensor")
@@ -185,8 +209,7 @@ class InputChecks:
     def _check_reduce_scatter(self, output: Any, input_: Any, op: Any = _SUM, async_op: bool = False) -> None:
         self._check_tensor(output, "output")
         self._check_tensor(input_, "input_")
-        if op is not _SUM:
-            self._check_reduce_op(op, input_.dtype)
+        self._check_reduction(op, input_.dtype)
         if input_.numel() != output.numel() * self._world_size or input_.dtype != output.dtype or not _same_device(input_, output):
             raise ValueError(
                 f"input_ must hold world_size * output.numel() = {self._world_size * output.numel()} elements of {output.dtype} on {output.device}; "
@@ -218,4 +241,7 @@ class InputChecks:
         if not isinstance(dictionary, Mapping):
             raise TypeError(f"dictionary must be a Mapping; got {type(dictionary).__name__} (mode {self._mode!r})")
         _packing.check(dictionary, dtype, self._mode)  # the dtype, a total key order, and every value, as pack() checks them
-        self._check_reduce_op(op, dtype)
+        dtypes = self.supported_dtypes
+        if dtypes is not None and dtype not in dtypes:
+            self._refuse_dtype(dtype, "dtype")
+        self._check_reduction(op, dtype)

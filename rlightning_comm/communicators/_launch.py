@@ -34,7 +34,7 @@ from torch.distributed import ReduceOp
 from torch.distributed.distributed_c10d import AllgatherOptions
 
 from rlightning_comm.errors import CommError
-from rlightning_comm.failures import WorkHandle, comm_failure
+from rlightning_comm.failures import LAUNCH_ERRORS, WorkHandle, comm_failure
 
 compiling = torch.compiler.is_dynamo_compiling
 """Whether dynamo is tracing (constant ``False`` in eager, ``True`` while dynamo traces; cheaper than ``torch.compiler.is_compiling``)."""
@@ -97,7 +97,7 @@ class DirectLaunch:
         self._sync = self._async if self._bounded_wait else Options(self._group_rank_of, self.supported_reduce_ops, False)
         self._barrier_opts: Any = None
 
-    def _failure(self, op: str, err: BaseException) -> CommError:
+    def _failure(self, op: str, err: BaseException) -> Exception:
         return comm_failure(err, self._mode, op, self._timeout)
 
     def _run(self, op: str, launch: Callable[[], Any]) -> None:
@@ -110,7 +110,7 @@ class DirectLaunch:
             work = launch()
             if work is not None:
                 work.wait()
-        except RuntimeError as err:
+        except LAUNCH_ERRORS as err:
             raise self._failure(op, err) from err
 
     def _handle(self, work: Any, op: str) -> WorkHandle:

@@ -37,6 +37,7 @@ from torch.overrides import has_torch_function_unary
 from rlightning_comm._compat import all_gather_single as _all_gather_flat
 from rlightning_comm._compat import reduce_scatter_single as _reduce_scatter_flat
 from rlightning_comm.communicators._launch import as_real, compiling, rooted_args
+from rlightning_comm.failures import LAUNCH_ERRORS
 
 _Tensor = torch.Tensor
 _SUM = ReduceOp.SUM
@@ -98,7 +99,7 @@ class TensorCollectives:
                 return self._handle(work, "all_reduce")
             if work is not None:  # NCCL returns no work for a blocking call (it runs on the current stream)
                 work.wait()
-        except RuntimeError as err:
+        except LAUNCH_ERRORS as err:
             raise self._failure("all_reduce", err) from err
         finally:
             lock.release()
@@ -154,7 +155,7 @@ class TensorCollectives:
                 return self._handle(work, "all_gather")
             if work is not None:  # NCCL returns no work for a blocking call (it runs on the current stream)
                 work.wait()
-        except RuntimeError as err:
+        except LAUNCH_ERRORS as err:
             raise self._failure("all_gather", err) from err
         finally:
             lock.release()
@@ -200,7 +201,7 @@ class TensorCollectives:
                 return self._handle(work, "broadcast")
             if work is not None:  # NCCL returns no work for a blocking call (it runs on the current stream)
                 work.wait()
-        except RuntimeError as err:
+        except LAUNCH_ERRORS as err:
             raise self._failure("broadcast", err) from err
         finally:
             lock.release()
@@ -239,7 +240,7 @@ class TensorCollectives:
                 return self._handle(work, "gather")
             if work is not None:  # NCCL returns no work for a blocking call (it runs on the current stream)
                 work.wait()
-        except RuntimeError as err:
+        except LAUNCH_ERRORS as err:
             raise self._failure("gather", err) from err
         finally:
             lock.release()
@@ -278,7 +279,7 @@ class TensorCollectives:
                 return self._handle(work, "scatter")
             if work is not None:  # NCCL returns no work for a blocking call (it runs on the current stream)
                 work.wait()
-        except RuntimeError as err:
+        except LAUNCH_ERRORS as err:
             raise self._failure("scatter", err) from err
         finally:
             lock.release()
@@ -310,6 +311,7 @@ class TensorCollectives:
                 and output.is_contiguous()
                 and input_.is_contiguous()
                 and input_.numel() == output.numel() * self._world_size
+                and not input_.is_complex()
             )
         except RuntimeError:
             plain = False
@@ -322,6 +324,8 @@ class TensorCollectives:
                 input_ = input_.view(-1)
         if compiling() or has_torch_function_unary(input_):
             return _reduce_scatter_flat(output, input_, op=op, group=group, async_op=async_op)
+        if not plain and input_.is_complex():  # SUM or AVG (checked): exact on the real pairs
+            output, input_ = torch.view_as_real(output).view(-1), torch.view_as_real(input_).view(-1)
         if plain:
             opts = self._async.reduce_scatter_sum if async_op else self._sync.reduce_scatter_sum
         else:
@@ -335,7 +339,7 @@ class TensorCollectives:
                 return self._handle(work, "reduce_scatter")
             if work is not None:  # NCCL returns no work for a blocking call (it runs on the current stream)
                 work.wait()
-        except RuntimeError as err:
+        except LAUNCH_ERRORS as err:
             raise self._failure("reduce_scatter", err) from err
         finally:
             lock.release()
@@ -392,7 +396,7 @@ class TensorCollectives:
                 return self._handle(work, "all_to_all_single")
             if work is not None:  # NCCL returns no work for a blocking call (it runs on the current stream)
                 work.wait()
-        except RuntimeError as err:
+        except LAUNCH_ERRORS as err:
             raise self._failure("all_to_all_single", err) from err
         finally:
             lock.release()
@@ -413,7 +417,7 @@ class TensorCollectives:
             work = group.barrier(opts)
             if work is not None:
                 work.wait()
-        except RuntimeError as err:
+        except LAUNCH_ERRORS as err:
             raise self._failure("barrier", err) from err
         finally:
             lock.release()

@@ -89,6 +89,9 @@ class Communicator(InputChecks, InFlight, DirectLaunch, TensorCollectives, Value
     integer_avg_supported: ClassVar[bool] = True
     """Whether ``ReduceOp.AVG`` works on integer tensors with this backend."""
 
+    supported_dtypes: ClassVar[frozenset[torch.dtype] | None] = None
+    """The dtypes this backend moves (complex ones as their real pairs), checked before any collective; ``None``: the backend's own check decides."""
+
     def __init__(self, group: dist.ProcessGroup | None, ranks: Sequence[int], mode: str, timeout: float | None = None, *, bounded_wait: bool = False) -> None:
         self._group = group
         self._timeout = None if timeout is None else float(timeout)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, ClassVar
 
@@ -50,6 +51,32 @@ def enable_blocking_wait() -> bool:
     raise ValueError(f"environment variable {BLOCKING_WAIT_ENV} must be a boolean such as 1 or 0; got {raw!r}")
 
 
+# torch 2.13's ProcessGroupNCCL dtype map (NCCLUtils.hpp, ncclDataType): what NCCL moves at all. Complex tensors go as
+# their real pairs. int16, the unsigned types above 8 bits and float8_e8m0fnu have no NCCL type: every op refuses them.
+_MOVES = frozenset(
+    {
+        torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool,
+        torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+        torch.complex32, torch.complex64, torch.complex128,
+    }
+)  # fmt: skip
+# What the fast path takes without the full checks: real dtypes NCCL both moves and reduces.
+_FAST = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool})
+# ProcessGroupNCCL refuses these reductions ("Unsupported Float8 type for NCCL reduction"): the fnuz types always, and
+# e4m3fn / e5m2 too before NCCL 2.24, which added its FP8 types (NCCL_SUPPORTS_FP8).
+_FP8_NEVER_REDUCED = frozenset({torch.float8_e4m3fnuz, torch.float8_e5m2fnuz})
+_FP8_NATIVE = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
+
+
+@functools.cache
+def _unreducible() -> frozenset[torch.dtype]:
+    try:
+        reduces_fp8 = tuple(torch.cuda.nccl.version()) >= (2, 24, 0)
+    except (AttributeError, RuntimeError, TypeError):  # no NCCL in this build
+        reduces_fp8 = False
+    return _FP8_NEVER_REDUCED if reduces_fp8 else _FP8_NEVER_REDUCED | _FP8_NATIVE
+
+
 @register_communicator("nccl")
 class NcclCommunicator(Communicator):
     """Communicator on an NCCL process group; every tensor must be on a CUDA device.
@@ -63,6 +90,7 @@ class NcclCommunicator(Communicator):
 
     backend: ClassVar[str] = "nccl"
     supported_reduce_ops: ClassVar[frozenset[object]] = frozenset({ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX})
+    supported_dtypes: ClassVar[frozenset[torch.dtype] | None] = _MOVES
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -120,7 +148,11 @@ class NcclCommunicator(Communicator):
     @staticmethod
     @override
     def _on_device(a: torch.Tensor, b: torch.Tensor) -> bool:
-        return a.is_cuda and b.is_cuda and a.get_device() == b.get_device()
+        return a.is_cuda and b.is_cuda and a.get_device() == b.get_device() and a.dtype in _FAST and b.dtype in _FAST
+
+    @override
+    def _unreducible_dtypes(self) -> frozenset[torch.dtype]:
+        return _unreducible()
 
     @override
     def _check_device(self, tensor: torch.Tensor, name: str) -> None:
