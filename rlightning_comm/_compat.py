@@ -37,6 +37,16 @@ Safe mode's unpickler resolves exactly these (to checked replacements of its own
 """
 
 
+COALESCING: dict[Any, list[Any]] = dist.distributed_c10d._world.pg_coalesce_state
+"""Process group -> the collectives torch's ``_coalescing_manager`` has recorded for it; a group is a key while a manager is open on it.
+
+The dict object itself (torch only ever mutates it), so testing ``group in
+COALESCING`` costs one lookup. Inside the manager, torch's ``all_reduce``,
+``all_gather_into_tensor`` and ``reduce_scatter_tensor`` record their call and
+the manager issues them as one coalesced call when it exits.
+"""
+
+
 def assume_constant_result(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``torch.compiler.assume_constant_result(fn)`` without importing dynamo at import time.
 

@@ -367,3 +367,34 @@ def test_a_backend_that_returns_no_work_is_waited_on_by_no_one(ctx):
     handle = comm.all_reduce(ours, async_op=True)
     assert handle.wait() is True and handle.is_completed() is True and handle.get_future().wait() is None
     assert set(stand_in.calls) == {"allreduce", "broadcast", "all_gather_single", "reduce_scatter_single", "all_to_all_single", "gather", "scatter", "barrier"}
+
+
+def test_inside_torchs_coalescing_manager_calls_join_it_or_are_refused(ctx, monkeypatch):
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    from rlightning_comm import CommError
+
+    comm = ctx.get_communicator()
+    coalesced = []
+    real = dist.ProcessGroup.allreduce_coalesced
+    monkeypatch.setattr(dist.ProcessGroup, "allreduce_coalesced", lambda pg, ts, opts: coalesced.append(len(ts)) or real(pg, ts, opts))
+    a, b = torch.arange(3.0), torch.arange(3.0) + 5
+    with backend_calls() as sent:
+        with _coalescing_manager(comm.group):
+            comm.all_reduce(a)
+            comm.all_reduce(b, ReduceOp.SUM)
+            assert sent == {} and coalesced == []  # recorded by the manager, not issued one by one
+            for name, call in (
+                ("broadcast", lambda: comm.broadcast(a, 0)),
+                ("gather", lambda: comm.gather(a, [torch.empty(3)], 0)),
+                ("scatter", lambda: comm.scatter(a, [b], 0)),
+                ("all_to_all_single", lambda: comm.all_to_all_single(torch.empty(3), b)),
+                ("barrier", comm.barrier),
+                ("all_reduce_dict", lambda: comm.all_reduce_dict({"x": 1.0})),
+                ("broadcast_object_list", lambda: comm.broadcast_object_list([1], 0)),
+            ):
+                with pytest.raises(CommError, match=rf"{name} on mode 'GLOBAL' was called inside torch's _coalescing_manager"):
+                    call()
+        assert coalesced == [2]  # one call for both, when the manager exited
+    assert torch.equal(a, torch.arange(3.0)) and torch.equal(b, torch.arange(3.0) + 5)
+    assert sent == {}

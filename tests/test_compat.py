@@ -140,3 +140,18 @@ def test_join_world_split_matches_the_split_torch_runs_on_non_members(monkeypatc
     World.bound_device_id = torch.device("cuda", 1)
     _compat.join_world_split()
     assert splits == [torch.device("cuda", 1)]
+
+
+def test_coalescing_is_the_dict_torchs_coalescing_manager_fills(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    assert _compat.COALESCING is dist.distributed_c10d._world.pg_coalesce_state
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", world_size=1, rank=0)
+    group = dist.group.WORLD
+    assert group not in _compat.COALESCING
+    with _coalescing_manager(group):
+        assert group in _compat.COALESCING  # the test every communicator call makes
+        dist.all_reduce(torch.ones(2))
+        assert len(_compat.COALESCING[group]) == 1  # torch records its all_reduce for the manager
+    assert group not in _compat.COALESCING

@@ -7,8 +7,11 @@ call. A communicator knows its group, its ranks and its checks, so on the
 eager path it calls ``pg.allreduce([t], opts)`` with ``opts`` built at bind
 time and ``src``'s group rank read from a dict. What that skips, decided:
 
-* torch's ``_coalescing_manager`` (a private API): calls through a
-  communicator are issued at once, never queued into a coalesced batch.
+* torch's ``_coalescing_manager`` (a private API) is consulted only for its
+  state (``group in _compat.COALESCING``, a dict lookup): inside a manager on
+  the communicator's group, ``all_reduce``, ``all_gather`` and
+  ``reduce_scatter`` go to ``torch.distributed``, which records them for the
+  manager's one coalesced call; the other ops are refused.
 * c10d's exception logger: the library translates every backend failure into
   its own error (naming the mode, the op and the timeout) instead.
 * ``__torch_function__`` dispatch and dynamo: a tensor subclass or an active
@@ -115,6 +118,13 @@ class DirectLaunch:
 
     def _handle(self, work: Any, op: str) -> WorkHandle:
         return WorkHandle(work, self._mode, op, self._timeout)
+
+    def _coalesced(self, op: str) -> CommError:
+        return CommError(
+            f"{op} on mode {self._mode!r} was called inside torch's _coalescing_manager on this mode's group, which coalesces only "
+            "all_reduce, all_gather and reduce_scatter (those go to torch.distributed and are issued when the manager exits); "
+            "nothing was sent. Hint: call it before or after the manager's block"
+        )
 
     def _overlap(self, op: str) -> CommError:  # provided by InFlight
         raise NotImplementedError

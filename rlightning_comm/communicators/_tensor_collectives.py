@@ -34,6 +34,7 @@ import torch.distributed._functional_collectives as funcol  # the traceable coll
 from torch.distributed import ReduceOp
 from torch.overrides import has_torch_function_unary
 
+from rlightning_comm._compat import COALESCING as _coalescing
 from rlightning_comm._compat import all_gather_single as _all_gather_flat
 from rlightning_comm._compat import reduce_scatter_single as _reduce_scatter_flat
 from rlightning_comm.communicators._launch import as_real, compiling, rooted_args
@@ -84,7 +85,7 @@ class TensorCollectives:
             plain = False
         if not plain:
             self._check_all_reduce(tensor, op, async_op)
-        if compiling() or has_torch_function_unary(tensor):
+        if compiling() or (_coalescing and group in _coalescing) or has_torch_function_unary(tensor):
             return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
         if plain:
             opts = self._async.allreduce_sum if async_op else self._sync.allreduce_sum
@@ -141,7 +142,7 @@ class TensorCollectives:
             # have the same layout (both tensors are contiguous).
             if output_tensor.dim() != input_tensor.dim():
                 output_tensor, input_tensor = output_tensor.view(-1), input_tensor.view(-1)
-        if compiling() or has_torch_function_unary(input_tensor):
+        if compiling() or (_coalescing and group in _coalescing) or has_torch_function_unary(input_tensor):
             return _all_gather_flat(output_tensor, input_tensor, group=group, async_op=async_op)
         if not plain and input_tensor.is_complex():  # the check made both the same dtype
             output_tensor, input_tensor = torch.view_as_real(output_tensor), torch.view_as_real(input_tensor)
@@ -184,6 +185,8 @@ class TensorCollectives:
         if not plain:
             self._check_broadcast(tensor, src, async_op)
             src = operator.index(src)  # a rank the check accepted through __index__ (a 0-d tensor): the int the tables are keyed by
+        if _coalescing and group in _coalescing:
+            raise self._coalesced("broadcast")
         if compiling():  # dynamo does not rewrite dist.broadcast: the functional one, copied back in place
             tensor.copy_(funcol.wait_tensor(funcol.broadcast(tensor, self._group_rank_of[src], group)))
             return None
@@ -227,6 +230,8 @@ class TensorCollectives:
         if type(dst) is not int:
             dst = operator.index(dst)
         on_root = self._global_rank == dst
+        if _coalescing and group in _coalescing:
+            raise self._coalesced("gather")
         if compiling() or has_torch_function_unary(tensor):
             return dist.gather(tensor, list(gather_list) if on_root else None, dst=dst, group=group, async_op=async_op)
         tensor, outputs = rooted_args(tensor, gather_list, on_root)
@@ -266,6 +271,8 @@ class TensorCollectives:
         if type(src) is not int:
             src = operator.index(src)
         on_root = self._global_rank == src
+        if _coalescing and group in _coalescing:
+            raise self._coalesced("scatter")
         if compiling() or has_torch_function_unary(tensor):
             return dist.scatter(tensor, list(scatter_list) if on_root else None, src=src, group=group, async_op=async_op)
         tensor, inputs = rooted_args(tensor, scatter_list, on_root)
@@ -322,7 +329,7 @@ class TensorCollectives:
                 output = output.view(-1)
             if input_.dim() != 1:
                 input_ = input_.view(-1)
-        if compiling() or has_torch_function_unary(input_):
+        if compiling() or (_coalescing and group in _coalescing) or has_torch_function_unary(input_):
             return _reduce_scatter_flat(output, input_, op=op, group=group, async_op=async_op)
         if not plain and input_.is_complex():  # SUM or AVG (checked): exact on the real pairs
             output, input_ = torch.view_as_real(output).view(-1), torch.view_as_real(input_).view(-1)
@@ -382,6 +389,8 @@ class TensorCollectives:
             plain = False
         if not plain:
             self._check_all_to_all_single(output, input_, output_split_sizes, input_split_sizes, async_op)
+        if _coalescing and group in _coalescing:
+            raise self._coalesced("all_to_all_single")
         if compiling() or has_torch_function_unary(input_):
             return dist.all_to_all_single(output, input_, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
         if not plain and input_.is_complex():  # the check made both the same dtype
@@ -407,6 +416,8 @@ class TensorCollectives:
         group = self._group
         if group is None:
             return None
+        if _coalescing and group in _coalescing:
+            raise self._coalesced("barrier")
         if compiling():
             return dist.barrier(group=group, device_ids=self._barrier_device_ids())
         opts = self._barrier_options()

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch.distributed import ReduceOp
 
+from rlightning_comm._compat import COALESCING
 from rlightning_comm.communicators import _objects
 from rlightning_comm.communicators._objects import broadcast_objects
 from rlightning_comm.communicators._packing import pack
@@ -24,7 +25,7 @@ class ValueCollectives:
     _global_rank: int
     _sync: Any
     device: torch.device
-    # Provided by the other mixins: _check_<op>, _exclusive, _run, all_reduce.
+    # Provided by the other mixins: _check_<op>, _coalesced, _exclusive, _run, all_reduce.
 
     def broadcast_object_list(self, object_list: list[Any], src: int = 0, *, safe: bool | None = None, max_bytes: int | None = None) -> None:
         """Broadcast the picklable objects of ``object_list`` from global rank ``src``, in place.
@@ -61,6 +62,8 @@ class ValueCollectives:
         if group is None:
             return
         self._check_broadcast_object_list(object_list, src, safe=safe, max_bytes=max_bytes)
+        if group in COALESCING:  # its host reads need the data, which a coalesced call only delivers when the manager exits
+            raise self._coalesced("broadcast_object_list")
         safe, max_bytes = _objects.resolve_options(safe, max_bytes, self._mode)
         opts = self._sync.broadcast[operator.index(src)]
 
@@ -106,6 +109,8 @@ class ValueCollectives:
         if self._group is None:
             return None
         self._check_all_reduce_dict(dictionary, op, dtype)
+        if self._group in COALESCING:
+            raise self._coalesced("all_reduce_dict")
         flat, unpack = pack(dictionary, dtype, self.device, self._mode, checked=True)
         if flat is None:
             return {}
