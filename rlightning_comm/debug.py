@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from rlightning_comm import rendezvous
 from rlightning_comm.communicators import _packing
+from rlightning_comm.communicators._checks import reduce_op_type
 from rlightning_comm.communicators.base import COLLECTIVES
 from rlightning_comm.errors import CommError, CommMismatchError, CommTimeoutError, ModeNotBoundError, ObjectRefusedError
 
@@ -60,6 +61,7 @@ def _tensor(t: Any) -> str:
 
 
 def _op(op: Any) -> str:
+    op = reduce_op_type(op)  # ReduceOp(ReduceOp.MAX) is MAX, as for the checks
     return str(getattr(op, "name", op))
 
 

@@ -20,10 +20,16 @@ from rlightning_comm.communicators import _objects, _packing
 
 _Tensor = torch.Tensor
 _SUM = ReduceOp.SUM
+_compiling = torch.compiler.is_dynamo_compiling
 _AVG = ReduceOp.AVG
 _BITWISE = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
 # torch views a complex tensor as real pairs, which is only exact for these ops.
 _COMPLEX_OPS = frozenset({ReduceOp.SUM, ReduceOp.AVG})
+
+
+def reduce_op_type(op: Any) -> Any:
+    """``ReduceOp(ReduceOp.MAX)`` as ``ReduceOp.MAX``: torch takes both, the option tables are keyed by the second."""
+    return op.op if type(op) is ReduceOp else op
 
 
 def _same_device(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -49,12 +55,23 @@ class InputChecks:
     def _check_tensor(self, tensor: Any, name: str) -> None:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor; got {type(tensor).__name__} (mode {self._mode!r})")
+        if tensor.is_nested:
+            raise ValueError(
+                f"{name} is a nested tensor; {type(self).__name__} (mode {self._mode!r}) takes dense, contiguous tensors. "
+                "Hint: pass its values as one dense tensor (t.values() of a jagged tensor, torch.cat([x.flatten() for x in t.unbind()]) otherwise)"
+            )
         try:
             contiguous = tensor.is_contiguous()
         except RuntimeError:  # sparse compressed layouts have no strides at all
             contiguous = False
         if not contiguous:
             self._refuse_layout(tensor, name)
+        if not _compiling() and (tensor.is_conj() or tensor.is_neg()):  # dynamo traces neither
+            kind, fix = ("conjugate", "resolve_conj") if tensor.is_conj() else ("negative", "resolve_neg")
+            raise ValueError(
+                f"{name} is a {kind} view, whose memory holds the values before the {kind} bit is applied; {type(self).__name__} "
+                f"(mode {self._mode!r}) moves memory as it is, so expected a tensor without the bit. Hint: pass t.{fix}() (a copy) and copy the result back"
+            )
         self._check_device(tensor, name)
         dtypes = self.supported_dtypes
         if dtypes is not None and tensor.dtype not in dtypes:
@@ -105,6 +122,7 @@ class InputChecks:
 
     def _check_reduction(self, op: Any, dtype: torch.dtype) -> None:
         """The checks of a reducing op (``op`` on ``dtype``), whatever the op: SUM too."""
+        op = reduce_op_type(op)
         if op is not _SUM:
             self._check_reduce_op(op, dtype)
         if dtype in self._unreducible_dtypes():
@@ -118,8 +136,14 @@ class InputChecks:
         return frozenset()
 
     def _check_reduce_op(self, op: Any, dtype: torch.dtype) -> None:
+        op = reduce_op_type(op)
         if op is _SUM:
             return
+        if op is ReduceOp.PREMUL_SUM:
+            raise ValueError(
+                f"reduce op PREMUL_SUM (torch's _make_nccl_premul_sum) is not supported by {type(self).__name__} (mode {self._mode!r}); "
+                "expected SUM, AVG, PRODUCT, MIN or MAX. Hint: scale the tensor first (t.mul_(factor)), then reduce with SUM"
+            )
         if op not in self.supported_reduce_ops:
             supported = sorted(str(o).rsplit(".", 1)[-1] for o in self.supported_reduce_ops)
             raise ValueError(f"reduce op {op!r} is not supported by {type(self).__name__} (mode {self._mode!r}); supported: {supported}")
@@ -135,13 +159,30 @@ class InputChecks:
     def _check_rooted(self, name: str, tensor: Any, tensors: Any, root_name: str, root: Any) -> None:
         on_device = self._on_device
         try:  # the common case in C-level reads (a cold call pays for each frame); anything else gets the checks below
-            if type(root) is int and root in self._group_rank_of and isinstance(tensor, _Tensor) and on_device(tensor, tensor) and tensor.is_contiguous():
+            if (
+                type(root) is int
+                and root in self._group_rank_of
+                and isinstance(tensor, _Tensor)
+                and on_device(tensor, tensor)
+                and tensor.is_contiguous()
+                and not tensor.is_complex()
+                and not tensor.is_nested
+                and (_compiling() or not tensor.is_neg())  # dynamo cannot trace is_neg
+            ):
                 if self._global_rank != root:
                     return
                 if type(tensors) is list and len(tensors) == self._world_size:
                     dtype, shape = tensor.dtype, tensor.shape
                     for t in tensors:
-                        if not (isinstance(t, _Tensor) and t.dtype is dtype and on_device(t, tensor) and t.is_contiguous() and t.shape == shape):
+                        if not (
+                            isinstance(t, _Tensor)
+                            and t.dtype is dtype
+                            and on_device(t, tensor)
+                            and t.is_contiguous()
+                            and not t.is_nested
+                            and (_compiling() or not t.is_neg())
+                            and t.shape == shape
+                        ):
                             break
                     else:
                         return

@@ -37,6 +37,7 @@ from torch.overrides import has_torch_function_unary
 from rlightning_comm._compat import COALESCING as _coalescing
 from rlightning_comm._compat import all_gather_single as _all_gather_flat
 from rlightning_comm._compat import reduce_scatter_single as _reduce_scatter_flat
+from rlightning_comm.communicators._checks import reduce_op_type
 from rlightning_comm.communicators._launch import as_real, compiling, rooted_args
 from rlightning_comm.failures import LAUNCH_ERRORS
 
@@ -80,11 +81,20 @@ class TensorCollectives:
         if group is None:
             return None
         try:  # a sparse compressed tensor raises in is_contiguous: the full check names it
-            plain = op is _SUM and isinstance(tensor, _Tensor) and self._on_device(tensor, tensor) and tensor.is_contiguous() and not tensor.is_complex()
+            plain = (
+                op is _SUM
+                and isinstance(tensor, _Tensor)
+                and self._on_device(tensor, tensor)
+                and tensor.is_contiguous()
+                and not tensor.is_complex()
+                and not tensor.is_nested
+                and (compiling() or not tensor.is_neg())  # dynamo cannot trace is_neg
+            )
         except RuntimeError:
             plain = False
         if not plain:
             self._check_all_reduce(tensor, op, async_op)
+            op = reduce_op_type(op)
         if compiling() or (_coalescing and group in _coalescing) or has_torch_function_unary(tensor):
             return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
         if plain:
@@ -130,7 +140,10 @@ class TensorCollectives:
                 and output_tensor.dtype is input_tensor.dtype
                 and self._on_device(output_tensor, input_tensor)
                 and output_tensor.is_contiguous()
+                and not output_tensor.is_nested
                 and input_tensor.is_contiguous()
+                and not input_tensor.is_nested
+                and (compiling() or not (output_tensor.is_neg() or input_tensor.is_neg()))
                 and output_tensor.numel() == self._world_size * input_tensor.numel()
                 and not input_tensor.is_complex()
             )
@@ -179,6 +192,8 @@ class TensorCollectives:
                 and self._on_device(tensor, tensor)
                 and tensor.is_contiguous()
                 and not tensor.is_complex()
+                and not tensor.is_nested
+                and (compiling() or not tensor.is_neg())  # dynamo cannot trace is_neg
             )
         except RuntimeError:
             plain = False
@@ -316,7 +331,10 @@ class TensorCollectives:
                 and output.dtype is input_.dtype
                 and self._on_device(output, input_)
                 and output.is_contiguous()
+                and not output.is_nested
                 and input_.is_contiguous()
+                and not input_.is_nested
+                and (compiling() or not (output.is_neg() or input_.is_neg()))
                 and input_.numel() == output.numel() * self._world_size
                 and not input_.is_complex()
             )
@@ -324,6 +342,7 @@ class TensorCollectives:
             plain = False
         if not plain:
             self._check_reduce_scatter(output, input_, op, async_op)
+            op = reduce_op_type(op)
             # Any shapes of the right sizes: both tensors are contiguous, so flat views have their layout.
             if output.dim() != 1:
                 output = output.view(-1)
@@ -380,7 +399,10 @@ class TensorCollectives:
                 and output.dtype is input_.dtype
                 and self._on_device(output, input_)
                 and output.is_contiguous()
+                and not output.is_nested
                 and input_.is_contiguous()
+                and not input_.is_nested
+                and (compiling() or not (output.is_neg() or input_.is_neg()))
                 and not output.numel() % self._world_size
                 and not input_.numel() % self._world_size
                 and not input_.is_complex()
