@@ -78,7 +78,7 @@ class FromBaseCommunicator(Communicator):
         return torch.device("cpu")
 
     @override
-    def _check_device(self, tensor: torch.Tensor, name: str) -> None:
+    def check_device(self, tensor: torch.Tensor, name: str) -> None:
         if tensor.device.type != "cpu":
             raise ValueError(f"{name} must be on the CPU; got {tensor.device}")
 
@@ -88,7 +88,7 @@ class CudaOnlyGloo(GlooCommunicator):
     """Narrows gloo's devices to CUDA and leaves the fast path's device test alone."""
 
     @override
-    def _check_device(self, tensor: torch.Tensor, name: str) -> None:
+    def check_device(self, tensor: torch.Tensor, name: str) -> None:
         if not tensor.is_cuda:
             raise ValueError(f"{name}: cuda-only-gloo-test takes CUDA tensors; got {tensor.device}")
 
@@ -259,7 +259,8 @@ def test_debug_mode_and_stats_cover_every_collective():
     from rlightning_comm.stats import TRACKED_OPS
 
     # Every public method that takes part in a collective is in the one list both features read.
-    public = {n for n, f in _inspect.getmembers(Communicator, _inspect.isfunction) if not n.startswith("_")} - {"setup_process"}
+    extension_points = {"setup_process", "bind_device", "check_device", "on_device"}  # what subclasses override, not collectives
+    public = {n for n, f in _inspect.getmembers(Communicator, _inspect.isfunction) if not n.startswith("_")} - extension_points
     assert set(COLLECTIVES) == public
     assert debug.OPS == TRACKED_OPS == COLLECTIVES
     assert set(debug._DESCRIBE) == set(COLLECTIVES)  # each has a fingerprint
@@ -278,10 +279,10 @@ def test_sequence_parallel_ops_apply_the_communicators_device_rule(ctx, monkeypa
 
 
 def test_a_subclass_that_narrows_check_device_is_held_to_it_on_every_op(ctx):
-    # GlooCommunicator's fast path takes two CPU tensors without calling _check_device; a subclass that refuses CPU
+    # GlooCommunicator's fast path takes two CPU tensors without calling check_device; a subclass that refuses CPU
     # tensors there, and does not say how to test its devices fast, must get its own check on every call.
     comm = ctx.init_group([0], "cuda-only", backend="cuda-only-gloo-test")
-    assert CudaOnlyGloo._on_device(torch.ones(1), torch.ones(1)) is False
+    assert CudaOnlyGloo.on_device(torch.ones(1), torch.ones(1)) is False
     x, out = torch.ones(4), torch.zeros(4)
     calls = [
         lambda: comm.all_reduce(x),
@@ -398,3 +399,48 @@ def test_inside_torchs_coalescing_manager_calls_join_it_or_are_refused(ctx, monk
         assert coalesced == [2]  # one call for both, when the manager exited
     assert torch.equal(a, torch.arange(3.0)) and torch.equal(b, torch.arange(3.0) + 5)
     assert sent == {}
+
+
+def test_a_subclass_with_a_mis_shaped_extension_point_fails_when_it_is_created():
+    with pytest.raises(TypeError) as info:
+
+        class OneArgument(GlooCommunicator):
+            def check_device(self, tensor):  # the name argument is missing
+                pass
+
+            def on_device(self, a, b):  # a method, not a @staticmethod
+                return True
+
+            def device(self):  # not a property
+                return torch.device("cpu")
+
+    text = str(info.value)
+    assert text.startswith("OneArgument does not fit the Communicator contract:")
+    for problem in (
+        "check_device must be a method check_device(self, tensor, name) -> None",
+        "on_device must be a @staticmethod on_device(a, b) -> bool; got a method that also takes self",
+        "device must be a property (decorate it with @property); got function",
+    ):
+        assert problem in text, text
+    with pytest.raises(TypeError, match="_check_device is now named check_device: rename the override"):
+
+        class OldName(GlooCommunicator):
+            def _check_device(self, tensor, name):
+                pass
+
+
+def test_registering_an_incomplete_subclass_lists_what_it_lacks():
+    class Incomplete(Communicator):
+        supported_reduce_ops = frozenset({ReduceOp.SUM})
+
+    with pytest.raises(TypeError) as info:
+        register_communicator("incomplete-test")(Incomplete)
+    text = str(info.value)
+    assert text.startswith("Incomplete cannot be registered:")
+    for problem in ("check_device is missing (still abstract)", "device is missing (still abstract)", "backend is missing"):
+        assert problem in text, text
+    assert "incomplete-test" not in registered_communicators()
+    with pytest.raises(TypeError, match=r"backend must be a non-empty str naming a torch.distributed backend; got 3"):
+
+        class BadBackend(GlooCommunicator):
+            backend = 3

@@ -40,11 +40,11 @@ class HostNccl(NcclCommunicator):
 
     @staticmethod
     @override
-    def _on_device(a: torch.Tensor, b: torch.Tensor) -> bool:
+    def on_device(a: torch.Tensor, b: torch.Tensor) -> bool:
         return a.is_cpu and b.is_cpu and a.dtype in nccl._FAST and b.dtype in nccl._FAST  # NCCL's own test, devices aside
 
     @override
-    def _check_device(self, tensor: torch.Tensor, name: str) -> None:
+    def check_device(self, tensor: torch.Tensor, name: str) -> None:
         if not tensor.is_cpu:
             raise ValueError(f"{name}: HostNccl takes CPU tensors")
 
@@ -278,10 +278,10 @@ class _Tensorish:
 
 
 def test_nccls_fast_test_passes_only_the_dtypes_it_moves_and_reduces():
-    taken = {dt for dt in (torch.float32, torch.bfloat16, torch.int64, torch.bool) if NcclCommunicator._on_device(_Tensorish(dt), _Tensorish(dt))}
+    taken = {dt for dt in (torch.float32, torch.bfloat16, torch.int64, torch.bool) if NcclCommunicator.on_device(_Tensorish(dt), _Tensorish(dt))}
     assert taken == {torch.float32, torch.bfloat16, torch.int64, torch.bool}
     for dt in (torch.uint16, torch.uint32, torch.uint64, torch.int16, torch.float8_e4m3fn, torch.complex64):
-        assert not NcclCommunicator._on_device(_Tensorish(dt), _Tensorish(dt)), dt  # to the full checks
+        assert not NcclCommunicator.on_device(_Tensorish(dt), _Tensorish(dt)), dt  # to the full checks
 
 
 def test_nccl_refuses_what_it_cannot_move_or_reduce_before_anything_is_sent(world, monkeypatch):

@@ -45,11 +45,11 @@ class InputChecks:
     _global_rank: int
     _group_rank_of: dict[int, int]
     _ranks: tuple[int, ...]
-    _on_device: Callable[[torch.Tensor, torch.Tensor], bool]  # the backend's fast device test (Communicator._on_device)
+    on_device: Callable[[torch.Tensor, torch.Tensor], bool]  # the backend's fast device test (Communicator.on_device)
     supported_reduce_ops: ClassVar[frozenset[Any]]
     integer_avg_supported: ClassVar[bool]
     supported_dtypes: ClassVar[frozenset[torch.dtype] | None]
-    # _check_device(tensor, name) is the backend's part, declared abstract on Communicator.
+    # check_device(tensor, name) is the backend's part, declared abstract on Communicator.
 
     # ------------------------------------------------------------ primitives
     def _check_tensor(self, tensor: Any, name: str) -> None:
@@ -72,7 +72,7 @@ class InputChecks:
                 f"{name} is a {kind} view, whose memory holds the values before the {kind} bit is applied; {type(self).__name__} "
                 f"(mode {self._mode!r}) moves memory as it is, so expected a tensor without the bit. Hint: pass t.{fix}() (a copy) and copy the result back"
             )
-        self._check_device(tensor, name)
+        self.check_device(tensor, name)
         dtypes = self.supported_dtypes
         if dtypes is not None and tensor.dtype not in dtypes:
             self._refuse_dtype(tensor.dtype, name)
@@ -157,7 +157,7 @@ class InputChecks:
             raise ValueError(f"reduce op AVG needs a floating-point tensor with {type(self).__name__}; got {dtype} (mode {self._mode!r})")
 
     def _check_rooted(self, name: str, tensor: Any, tensors: Any, root_name: str, root: Any) -> None:
-        on_device = self._on_device
+        on_device = self.on_device
         try:  # the common case in C-level reads (a cold call pays for each frame); anything else gets the checks below
             if (
                 type(root) is int

@@ -9,7 +9,7 @@ calling out only for the device test and the compile test on the common path:
 1. the non-member test (``None``);
 2. one boolean expression that accepts the common case with C-level reads:
    dense contiguous tensors of a real dtype on the backend's device
-   (:meth:`Communicator._on_device`), matching dtypes and flat shapes, a
+   (:meth:`Communicator.on_device`), matching dtypes and flat shapes, a
    plain ``int`` rank of the group. What it does not accept (any other
    shape, a complex or sparse tensor, a bad argument) goes to the op's full
    ``_check_<op>`` (:mod:`._checks`), which accepts it or refuses it with the
@@ -56,7 +56,7 @@ class TensorCollectives:
     _lock: Any
     _sync: Any
     _async: Any
-    # Provided by the other mixins: _on_device, the _check_<op> methods, _overlap, _failure, _handle, _barrier_options.
+    # Provided by the other mixins: on_device, the _check_<op> methods, _overlap, _failure, _handle, _barrier_options.
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = _SUM, async_op: bool = False) -> Any | None:
         """Reduce ``tensor`` across the group, in place; every rank gets the result.
@@ -84,7 +84,7 @@ class TensorCollectives:
             plain = (
                 op is _SUM
                 and isinstance(tensor, _Tensor)
-                and self._on_device(tensor, tensor)
+                and self.on_device(tensor, tensor)
                 and tensor.is_contiguous()
                 and not tensor.is_complex()
                 and not tensor.is_nested
@@ -138,7 +138,7 @@ class TensorCollectives:
                 and isinstance(input_tensor, _Tensor)
                 and output_tensor.dim() == 1 == input_tensor.dim()
                 and output_tensor.dtype is input_tensor.dtype
-                and self._on_device(output_tensor, input_tensor)
+                and self.on_device(output_tensor, input_tensor)
                 and output_tensor.is_contiguous()
                 and not output_tensor.is_nested
                 and input_tensor.is_contiguous()
@@ -189,7 +189,7 @@ class TensorCollectives:
                 type(src) is int
                 and src in self._group_rank_of
                 and isinstance(tensor, _Tensor)
-                and self._on_device(tensor, tensor)
+                and self.on_device(tensor, tensor)
                 and tensor.is_contiguous()
                 and not tensor.is_complex()
                 and not tensor.is_nested
@@ -329,7 +329,7 @@ class TensorCollectives:
                 and isinstance(input_, _Tensor)
                 and output.dim() == 1 == input_.dim()
                 and output.dtype is input_.dtype
-                and self._on_device(output, input_)
+                and self.on_device(output, input_)
                 and output.is_contiguous()
                 and not output.is_nested
                 and input_.is_contiguous()
@@ -397,7 +397,7 @@ class TensorCollectives:
                 and isinstance(input_, _Tensor)
                 and output.dim() == 1 == input_.dim()
                 and output.dtype is input_.dtype
-                and self._on_device(output, input_)
+                and self.on_device(output, input_)
                 and output.is_contiguous()
                 and not output.is_nested
                 and input_.is_contiguous()

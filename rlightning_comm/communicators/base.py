@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from rlightning_comm.communicators._checks import InputChecks
+from rlightning_comm.communicators._contract import check_shapes
 from rlightning_comm.communicators._launch import DirectLaunch
 from rlightning_comm.communicators._tensor_collectives import TensorCollectives
 from rlightning_comm.communicators._threads import InFlight
@@ -61,10 +62,22 @@ class Communicator(InputChecks, InFlight, DirectLaunch, TensorCollectives, Value
     raises :class:`CommError` naming both threads, before anything is sent
     (two threads' calls could pair up differently on different ranks).
 
-    Subclasses implement what differs between backends: :attr:`device`,
-    :meth:`_check_device` (and, for the checks' fast path, :meth:`_on_device`) and the class
-    attributes :attr:`backend` and :attr:`supported_reduce_ops`. Register a subclass with
-    :func:`register_communicator` to use it as ``init_group(..., backend=name)``.
+    Subclasses implement what differs between backends, the extension points:
+
+    * :attr:`device` (a property): where the backend stages its own buffers;
+    * :meth:`check_device` ``(self, tensor, name) -> None``: refuse a tensor
+      whose device the backend cannot use;
+    * :meth:`on_device` ``(a, b) -> bool`` (a ``@staticmethod``, optional):
+      the fast path's device test, true only where :meth:`check_device` would
+      accept both tensors;
+    * the class attributes :attr:`backend` and :attr:`supported_reduce_ops`
+      (and optionally :attr:`integer_avg_supported`, :attr:`supported_dtypes`,
+      :meth:`setup_process`, :meth:`bind_device`).
+
+    A subclass that defines one of them with another shape is a ``TypeError``
+    when the class is created; :func:`register_communicator` also refuses a
+    class that still lacks one, listing everything that is missing. Register a
+    subclass to use it as ``init_group(..., backend=name)``.
 
     Args:
         group: The torch process group, or ``None`` on a rank that is not a member.
@@ -184,29 +197,47 @@ class Communicator(InputChecks, InFlight, DirectLaunch, TensorCollectives, Value
         return f"{type(self).__name__}(mode={self._mode!r}, ranks={list(self._ranks)}, member={self.is_member})"
 
     @abstractmethod
+    def check_device(self, tensor: torch.Tensor, name: str) -> None:
+        """Raise ``ValueError`` when this backend cannot use ``tensor``'s device (an extension point).
+
+        Called by the full checks on every tensor argument, after its type
+        and layout are checked and before its dtype is.
+
+        Args:
+            tensor: The tensor an op was given.
+            name: The argument's name, for the message (``"tensor"``, ``"gather_list[1]"``).
+        """
+
     def _check_device(self, tensor: torch.Tensor, name: str) -> None:
-        """Raise ``ValueError`` when this backend cannot use ``tensor``'s device."""
+        # The name this had before the extension points were public; callers that still use it get the same check.
+        self.check_device(tensor, name)
 
     @staticmethod
-    def _on_device(a: torch.Tensor, b: torch.Tensor) -> bool:
-        """Whether ``a`` and ``b`` are on one device, of a kind :meth:`_check_device` accepts: the collectives' fast path.
+    def on_device(a: torch.Tensor, b: torch.Tensor) -> bool:
+        """Whether ``a`` and ``b`` are on one device, of a kind :meth:`check_device` accepts: the collectives' fast path (an extension point).
 
-        Pass one tensor twice to test one. A few attribute reads, traceable
+        A ``@staticmethod`` of two tensors; an op passes one tensor twice to
+        test one. A few attribute reads, traceable
         by dynamo (no ``operator.attrgetter``); false sends the call to the
-        full checks, which call :meth:`_check_device`. The default is always
+        full checks, which call :meth:`check_device`. The default is always
         false: a subclass that does not override it gets the full checks on
-        every call, and so does a subclass that overrides :meth:`_check_device`
+        every call, and so does a subclass that overrides :meth:`check_device`
         without overriding this (it falls back to the default; see
         :meth:`__init_subclass__`).
         """
         return False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """A subclass that changes :meth:`_check_device` but not :meth:`_on_device` gets the always-false default.
+        """Check the extension points the subclass defines; one that changes :meth:`check_device` but not :meth:`on_device` gets the always-false default.
 
         Otherwise an inherited fast-path test (gloo's "both on the CPU") would
-        accept tensors the subclass's stricter :meth:`_check_device` refuses.
+        accept tensors the subclass's stricter :meth:`check_device` refuses.
+
+        Raises:
+            TypeError: an extension point has another shape than documented
+                (the message lists each, and what is expected).
         """
         super().__init_subclass__(**kwargs)
-        if "_check_device" in cls.__dict__ and "_on_device" not in cls.__dict__:
-            cls._on_device = Communicator.__dict__["_on_device"]  # type: ignore[method-assign]
+        check_shapes(cls)
+        if "check_device" in cls.__dict__ and "on_device" not in cls.__dict__:
+            cls.on_device = Communicator.__dict__["on_device"]  # type: ignore[method-assign]

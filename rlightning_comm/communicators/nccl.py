@@ -147,7 +147,7 @@ class NcclCommunicator(Communicator):
 
     @staticmethod
     @override
-    def _on_device(a: torch.Tensor, b: torch.Tensor) -> bool:
+    def on_device(a: torch.Tensor, b: torch.Tensor) -> bool:
         return a.is_cuda and b.is_cuda and a.get_device() == b.get_device() and a.dtype in _FAST and b.dtype in _FAST
 
     @override
@@ -155,7 +155,7 @@ class NcclCommunicator(Communicator):
         return _unreducible()
 
     @override
-    def _check_device(self, tensor: torch.Tensor, name: str) -> None:
+    def check_device(self, tensor: torch.Tensor, name: str) -> None:
         if not tensor.is_cuda:
             raise ValueError(f"{name} is on {tensor.device}; NcclCommunicator (mode {self._mode!r}) expects a CUDA tensor. Hint: move it with .cuda()")
 
