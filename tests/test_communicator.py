@@ -64,6 +64,31 @@ class RecordingCommunicator(GlooCommunicator):
         self._record("barrier")
         return super().barrier()
 
+    @override
+    def reduce(self, tensor, dst=0, op=ReduceOp.SUM, async_op=False):
+        self._record("reduce", tensor, dst, op, async_op)
+        return super().reduce(tensor, dst, op, async_op)
+
+    @override
+    def reduce_scatter(self, output, input_, op=ReduceOp.SUM, async_op=False):
+        self._record("reduce_scatter", output, input_, op, async_op)
+        return super().reduce_scatter(output, input_, op, async_op)
+
+    @override
+    def all_gather_object(self, object_list, obj, **options):
+        self._record("all_gather_object", object_list, obj)
+        return super().all_gather_object(object_list, obj, **options)
+
+    @override
+    def send(self, tensor, dst, async_op=False):
+        self._record("send", tensor, dst, async_op)
+        return super().send(tensor, dst, async_op)
+
+    @override
+    def recv(self, tensor, src, async_op=False):
+        self._record("recv", tensor, src, async_op)
+        return super().recv(tensor, src, async_op)
+
 
 @register_communicator("from-base-test")
 class FromBaseCommunicator(Communicator):
@@ -112,6 +137,12 @@ DELEGATION = [
     (lambda m: collective.broadcast_object_list(["x"], m, 0), ("broadcast_object_list", (["x"], 0))),
     (lambda m: collective.all_reduce_dict({"a": 1}, m, ReduceOp.SUM, torch.float64), ("all_reduce_dict", ({"a": 1}, ReduceOp.SUM, torch.float64))),
     (lambda m: collective.barrier(m), ("barrier", ())),
+    (lambda m: collective.reduce(T, m, 0, ReduceOp.MAX, True), ("reduce", (T, 0, ReduceOp.MAX, True))),
+    (lambda m: collective.reduce_scatter(T, U, m, ReduceOp.SUM), ("reduce_scatter", (T, U, ReduceOp.SUM, False))),
+    (lambda m: collective.all_gather_object([None], {"a": 1}, m), ("all_gather_object", ([{"a": 1}], {"a": 1}))),
+    # A one-rank world has no peer: the call reaches the method, whose check refuses this rank as its own peer.
+    (lambda m: collective.send(T, m, 0, True), ("send", (T, 0, True))),
+    (lambda m: collective.recv(U, m, 0), ("recv", (U, 0, False))),
 ]
 
 
@@ -120,8 +151,13 @@ def test_each_facade_calls_the_method_of_the_same_name(ctx, call, expected):
     comm = ctx.init_group([0], "recorded", backend="recording-test")
     assert isinstance(comm, RecordingCommunicator) and get_communicator_class("recording-test") is RecordingCommunicator
     RecordingCommunicator.calls.clear()
-    result = call("recorded")
     name, args = expected
+    if name in ("send", "recv"):
+        with pytest.raises(ValueError, match=f"{'dst' if name == 'send' else 'src'}=0 is this rank"):
+            call("recorded")
+        result = None
+    else:
+        result = call("recorded")
     # all_reduce_dict reduces its packed buffer through self.all_reduce, so an override sees that too.
     inner = ["all_reduce"] if name == "all_reduce_dict" else []
     assert [c[0] for c in RecordingCommunicator.calls] == [name, *inner]
@@ -129,7 +165,7 @@ def test_each_facade_calls_the_method_of_the_same_name(ctx, call, expected):
     assert len(got) == len(args)
     for g, a in zip(got, args):
         assert g is a or g == a
-    if name in ("all_reduce", "broadcast"):
+    if name in ("all_reduce", "broadcast", "reduce"):
         assert result is not None and result.wait()
 
 

@@ -269,8 +269,37 @@ class InputChecks:
         self._check_splits(output_split_sizes, output, "output_split_sizes", "output")
         self._check_splits(input_split_sizes, input_, "input_split_sizes", "input_")
 
+    def _check_reduce(self, tensor: Any, dst: Any = 0, op: Any = _SUM, async_op: bool = False) -> None:
+        self._check_tensor(tensor, "tensor")
+        self._check_peer(dst, "dst")
+        self._check_reduction(op, tensor.dtype)
+
+    def _check_point_to_point(self, op: str, tensor: Any, peer: Any, name: str) -> None:
+        self._check_tensor(tensor, "tensor")
+        self._check_peer(peer, name)
+        if operator.index(peer) == self._global_rank:
+            raise ValueError(
+                f"{name}={peer!r} is this rank: {op} needs another rank of mode {self._mode!r}; expected one of "
+                f"{[r for r in self._ranks if r != self._global_rank]}"
+            )
+
+    def _check_send(self, tensor: Any, dst: Any, async_op: bool = False) -> None:
+        self._check_point_to_point("send", tensor, dst, "dst")
+
+    def _check_recv(self, tensor: Any, src: Any, async_op: bool = False) -> None:
+        self._check_point_to_point("recv", tensor, src, "src")
+
     def _check_barrier(self) -> None:
         return None
+
+    def _check_all_gather_object(self, object_list: Any, obj: Any, *, safe: bool | None = None, max_bytes: int | None = None) -> None:
+        if not isinstance(object_list, list):
+            raise TypeError(
+                f"object_list must be a list of {self._world_size} entries (it is filled in place); got {type(object_list).__name__} (mode {self._mode!r})"
+            )
+        if len(object_list) != self._world_size:
+            raise ValueError(f"object_list must hold one entry per rank: expected {self._world_size}; got {len(object_list)} (mode {self._mode!r})")
+        _objects.resolve_options(safe, max_bytes, self._mode)
 
     def _check_broadcast_object_list(self, object_list: Any, src: Any = 0, *, safe: bool | None = None, max_bytes: int | None = None) -> None:
         if not isinstance(object_list, list):

@@ -67,9 +67,23 @@ def _with(cls: Any, async_op: bool, **fields: Any) -> Any:
 class Options:
     """The backend option objects of one group for blocking (``async_op=False``) or async calls, built once."""
 
-    __slots__ = ("all_gather", "all_to_all", "allreduce", "allreduce_sum", "broadcast", "gather", "reduce_scatter", "reduce_scatter_sum", "scatter")
+    __slots__ = (
+        "all_gather",
+        "all_to_all",
+        "allreduce",
+        "allreduce_sum",
+        "async_op",
+        "broadcast",
+        "gather",
+        "reduce",
+        "reduce_scatter",
+        "reduce_scatter_sum",
+        "reduce_sum",
+        "scatter",
+    )
 
     def __init__(self, group_rank_of: dict[int, int], reduce_ops: frozenset[Any], async_op: bool) -> None:
+        self.async_op = async_op
         ops = reduce_ops | {ReduceOp.SUM}
         self.allreduce = {op: _with(dist.AllreduceOptions, async_op, reduceOp=op) for op in ops}
         self.reduce_scatter = {op: _with(dist.ReduceScatterOptions, async_op, reduceOp=op) for op in ops}
@@ -79,6 +93,8 @@ class Options:
         self.broadcast = {r: _with(dist.BroadcastOptions, async_op, rootRank=g, rootTensor=0) for r, g in group_rank_of.items()}
         self.gather = {r: _with(dist.GatherOptions, async_op, rootRank=g) for r, g in group_rank_of.items()}
         self.scatter = {r: _with(dist.ScatterOptions, async_op, rootRank=g) for r, g in group_rank_of.items()}
+        self.reduce_sum = {r: _with(dist.ReduceOptions, async_op, reduceOp=ReduceOp.SUM, rootRank=g, rootTensor=0) for r, g in group_rank_of.items()}
+        self.reduce: dict[tuple[Any, int], Any] = {}  # (op, dst) -> options, built on first use (ops x ranks may be many)
         self.all_gather = _with(AllgatherOptions, async_op)
         self.all_to_all = _with(dist.AllToAllOptions, async_op)
 
@@ -102,6 +118,14 @@ class DirectLaunch:
 
     def _failure(self, op: str, err: BaseException) -> Exception:
         return comm_failure(err, self._mode, op, self._timeout)
+
+    def _reduce_options(self, op: Any, dst: int, async_op: bool) -> Any:
+        """``reduce``'s options for a checked ``op`` and root ``dst``, built once per pair."""
+        table = self._async if async_op else self._sync
+        opts = table.reduce.get((op, dst))
+        if opts is None:
+            opts = table.reduce[(op, dst)] = _with(dist.ReduceOptions, table.async_op, reduceOp=op, rootRank=self._group_rank_of[dst], rootTensor=0)
+        return opts
 
     def _run(self, op: str, launch: Callable[[], Any]) -> None:
         """A blocking launch off the hot path (the object collectives): ``launch()`` returns the backend's work, waited here.

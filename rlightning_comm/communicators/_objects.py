@@ -79,9 +79,9 @@ def all_gather_objects(
 ) -> list[Any]:
     """Every group rank's ``obj``, in group-rank order: torch's ``all_gather_object`` without numpy.
 
-    It unpickles what peers send (the library's own exchanges between trusted
-    ranks, and ``all_gather_object``, whose safe mode decodes with
-    :func:`decode` instead: see :func:`all_gather_payloads`).
+    For the library's own exchanges between trusted ranks: it unpickles what
+    peers send (``Communicator.all_gather_object`` decodes the payloads of
+    :func:`all_gather_payloads` with :func:`decode_gathered` instead).
 
     Args:
         obj: This rank's object.
@@ -91,19 +91,19 @@ def all_gather_objects(
             when they have arrived (a communicator's own launch); ``None``
             means torch's ``all_gather_single`` on ``group``.
     """
-    return [pickle.loads(p) for p in all_gather_payloads(pickle.dumps(obj), group, device, gather)]
-
-
-def all_gather_payloads(
-    payload: bytes, group: dist.ProcessGroup, device: torch.device, gather: Callable[[torch.Tensor, torch.Tensor], None] | None = None
-) -> list[memoryview]:
-    """Every group rank's ``payload`` bytes, in group-rank order: two all-gathers (the sizes, then the bytes padded to the longest)."""
     if gather is None:
 
         def gather(output: torch.Tensor, input_: torch.Tensor) -> None:
             _compat.all_gather_single(output, input_, group=group)
 
-    world = dist.get_world_size(group)
+    return [pickle.loads(p) for p in all_gather_payloads(pickle.dumps(obj), dist.get_world_size(group), device, gather)]
+
+
+def all_gather_payloads(payload: bytes, world: int, device: torch.device, gather: Callable[[torch.Tensor, torch.Tensor], None]) -> list[memoryview]:
+    """Every group rank's ``payload`` bytes, in group-rank order: two all-gathers (the sizes, then the bytes padded to the longest).
+
+    ``gather(output, input)`` all-gathers flat tensors over the ``world`` ranks and returns once they have arrived.
+    """
     sizes = torch.empty(world, dtype=torch.long, device=device)
     gather(sizes, torch.tensor([len(payload)], dtype=torch.long, device=device))
     lengths = sizes.tolist()  # one device-to-host copy for every rank's size
@@ -156,31 +156,47 @@ def resolve_options(safe: bool | None, max_bytes: int | None, mode: str) -> tupl
 
 
 def decode(payloads: list[memoryview], src: int, safe: bool, max_bytes: int | None, mode: str) -> list[Any]:
-    """Unpickle received payloads, all or none.
+    """Unpickle the payloads ``broadcast_object_list`` received from ``src``, all or none (``max_bytes`` bounds their total).
 
     Raises:
         ObjectRefusedError: over ``max_bytes``, or (safe) not plain data.
     """
-    total = sum(len(p) for p in payloads)
-    if max_bytes is not None and total > max_bytes:
+    _bound(sum(len(p) for p in payloads), src, max_bytes, mode, "broadcast_object_list")
+    return [_load(p, f"object {i} from rank {src}", safe, mode, "broadcast_object_list") for i, p in enumerate(payloads)]
+
+
+def decode_gathered(payloads: list[memoryview], ranks: tuple[int, ...], me: int, safe: bool, max_bytes: int | None, mode: str) -> list[Any]:
+    """Unpickle every rank's ``all_gather_object`` payload, all or none; ``max_bytes`` bounds each peer's payload.
+
+    This rank's own object comes back as a copy (unpickled as it was sent), never refused.
+
+    Raises:
+        ObjectRefusedError: a peer's payload is over ``max_bytes``, or (safe) not plain data.
+    """
+    for r, payload in enumerate(payloads):
+        if r != me:
+            _bound(len(payload), ranks[r], max_bytes, mode, "all_gather_object")
+    return [pickle.loads(p) if r == me else _load(p, f"the object of rank {ranks[r]}", safe, mode, "all_gather_object") for r, p in enumerate(payloads)]
+
+
+def _bound(size: int, src: int, max_bytes: int | None, mode: str, op: str) -> None:
+    if max_bytes is not None and size > max_bytes:
         raise ObjectRefusedError(
-            f"broadcast_object_list on mode {mode!r} refused {total} bytes from rank {src}: over max_bytes={max_bytes}; "
-            "nothing was deserialised and the list is unchanged"
+            f"{op} on mode {mode!r} refused {size} bytes from rank {src}: over max_bytes={max_bytes}; nothing was deserialised and the list is unchanged"
         )
+
+
+def _load(payload: memoryview, what: str, safe: bool, mode: str, op: str) -> Any:
     if not safe:
-        return [pickle.loads(p) for p in payloads]
-    out = []
-    for i, payload in enumerate(payloads):
-        try:
-            obj = _PlainUnpickler(io.BytesIO(payload)).load()
-            _check_plain(obj)
-        except Exception as err:  # noqa: BLE001 - whatever the payload makes the unpickler raise is a refusal
-            raise ObjectRefusedError(
-                f"broadcast_object_list on mode {mode!r} (safe) refused object {i} from rank {src}: {err}. "
-                f"Safe mode accepts only {_PLAIN_NAMES}; nothing in it was run and the list is unchanged"
-            ) from None
-        out.append(obj)
-    return out
+        return pickle.loads(payload)
+    try:
+        obj = _PlainUnpickler(io.BytesIO(payload)).load()
+        _check_plain(obj)
+    except Exception as err:  # noqa: BLE001 - whatever the payload makes the unpickler raise is a refusal
+        raise ObjectRefusedError(
+            f"{op} on mode {mode!r} (safe) refused {what}: {err}. Safe mode accepts only {_PLAIN_NAMES}; nothing in it was run and the list is unchanged"
+        ) from None
+    return obj
 
 
 def _load_storage(data: bytes) -> Any:

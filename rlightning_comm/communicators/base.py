@@ -13,6 +13,8 @@ from torch.distributed import ReduceOp
 from rlightning_comm.communicators._checks import InputChecks
 from rlightning_comm.communicators._contract import check_shapes
 from rlightning_comm.communicators._launch import DirectLaunch
+from rlightning_comm.communicators._p2p import PointToPoint
+from rlightning_comm.communicators._rooted import RootedCollectives
 from rlightning_comm.communicators._tensor_collectives import TensorCollectives
 from rlightning_comm.communicators._threads import InFlight
 from rlightning_comm.communicators._values import ValueCollectives
@@ -22,6 +24,7 @@ _SUM = ReduceOp.SUM
 
 COLLECTIVES = (
     "all_gather",
+    "all_gather_object",
     "all_reduce",
     "all_reduce_dict",
     "all_to_all_single",
@@ -29,13 +32,16 @@ COLLECTIVES = (
     "broadcast",
     "broadcast_object_list",
     "gather",
+    "recv",
+    "reduce",
     "reduce_scatter",
     "scatter",
+    "send",
 )
-"""Names of the :class:`Communicator` methods that run a collective (what debug mode checks and stats record)."""
+"""Names of the :class:`Communicator` methods that communicate (what debug mode checks and stats record), point-to-point included."""
 
 
-class Communicator(InputChecks, InFlight, DirectLaunch, TensorCollectives, ValueCollectives, ABC):
+class Communicator(InputChecks, InFlight, DirectLaunch, TensorCollectives, RootedCollectives, PointToPoint, ValueCollectives, ABC):
     """Collectives on one process group, bound to one mode by :class:`CommContext`.
 
     Every method takes and returns what the torch.distributed function of the
