@@ -46,6 +46,7 @@ class PointToPoint:
         group = self._group
         if group is None:
             return None
+        traced = compiling()  # constant under dynamo, which cannot trace is_neg
         try:
             plain = (
                 type(dst) is int
@@ -56,7 +57,7 @@ class PointToPoint:
                 and tensor.is_contiguous()
                 and not tensor.is_complex()
                 and not tensor.is_nested
-                and (compiling() or not tensor.is_neg())  # dynamo cannot trace is_neg
+                and (traced or not tensor.is_neg())
             )
         except RuntimeError:
             plain = False
@@ -65,7 +66,7 @@ class PointToPoint:
             dst = operator.index(dst)
         if _coalescing and group in _coalescing:
             raise self._coalesced("send")
-        if compiling() or has_torch_function_unary(tensor):
+        if traced or has_torch_function_unary(tensor):
             return dist.isend(tensor, dst, group=group) if async_op else dist.send(tensor, dst, group=group)
         if not plain:
             tensor = as_real(tensor)
@@ -101,6 +102,7 @@ class PointToPoint:
         group = self._group
         if group is None:
             return None
+        traced = compiling()  # constant under dynamo, which cannot trace is_neg
         try:
             plain = (
                 type(src) is int
@@ -111,7 +113,7 @@ class PointToPoint:
                 and tensor.is_contiguous()
                 and not tensor.is_complex()
                 and not tensor.is_nested
-                and (compiling() or not tensor.is_neg())  # dynamo cannot trace is_neg
+                and (traced or not tensor.is_neg())
             )
         except RuntimeError:
             plain = False
@@ -120,7 +122,7 @@ class PointToPoint:
             src = operator.index(src)
         if _coalescing and group in _coalescing:
             raise self._coalesced("recv")
-        if compiling() or has_torch_function_unary(tensor):
+        if traced or has_torch_function_unary(tensor):
             if async_op:
                 return dist.irecv(tensor, src, group=group)
             dist.recv(tensor, src, group=group)

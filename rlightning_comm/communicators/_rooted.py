@@ -47,6 +47,7 @@ class RootedCollectives:
         group = self._group
         if group is None:
             return None
+        traced = compiling()  # constant under dynamo, which cannot trace is_neg
         try:
             plain = (
                 type(src) is int
@@ -56,7 +57,7 @@ class RootedCollectives:
                 and tensor.is_contiguous()
                 and not tensor.is_complex()
                 and not tensor.is_nested
-                and (compiling() or not tensor.is_neg())  # dynamo cannot trace is_neg
+                and (traced or not tensor.is_neg())
             )
         except RuntimeError:
             plain = False
@@ -65,7 +66,7 @@ class RootedCollectives:
             src = operator.index(src)  # a rank the check accepted through __index__ (a 0-d tensor): the int the tables are keyed by
         if _coalescing and group in _coalescing:
             raise self._coalesced("broadcast")
-        if compiling():  # dynamo does not rewrite dist.broadcast: the functional one, copied back in place
+        if traced:  # dynamo does not rewrite dist.broadcast: the functional one, copied back in place
             tensor.copy_(funcol.wait_tensor(funcol.broadcast(tensor, self._group_rank_of[src], group)))
             return None
         if has_torch_function_unary(tensor):
@@ -187,6 +188,7 @@ class RootedCollectives:
         group = self._group
         if group is None:
             return None
+        traced = compiling()  # constant under dynamo, which cannot trace is_neg
         try:
             plain = (
                 op is _SUM
@@ -197,7 +199,7 @@ class RootedCollectives:
                 and tensor.is_contiguous()
                 and not tensor.is_complex()
                 and not tensor.is_nested
-                and (compiling() or not tensor.is_neg())  # dynamo cannot trace is_neg
+                and (traced or not tensor.is_neg())
             )
         except RuntimeError:
             plain = False
@@ -206,7 +208,7 @@ class RootedCollectives:
             dst, op = operator.index(dst), reduce_op_type(op)
         if _coalescing and group in _coalescing:
             raise self._coalesced("reduce")
-        if compiling() or has_torch_function_unary(tensor):
+        if traced or has_torch_function_unary(tensor):
             return dist.reduce(tensor, dst, op=op, group=group, async_op=async_op)
         if plain:
             opts = self._async.reduce_sum[dst] if async_op else self._sync.reduce_sum[dst]

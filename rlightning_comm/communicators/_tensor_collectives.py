@@ -82,6 +82,7 @@ class TensorCollectives:
         group = self._group
         if group is None:
             return None
+        traced = compiling()  # constant under dynamo, which cannot trace is_neg
         try:  # a sparse compressed tensor raises in is_contiguous: the full check names it
             plain = (
                 op is _SUM
@@ -90,14 +91,14 @@ class TensorCollectives:
                 and tensor.is_contiguous()
                 and not tensor.is_complex()
                 and not tensor.is_nested
-                and (compiling() or not tensor.is_neg())  # dynamo cannot trace is_neg
+                and (traced or not tensor.is_neg())
             )
         except RuntimeError:
             plain = False
         if not plain:
             self._check_all_reduce(tensor, op, async_op)
             op = reduce_op_type(op)
-        if compiling() or (_coalescing and group in _coalescing) or has_torch_function_unary(tensor):
+        if traced or (_coalescing and group in _coalescing) or has_torch_function_unary(tensor):
             return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
         if plain:
             opts = self._async.allreduce_sum if async_op else self._sync.allreduce_sum
@@ -134,6 +135,7 @@ class TensorCollectives:
         group = self._group
         if group is None:
             return None
+        traced = compiling()  # constant under dynamo, which cannot trace is_neg
         try:
             plain = (
                 isinstance(output_tensor, _Tensor)
@@ -145,7 +147,7 @@ class TensorCollectives:
                 and not output_tensor.is_nested
                 and input_tensor.is_contiguous()
                 and not input_tensor.is_nested
-                and (compiling() or not (output_tensor.is_neg() or input_tensor.is_neg()))
+                and (traced or not (output_tensor.is_neg() or input_tensor.is_neg()))
                 and output_tensor.numel() == self._world_size * input_tensor.numel()
                 and not input_tensor.is_complex()
             )
@@ -157,7 +159,7 @@ class TensorCollectives:
             # have the same layout (both tensors are contiguous).
             if output_tensor.dim() != input_tensor.dim():
                 output_tensor, input_tensor = output_tensor.view(-1), input_tensor.view(-1)
-        if compiling() or (_coalescing and group in _coalescing) or has_torch_function_unary(input_tensor):
+        if traced or (_coalescing and group in _coalescing) or has_torch_function_unary(input_tensor):
             return _all_gather_flat(output_tensor, input_tensor, group=group, async_op=async_op)
         if not plain and input_tensor.is_complex():  # the check made both the same dtype
             output_tensor, input_tensor = torch.view_as_real(output_tensor), torch.view_as_real(input_tensor)
@@ -192,6 +194,7 @@ class TensorCollectives:
         group = self._group
         if group is None:
             return None
+        traced = compiling()  # constant under dynamo, which cannot trace is_neg
         try:
             plain = (
                 op is _SUM
@@ -204,7 +207,7 @@ class TensorCollectives:
                 and not output.is_nested
                 and input_.is_contiguous()
                 and not input_.is_nested
-                and (compiling() or not (output.is_neg() or input_.is_neg()))
+                and (traced or not (output.is_neg() or input_.is_neg()))
                 and input_.numel() == output.numel() * self._world_size
                 and not input_.is_complex()
             )
@@ -218,7 +221,7 @@ class TensorCollectives:
                 output = output.view(-1)
             if input_.dim() != 1:
                 input_ = input_.view(-1)
-        if compiling() or (_coalescing and group in _coalescing) or has_torch_function_unary(input_):
+        if traced or (_coalescing and group in _coalescing) or has_torch_function_unary(input_):
             return _reduce_scatter_flat(output, input_, op=op, group=group, async_op=async_op)
         if not plain and input_.is_complex():  # SUM or AVG (checked): exact on the real pairs
             output, input_ = torch.view_as_real(output).view(-1), torch.view_as_real(input_).view(-1)
@@ -259,6 +262,7 @@ class TensorCollectives:
         group = self._group
         if group is None:
             return None
+        traced = compiling()  # constant under dynamo, which cannot trace is_neg
         try:  # flat tensors split evenly
             plain = (
                 output_split_sizes is None
@@ -272,7 +276,7 @@ class TensorCollectives:
                 and not output.is_nested
                 and input_.is_contiguous()
                 and not input_.is_nested
-                and (compiling() or not (output.is_neg() or input_.is_neg()))
+                and (traced or not (output.is_neg() or input_.is_neg()))
                 and not output.numel() % self._world_size
                 and not input_.numel() % self._world_size
                 and not input_.is_complex()
@@ -283,7 +287,7 @@ class TensorCollectives:
             self._check_all_to_all_single(output, input_, output_split_sizes, input_split_sizes, async_op)
         if _coalescing and group in _coalescing:
             raise self._coalesced("all_to_all_single")
-        if compiling() or has_torch_function_unary(input_):
+        if traced or has_torch_function_unary(input_):
             return dist.all_to_all_single(output, input_, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
         if not plain and input_.is_complex():  # the check made both the same dtype
             output, input_ = torch.view_as_real(output), torch.view_as_real(input_)
