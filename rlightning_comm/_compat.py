@@ -7,7 +7,6 @@ so a torch release that moves it fails in one place (and in
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,17 +44,6 @@ COALESCING`` costs one lookup. Inside the manager, torch's ``all_reduce``,
 ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` record their call and
 the manager issues them as one coalesced call when it exits.
 """
-
-
-def assume_constant_result(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``torch.compiler.assume_constant_result(fn)`` without importing dynamo at import time.
-
-    torch's decorator imports ``torch._dynamo`` (about 1.6 s, in every process
-    that imports the library) only to set this mark, which dynamo reads when it
-    traces a call to ``fn``.
-    """
-    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
-    return fn
 
 
 def default_store() -> dist.Store:
