@@ -141,7 +141,7 @@ class TensorCollectives:
                 isinstance(output_tensor, _Tensor)
                 and isinstance(input_tensor, _Tensor)
                 and output_tensor.dim() == 1 == input_tensor.dim()
-                and output_tensor.dtype is input_tensor.dtype
+                and (dtype := input_tensor.dtype) is output_tensor.dtype
                 and self.on_device(output_tensor, input_tensor)
                 and output_tensor.is_contiguous()
                 and not output_tensor.is_nested
@@ -149,7 +149,7 @@ class TensorCollectives:
                 and not input_tensor.is_nested
                 and (traced or not (output_tensor.is_neg() or input_tensor.is_neg()))
                 and output_tensor.numel() == self._world_size * input_tensor.numel()
-                and not input_tensor.is_complex()
+                and not dtype.is_complex  # one dtype read for both tests
             )
         except RuntimeError:
             plain = False
@@ -201,7 +201,7 @@ class TensorCollectives:
                 and isinstance(output, _Tensor)
                 and isinstance(input_, _Tensor)
                 and output.dim() == 1 == input_.dim()
-                and output.dtype is input_.dtype
+                and (dtype := input_.dtype) is output.dtype
                 and self.on_device(output, input_)
                 and output.is_contiguous()
                 and not output.is_nested
@@ -209,7 +209,7 @@ class TensorCollectives:
                 and not input_.is_nested
                 and (traced or not (output.is_neg() or input_.is_neg()))
                 and input_.numel() == output.numel() * self._world_size
-                and not input_.is_complex()
+                and not dtype.is_complex  # one dtype read for both tests
             )
         except RuntimeError:
             plain = False
@@ -270,7 +270,7 @@ class TensorCollectives:
                 and isinstance(output, _Tensor)
                 and isinstance(input_, _Tensor)
                 and output.dim() == 1 == input_.dim()
-                and output.dtype is input_.dtype
+                and (dtype := input_.dtype) is output.dtype
                 and self.on_device(output, input_)
                 and output.is_contiguous()
                 and not output.is_nested
@@ -279,7 +279,7 @@ class TensorCollectives:
                 and (traced or not (output.is_neg() or input_.is_neg()))
                 and not output.numel() % self._world_size
                 and not input_.numel() % self._world_size
-                and not input_.is_complex()
+                and not dtype.is_complex  # one dtype read for both tests
             )
         except RuntimeError:
             plain = False
