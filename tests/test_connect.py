@@ -26,7 +26,7 @@ from test_ray_example import _wide_listeners
 from world import init_world
 
 from rlightning_comm import CommContext, CommError, CommMismatchError, CommMode, CommTimeoutError, PeerLostError, broadcast_state_dict, collective
-from rlightning_comm.communicators import _tensor_collectives
+from rlightning_comm.communicators import _rooted, _tensor_collectives
 from rlightning_comm.connect._forming import compare, member_info
 
 MODE = "WEIGHT_SYNC"
@@ -99,7 +99,8 @@ def test_one_member_mode_without_a_world_refuses_the_traced_paths(monkeypatch):
 
     with Mode(), pytest.raises(CommError, match="outside torch.distributed's world"):
         comm.all_reduce(t)
-    monkeypatch.setattr(_tensor_collectives, "compiling", lambda: True)
+    for module in (_tensor_collectives, _rooted):  # as under dynamo
+        monkeypatch.setattr(module, "compiling", lambda: True)
     for call in (lambda: comm.broadcast(t, src=0), lambda: comm.barrier(), lambda: comm.all_gather(torch.empty(4), t)):
         with pytest.raises(CommError, match="cannot run under torch.compile"):
             call()
