@@ -215,6 +215,23 @@ def _equal_to_raw_torch(comm, raw, me: int) -> list[str]:
     comm.scatter(ours, pieces if me == 0 else None, src=0)
     raw.scatter([theirs], [pieces] if me == 0 else [], opts(dist.ScatterOptions, rootRank=0)).wait()
     check("scatter", ours, theirs)
+    ours, theirs = x.clone(), x.clone()
+    comm.reduce(ours, dst=2)
+    raw.reduce([theirs], opts(dist.ReduceOptions, rootRank=2, reduceOp=dist.ReduceOp.SUM)).wait()
+    if me == 2:
+        check("reduce", ours, theirs)
+    if me == 0:
+        comm.send(x + 100, dst=1)
+        raw.send([x + 100], 1, 7).wait()
+    elif me == 1:
+        ours, theirs = torch.empty(6), torch.empty(6)
+        comm.recv(ours, src=0)
+        raw.recv([theirs], 0, 7).wait()
+        check("send/recv", ours, theirs)
+    gathered = [None] * 3
+    comm.all_gather_object(gathered, {"member": me})
+    if gathered != [{"member": r} for r in range(3)]:
+        wrong.append(f"all_gather_object: {gathered}")
     comm.barrier()
     got = collective.all_reduce_dict({"loss": float(me), "tokens": torch.tensor([me, 1.0])}, MODE)
     flat = torch.tensor([float(me), float(me), 1.0])

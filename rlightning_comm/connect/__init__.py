@@ -6,6 +6,6 @@ outside torch's world, :mod:`._liveness` watches the members, and
 :mod:`._connection` holds it together per process.
 """
 
-from rlightning_comm.connect._connection import Connections, parse_address
+from rlightning_comm.connect._connection import Connections
 
-__all__ = ["Connections", "parse_address"]
+__all__ = ["Connections"]

@@ -15,7 +15,6 @@ when the backend raised, turns what they raise into :class:`PeerLostError`.
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 import threading
 import time
@@ -28,7 +27,7 @@ import torch.distributed as dist
 
 from rlightning_comm import rendezvous
 from rlightning_comm.communicators.base import Communicator
-from rlightning_comm.connect._forming import Late, Opening, find_generation, member_info, open_generation, preflight
+from rlightning_comm.connect._forming import Late, Opening, find_generation, format_address, is_loopback, member_info, open_generation, parse_address, preflight
 from rlightning_comm.connect._groups import break_group, build_group
 from rlightning_comm.connect._liveness import Watch
 from rlightning_comm.errors import CommError, CommTimeoutError, ModeNotBoundError, PeerLostError
@@ -39,34 +38,7 @@ _PREFIX = "rlightning_comm/connect"
 # milliseconds of a death; the backend may notice the closed connection first).
 _VERDICT_WAIT = 2.0
 _DESTROY = "destroy() the context"  # the advice of comm_failure for a broken group, which a connected mode replaces
-
-
-def parse_address(address: object) -> tuple[str, int]:
-    """``"host:port"`` (``"[::1]:port"`` for IPv6) as ``(host, port)``.
-
-    Raises:
-        TypeError: not a str.
-        ValueError: no host, or a port outside 0..65535.
-    """
-    if not isinstance(address, str):
-        raise TypeError(f"address must be a str 'host:port'; got {type(address).__name__} {address!r}")
-    host, sep, port = address.rpartition(":")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"address must be 'host:port' with a port in 0..65535 (e.g. '127.0.0.1:29600', '[::1]:0'); got {address!r}")
-    return ("127.0.0.1" if host == "localhost" else host), int(port)
-
-
-def format_address(host: str, port: int) -> str:
-    """``(host, port)`` as ``"host:port"`` (IPv6 hosts in brackets)."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+_OWN_TIMEOUT = "Application timeout caused pair closure"  # gloo, when a wait of this process timed out
 
 
 class _Refused:
@@ -97,6 +69,7 @@ class Connection:
         self.name = f"connected/{mode}/{generation}"  # the group's name (debug mode keys its checks by it)
         self._lost_event = threading.Event()
         self._lock = threading.Lock()
+        self._failed = False  # a backend error was translated already: the group is broken since
 
     def attach(self, comm: Communicator) -> None:
         """Make ``comm`` this generation's: its failures are translated here (an instance attribute over the class's)."""
@@ -149,6 +122,13 @@ class Connection:
         error = comm_failure(err, self.mode, op, self.timeout)
         if _DESTROY not in str(error):  # the backend's own check refused the call here: the group still works
             return error
+        first, self._failed = not self._failed, True
+        if first and self.lost is None and _OWN_TIMEOUT in str(err):
+            # This process's own timeout closed the group's connections during this very call (gloo reports it on the
+            # call's other waits); only a later call's failure with that text is a group broken before it.
+            error = CommTimeoutError(
+                f"{op} on mode {self.mode!r} timed out after {self.timeout:g} s (the group's timeout): a peer did not join it; {_DESTROY}. Backend: {err}"
+            )
         if isinstance(error, CommTimeoutError):
             if self.lost_at is None or time.monotonic() - self.lost_at < _VERDICT_WAIT:
                 return self._re_form_hint(error)
@@ -237,7 +217,7 @@ class Connections:
                     rank,
                     world_size,
                     timeout,
-                    host if _is_loopback(host) else None,
+                    host if is_loopback(host) else None,
                     conn.name,
                 )
             except BaseException:

@@ -1,4 +1,4 @@
-"""How the members of a connected mode agree on a generation and check, before any group exists, that they match.
+"""Where the members of a connected mode meet, how they agree on a generation, and how they check, before any group exists, that they match.
 
 Every key lives under the mode's prefix in the store rank 0 hosts:
 
@@ -19,6 +19,7 @@ replacement whose predecessor was still counted) waits for the next.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import socket
@@ -35,6 +36,35 @@ from rlightning_comm.errors import CommError, CommMismatchError, CommTimeoutErro
 VERDICT_GRACE = 5.0
 _COMPARED = ("world_size", "backend", "torch", "nccl", "NCCL_CUMEM_ENABLE")
 _ERRORS: dict[str, type[CommError]] = {cls.__name__: cls for cls in (CommError, CommMismatchError, CommTimeoutError)}
+
+
+def parse_address(address: object) -> tuple[str, int]:
+    """``"host:port"`` (``"[::1]:port"`` for IPv6) as ``(host, port)``.
+
+    Raises:
+        TypeError: not a str.
+        ValueError: no host, or a port outside 0..65535.
+    """
+    if not isinstance(address, str):
+        raise TypeError(f"address must be a str 'host:port'; got {type(address).__name__} {address!r}")
+    host, sep, port = address.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"address must be 'host:port' with a port in 0..65535 (e.g. '127.0.0.1:29600', '[::1]:0'); got {address!r}")
+    return ("127.0.0.1" if host == "localhost" else host), int(port)
+
+
+def format_address(host: str, port: int) -> str:
+    """``(host, port)`` as ``"host:port"`` (IPv6 hosts in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback IP address (then every member runs on this machine)."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class Opening(NamedTuple):
