@@ -16,8 +16,8 @@ def digests(named) -> dict[str, str]:
     """sha256 of each tensor's logical values (conjugate and negative views resolved), in logical order: equal digests mean bit-identical values."""
     out = {}
     for name, t in named:
-        values = t.detach().cpu().resolve_conj().resolve_neg().contiguous()
-        out[name] = hashlib.sha256(values.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+        values = t.detach().cpu().resolve_conj().resolve_neg().reshape(-1).clone(memory_format=torch.contiguous_format)
+        out[name] = hashlib.sha256(values.view(torch.uint8).numpy().tobytes()).hexdigest()
     return out
 
 
