@@ -1,0 +1,117 @@
+"""broadcast_state_dict failing midway: every member's error says what it left (partly written tensors, buckets loaded, partial destinations)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+
+import pytest
+import torch
+from world import World, WorldError, init_world
+
+GROUP_TIMEOUT = 2.0
+BOUND = 6.0  # what a loaded 2-core machine may add on top of the group timeout
+TENSORS, ELEMENTS, BUCKET = 24, 512, 4096  # 24 tensors of 2 KiB in buckets of 4 KiB: 12 staged units
+
+
+def _state(rank: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(rank)
+    return {f"w{i}": torch.randn(ELEMENTS, generator=gen) for i in range(TENSORS)}
+
+
+def _outcome(run) -> dict:
+    start = time.monotonic()
+    try:
+        run()
+    except RuntimeError as err:
+        return {"type": type(err).__name__, "msg": str(err), "elapsed": time.monotonic() - start}
+    return {"type": None, "elapsed": time.monotonic() - start}
+
+
+def _injected(rank: int, size: int, url: str) -> dict:
+    from rlightning_comm import CommError, broadcast_state_dict
+    from rlightning_comm._weight_pipeline import Pipeline
+
+    ctx = init_world(rank, size, url)
+    ctx.init_group([0, 1, 2, 3], "FAULT", timeout=GROUP_TIMEOUT)
+    state = _state(rank)
+    if rank == 3:  # the third unit to arrive here fails once its data is in: the connection "broke"
+        original, moved = Pipeline._move, []
+
+        class Broken:
+            def __init__(self, work) -> None:
+                self._work = work
+
+            def wait(self) -> None:
+                self._work.wait()
+                raise CommError("injected: the connection to the source broke")
+
+        def move(self, data):
+            moved.append(1)
+            works = original(self, data)
+            return [Broken(w) for w in works] if len(moved) == 3 else works
+
+        Pipeline._move = move
+    try:
+        loaded = []
+        arg = (lambda named: loaded.extend(n for n, _ in named)) if rank == 2 else state
+        return _outcome(lambda: broadcast_state_dict(arg, "FAULT", src=0, bucket_bytes=BUCKET))
+    finally:
+        if rank == 3:
+            Pipeline._move = original  # the world's processes outlive this test
+
+
+def test_a_failure_midway_says_what_each_member_holds(world4) -> None:
+    source, in_place, loader, faulty = world4.run(_injected, timeout=60)
+    assert faulty["type"] == "CommError" and "injected: the connection to the source broke" in faulty["msg"], faulty
+    units = re.search(r"this destination's tensors were partly written \((\d+) of (\d+) units had arrived\)", faulty["msg"])
+    assert units and int(units[1]) == 2 and int(units[2]) == TENSORS // 2, faulty["msg"]
+    # The source waits for the faulty destination, which stopped receiving; the others wait for the source: all fail in bounded time.
+    for r in (source, in_place, loader):
+        assert r["type"] in ("CommError", "CommTimeoutError") and r["elapsed"] <= GROUP_TIMEOUT + BOUND, r
+        assert "broadcast_state_dict failed midway: " in r["msg"], r
+    assert re.search(r"the source had launched \d+ of 12 units: destinations at ranks \[1, 2, 3\] may hold partial weights", source["msg"]), source
+    assert "the transfer to rank 3 failed" in source["msg"], source
+    assert re.search(r"this destination's tensors were partly written \(\d+ of 12 units had arrived\)", in_place["msg"]), in_place
+    given = re.search(r"load had been given (\d+) of 12 buckets", loader["msg"])
+    assert given and 0 < int(given[1]) < 12, loader
+
+
+def _killed(rank: int, size: int, url: str, out_dir: str) -> dict:
+    from rlightning_comm import broadcast_state_dict
+
+    ctx = init_world(rank, size, url, timeout=GROUP_TIMEOUT)
+    ctx.init_weight_transfer_group(src=0, dst_ranks=[1, 2])
+    state = _state(rank)
+    calls = []
+
+    def load(named) -> None:  # the victim dies on its second bucket, the transfer in flight
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    report = _outcome(lambda: broadcast_state_dict(load if rank == 1 else state, bucket_bytes=BUCKET))
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+    return report
+
+
+@pytest.fixture
+def world3():
+    world = World(3)  # its own processes: one of them dies
+    yield world
+    world.close()
+
+
+def test_a_destination_killed_midway_its_peers_raise_saying_so(world3, tmp_path) -> None:
+    with pytest.raises(WorldError) as info:
+        world3.run(_killed, str(tmp_path), timeout=60)
+    assert re.search(rf"rank 1:\s*process died with exit code -{int(signal.SIGKILL)}\b", str(info.value)), info.value
+    source, survivor = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 2))
+    for r in (source, survivor):
+        assert r["type"] in ("CommError", "CommTimeoutError") and r["elapsed"] <= GROUP_TIMEOUT + BOUND, r
+    assert re.search(r"destinations at ranks \[1, 2\] may hold partial weights", source["msg"]), source
+    assert re.search(r"this destination's tensors were partly written \(\d+ of 12 units had arrived\)", survivor["msg"]), survivor
