@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions
 
 from rlightning_comm._weight_inputs import Problem, manifest, mismatch, named_tensors, overlapping, tensor_problems, uncovered
 from rlightning_comm._weight_loader import LoadPipeline
@@ -112,7 +113,7 @@ def exchange(comm: Any, words: list[int], memory: Kept) -> list[list[int]]:
 
         def gather(device: torch.device) -> torch.Tensor:
             rows = torch.empty(comm.world_size, n, dtype=torch.int64, device=device)
-            _call(comm, lambda: comm.group.allgather([list(rows.unbind())], [mine.to(device)], dist.AllgatherOptions()))
+            _call(comm, lambda: comm.group.allgather([list(rows.unbind())], [mine.to(device)], AllgatherOptions()))
             return rows
 
         return _on_device(comm, memory, gather).tolist()

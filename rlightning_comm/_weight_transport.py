@@ -155,9 +155,16 @@ class Transfer:
         if not self._sends:
             return [comm.broadcast(data, src=self._src, async_op=True)]
         group = comm.group
-        if self._is_source:
-            return self._point_to_point(lambda: [group.send([data], peer, _TAG) for peer in self._peers])
-        return self._point_to_point(lambda: [group.recv([data], self._src_rank, _TAG)])
+        if not self._is_source:
+            return self._point_to_point(lambda: [group.recv([data], self._src_rank, _TAG)])
+        works = []
+        for peer in self._peers:
+            try:
+                works.append(group.send([data], peer, _TAG))
+            except RuntimeError as err:  # a pair already closed: that destination is gone
+                self._failed_peer = peer
+                raise comm._failure("broadcast_state_dict", err) from err
+        return [comm._handle(work, "broadcast_state_dict") for work in works]
 
     def _launch(self, data: torch.Tensor, slot: int, unit: int, staged: torch.Tensor | None) -> None:
         self._pending.append((self._move(data), slot, unit, staged))
