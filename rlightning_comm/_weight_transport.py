@@ -100,9 +100,12 @@ class Transfer:
         self._guarded(self._start)
 
     def finish(self) -> None:
-        """Launch the rest and wait for everything; then nothing (a second call returns at once)."""
-        if not self._done:
+        """Launch the rest and wait for everything; then nothing (a second call returns at once, even after an error)."""
+        if self._done:
+            return
+        try:
             self._guarded(self._finish)
+        finally:
             self._done = True
 
     def _start(self) -> None:

@@ -91,7 +91,8 @@ def broadcast_state_dict(
     receives into at most two buffers of at most one bucket each (a tensor
     larger than a bucket comes alone, in a buffer of its own size), and calls
     ``load`` once per buffer, from the thread that runs the transfer (this
-    call, or ``wait()``). Every name comes exactly once over the calls (a tied
+    call, or ``wait()``, or the next call on the mode, which completes an
+    unwaited transfer first). Every name comes exactly once over the calls (a tied
     tensor once per name, the same view, in one call; a tensor of no elements
     too). The tensors are views of the buffer, valid only during the call:
     copy what you keep. If ``load`` raises, the transfer still completes (the
