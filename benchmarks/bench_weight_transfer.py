@@ -21,7 +21,7 @@ the slowest rank's, from a barrier to that rank holding every tensor. Medians
 over rounds, and the medians of the per-round ratios to the limit's speed.
 Every way's destinations are checked bit-identical to the source first.
 
-    python benchmarks/bench_weight_transfer.py [--rounds 20] [--bucket-mib 64] [--threads 0]
+    python benchmarks/bench_weight_transfer.py [--rounds 20] [--bucket-mib 64] [--threads 0] [--ways library_load,...]
 
 A ``load`` callable's ``copy_`` runs on torch's intra-op threads: with several ranks on few cores (torch's default
 is one thread per core in every rank) that is several times a plain copy; ``--threads 1`` is what torchrun sets.
@@ -55,7 +55,7 @@ def _model(seed: int) -> dict:
     return state
 
 
-def _task(rank: int, nproc: int, rounds: int, bucket_bytes: int, threads: int) -> dict:
+def _task(rank: int, nproc: int, rounds: int, bucket_bytes: int, threads: int, only: list[str] | None) -> dict:
     import torch
 
     if threads:
@@ -127,6 +127,7 @@ def _task(rank: int, nproc: int, rounds: int, bucket_bytes: int, threads: int) -
         "sends_per_tensor": sends_per_tensor,
         "limit": limit,
     }
+    ways = {name: fn for name, fn in ways.items() if only is None or name in only or name in ("library", "rlightning", "limit")}
     identical = {}
     for name, fn in ways.items():
         if name == "limit":
@@ -157,10 +158,12 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=0, help="torch's intra-op threads per rank (0: torch's default; torchrun sets OMP_NUM_THREADS=1 for several ranks)"
     )
+    parser.add_argument("--ways", help="comma-separated ways to run (library, rlightning and limit always run); default: all")
     args = parser.parse_args()
+    only = args.ways.split(",") if args.ways else None
     load = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
     started = time.perf_counter()
-    out = run_ranks(_task, NPROC, args.rounds, int(args.bucket_mib * 2**20), args.threads)[0]
+    out = run_ranks(_task, NPROC, args.rounds, int(args.bucket_mib * 2**20), args.threads, only)[0]
     times = out["times"]
     print(f"{machine()}; {NPROC} gloo ranks (1 source, {NPROC - 1} destinations); {out['tensors']} tensors, {out['bytes'] / 2**20:.1f} MiB")
     threads = args.threads or "torch's default"
