@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions
 
-from rlightning_comm._weight_inputs import Problem, manifest, mismatch, named_tensors, overlapping, tensor_problems, uncovered
+from rlightning_comm._weight_inputs import Problem, describe, mismatch, named_tensors, overlapping, uncovered
 from rlightning_comm._weight_loader import LoadPipeline
 from rlightning_comm._weight_pipeline import Pipeline
 from rlightning_comm._weight_plan import Delivery, Entry, Plan, build_plan, deliveries
@@ -214,10 +214,10 @@ def _inspect(state_dict: Any, is_source: bool, comm: Any) -> tuple[list[tuple[st
     if problem is not None or not isinstance(items, list):
         return None, items, [], [], problem
     try:
-        problem = tensor_problems(items, is_source, comm.device.type)
+        problem, entries, spans = describe(items, is_source, comm.device.type)
         if problem is not None:
             return None, None, [], [], problem
-        return items, None, manifest(items, is_source), [] if is_source else overlapping(items), None
+        return items, None, entries, overlapping(spans), None
     except Exception as err:  # noqa: BLE001 - whatever a tensor raises here is this rank's verdict, shared like any other
         return None, None, [], [], (type(err) if type(err) in _ERRORS.values() else RuntimeError, f"its tensors could not be read: {err}")
 

@@ -9,6 +9,7 @@ any weight moves.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -18,9 +19,11 @@ from torch import nn
 from rlightning_comm._weight_plan import Entry, Plan
 
 Problem = tuple[type[Exception], str] | None
+Span = tuple[int, int, int, str, torch.Tensor]  # device index, first byte, end byte, name, tensor
 Loader = Callable[[list[tuple[str, torch.Tensor]]], Any]
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
+_by_place = operator.itemgetter(0, 1)  # (device, address): a sort key that never compares the tensors
 _EXACT_CHECK_BYTES = 1 << 28  # memory whose overlap is worked out byte by byte; beyond it a suspected overlap is refused
 
 
@@ -72,43 +75,57 @@ def named_tensors(state_dict: Any, is_source: bool) -> tuple[list[tuple[str, tor
     return items, None
 
 
-def tensor_problems(items: list[tuple[str, torch.Tensor]], is_source: bool, device_type: str) -> Problem:
-    """What this rank cannot do with one of its tensors: a layout, a device, or (on a destination) memory that cannot be written."""
-    usable = {"cpu", "cuda", device_type}
-    for name, t in items:
-        if t.is_nested or t.layout != torch.strided or t.is_quantized:
-            kind = "nested" if t.is_nested else "quantized" if t.is_quantized else f"layout {t.layout}"
-            return ValueError, f"{name!r} must be a dense tensor; got a {kind} tensor"
-        if t.is_meta:
-            return ValueError, f"{name!r} is a meta tensor: it has no data to {'send' if is_source else 'receive into'}; materialise it first (to_empty())"
-        if t.device.type not in usable:
-            return ValueError, f"{name!r} is on {t.device}; expected a tensor on one of {sorted(usable)}"
-        if not is_source and t.numel() > 1 and not t.is_contiguous() and _self_overlapping(t):
-            return ValueError, (
-                f"{name!r} (shape {list(t.shape)}, strides {list(t.stride())}) has elements that share memory (an expanded or zero-stride view): "
-                "it cannot hold the source's values; pass a tensor of its own (clone() it)"
-            )
-    return None
+def describe(items: list[tuple[str, torch.Tensor]], is_source: bool, device_type: str) -> tuple[Problem, list[Entry], list[Span]]:
+    """One pass over this rank's tensors: what it cannot do with one of them, its manifest, and (on a destination) their spans of memory.
 
-
-def manifest(items: list[tuple[str, torch.Tensor]], is_source: bool) -> list[Entry]:
-    """Names, dtypes and shapes; on the source also which entries are the very same tensor as an earlier one (sent once).
-
-    The very same tensor: see :func:`same_view`. Only tensors at an address
-    seen before are compared in full.
+    A problem is a layout, a device, or on a destination memory that cannot be
+    written (an expanded or zero-stride view). The manifest holds names,
+    dtypes and shapes, and on the source which entries are the very same
+    tensor as an earlier one (:func:`same_view`; only tensors at an address
+    seen before are compared in full), sent once.
     """
     first_at: dict[int, int] = {}
-    out = []
+    entries: list[Entry] = []
+    spans: list[Span] = []
+    strided = torch.strided
     for i, (name, t) in enumerate(items):
+        if t.is_nested or t.is_quantized or t.layout != strided or not (t.is_cpu or t.is_cuda):  # (a meta tensor is neither)
+            problem = _unusable(name, t, is_source, device_type)
+            if problem is not None:
+                return problem, [], []
+        n = t.numel()
         alias = -1
-        if is_source and t.numel():
+        if n and is_source:
             ptr = t.data_ptr()
             first = first_at.setdefault(ptr, i)
             if first != i:  # rare: scan every earlier tensor at this address
                 alias = next((j for j in range(first, i) if items[j][1].numel() and same_view(items[j][1], t)), -1)
+        elif n:
+            start = t.data_ptr()
+            if t.is_contiguous():
+                end = start + n * t.element_size()
+            elif n > 1 and _self_overlapping(t):
+                layout = f"{name!r} (shape {list(t.shape)}, strides {list(t.stride())})"
+                why = "has elements that share memory (an expanded or zero-stride view): it cannot hold the source's values"
+                return (ValueError, f"{layout} {why}; pass a tensor of its own (clone() it)"), [], []
+            else:
+                end = start + (sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1) * t.element_size()
+            spans.append((t.get_device(), start, end, name, t))
         dtype = t.dtype
-        out.append((name, _DTYPE_NAMES.get(dtype) or _DTYPE_NAMES.setdefault(dtype, str(dtype)), tuple(t.shape), alias))
-    return out
+        entries.append((name, _DTYPE_NAMES.get(dtype) or _DTYPE_NAMES.setdefault(dtype, str(dtype)), tuple(t.shape), alias))
+    return None, entries, spans
+
+
+def _unusable(name: str, t: torch.Tensor, is_source: bool, device_type: str) -> Problem:
+    if t.is_nested or t.layout != torch.strided or t.is_quantized:
+        kind = "nested" if t.is_nested else "quantized" if t.is_quantized else f"layout {t.layout}"
+        return ValueError, f"{name!r} must be a dense tensor; got a {kind} tensor"
+    if t.is_meta:
+        return ValueError, f"{name!r} is a meta tensor: it has no data to {'send' if is_source else 'receive into'}; materialise it first (to_empty())"
+    usable = {"cpu", "cuda", device_type}
+    if t.device.type not in usable:
+        return ValueError, f"{name!r} is on {t.device}; expected a tensor on one of {sorted(usable)}"
+    return None
 
 
 def mismatch(source: tuple[Entry, ...], mine: list[Entry]) -> str | None:
@@ -125,19 +142,21 @@ def mismatch(source: tuple[Entry, ...], mine: list[Entry]) -> str | None:
     return "; ".join(lines) or None
 
 
-def overlapping(items: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str, bool]]:
-    """On a destination: ``(name, name, same view)`` of every two tensors whose memory overlaps.
+def overlapping(spans: list[Span]) -> list[tuple[str, str, bool]]:
+    """On a destination: ``(name, name, same view)`` of every two tensors whose memory overlaps (``spans`` from :func:`describe`).
 
-    Spans of memory are compared first (sorted, one sweep); tensors whose
-    spans meet but which are not the same view are compared element by element.
+    Spans of memory are sorted and swept once (the common case, no two spans
+    meeting, ends there); tensors whose spans meet but which are not the same
+    view are compared byte by byte.
     """
-    spans = []
-    for name, t in items:
-        if t.numel():
-            start = t.data_ptr()
-            extent = t.numel() if t.is_contiguous() else sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
-            spans.append((t.get_device(), start, start + extent * t.element_size(), name, t))
-    spans.sort(key=lambda s: (s[0], s[1]))
+    spans.sort(key=_by_place)
+    device, reach = None, 0
+    for span in spans:
+        if span[0] == device and span[1] < reach:
+            break
+        device, reach = span[0], max(reach, span[2]) if span[0] == device else span[2]
+    else:
+        return []
     found = []
     active: list[tuple[Any, ...]] = []
     for span in spans:
