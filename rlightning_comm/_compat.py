@@ -7,9 +7,6 @@ so a torch release that moves it fails in one place (and in
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
@@ -35,17 +32,6 @@ TENSOR_PICKLE_GLOBALS = (("torch._utils", "_rebuild_tensor_v2"), ("torch.storage
 Safe mode's unpickler resolves exactly these (to checked replacements of its own); they are the wire format of
 ``torch.distributed.broadcast_object_list``, not functions the library calls.
 """
-
-
-def assume_constant_result(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``torch.compiler.assume_constant_result(fn)`` without importing dynamo at import time.
-
-    torch's decorator imports ``torch._dynamo`` (about 1.6 s, in every process
-    that imports the library) only to set this mark, which dynamo reads when it
-    traces a call to ``fn``.
-    """
-    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
-    return fn
 
 
 def default_store() -> dist.Store:

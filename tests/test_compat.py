@@ -88,24 +88,10 @@ def test_flat_collective_shims_resolve_to_torch_functions():
     assert _compat.reduce_scatter_single in (getattr(dist, "reduce_scatter_single", None), dist.reduce_scatter_tensor)
 
 
-def test_assume_constant_result_marks_as_torch_does_without_importing_dynamo():
+def test_importing_the_library_does_not_import_dynamo():
     import subprocess
     import sys
 
-    import torch
-
-    from rlightning_comm._compat import assume_constant_result
-
-    def ours() -> int:
-        return 1
-
-    def theirs() -> int:
-        return 1
-
-    assume_constant_result(ours)
-    torch.compiler.assume_constant_result(theirs)
-    marks = {k: v for k, v in vars(theirs).items() if k != "__wrapped__"}
-    assert marks and vars(ours) == marks  # torch's decorator sets exactly this mark
     loaded = subprocess.run(
         [sys.executable, "-c", "import sys, rlightning_comm; print('torch._dynamo' in sys.modules)"], capture_output=True, text=True, timeout=120, check=True
     )
