@@ -99,9 +99,14 @@ def _killed(rank: int, size: int, url: str, out_dir: str) -> dict:
     return report
 
 
+def _ready(rank: int, size: int, url: str) -> int:
+    return rank
+
+
 @pytest.fixture
 def world3():
     world = World(3)  # its own processes: one of them dies
+    world.run(_ready, timeout=180)  # started (torch imported) before the timed task, however loaded the machine
     yield world
     world.close()
 
