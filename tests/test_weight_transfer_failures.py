@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
+from datetime import timedelta
 
-import pytest
 import torch
-from world import World, WorldError, init_world
+from world import init_world
 
 GROUP_TIMEOUT = 2.0
 BOUND = 6.0  # what a loaded 2-core machine may add on top of the group timeout
@@ -80,42 +81,64 @@ def test_a_failure_midway_says_what_each_member_holds(world4) -> None:
     assert given and 0 < int(given[1]) < 12, loader
 
 
-def _killed(rank: int, size: int, url: str, out_dir: str) -> dict:
-    from rlightning_comm import broadcast_state_dict
+def _sync_group(rank: int, url: str):
+    """A 3-member gloo group outside any world (a file store of its own): the trainer, the engine that dies, a survivor.
 
-    ctx = init_world(rank, size, url, timeout=GROUP_TIMEOUT)
-    ctx.init_weight_transfer_group(src=0, dst_ranks=[1, 2])
-    state = _state(rank)
+    The members first meet in the store (the engine process may still be starting torch), then build the group with
+    the short timeout the transfer runs under.
+    """
+    import torch.distributed as dist
+
+    from rlightning_comm import GlooCommunicator
+
+    store = dist.FileStore(url.removeprefix("file://") + ".sync", 3)
+    store.set(f"ready/{rank}", "1")
+    store.wait([f"ready/{r}" for r in range(3)], timedelta(seconds=120))
+    group = dist.ProcessGroupGloo(dist.PrefixStore("group", store), rank, 3, timedelta(seconds=GROUP_TIMEOUT))
+    comm = GlooCommunicator(group, range(3), "SYNC", timeout=GROUP_TIMEOUT)
+    comm._global_rank, comm._rank = rank, rank  # this process's rank in the group's own numbering
+    return comm
+
+
+def _victim(url: str) -> None:
+    """The engine process (group rank 1, in no world): it dies on its second bucket, the transfer in flight."""
+    from rlightning_comm.weight_transfer import transfer
+
     calls = []
 
-    def load(named) -> None:  # the victim dies on its second bucket, the transfer in flight
+    def load(named) -> None:
         calls.append(1)
         if len(calls) == 2:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    report = _outcome(lambda: broadcast_state_dict(load if rank == 1 else state, bucket_bytes=BUCKET))
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(report, f)
+    transfer(_sync_group(1, url), load, 0, BUCKET, False)
+
+
+def _killed(rank: int, size: int, url: str) -> dict:
+    from rlightning_comm.weight_transfer import transfer
+
+    victim = None
+    if rank == 0:  # its own process, started here (a world's process cannot die without the world being respawned)
+        code = f"import sys; sys.path[:0] = {sys.path!r}; import test_weight_transfer_failures as t; t._victim({url!r})"
+        victim = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        comm = _sync_group(0 if rank == 0 else 2, url)
+        report = _outcome(lambda: transfer(comm, _state(rank), 0, BUCKET, False))
+    finally:
+        if victim is not None:
+            try:
+                victim.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                victim.kill()  # by its pid: ours
+                victim.wait(timeout=10)
+    if victim is not None:
+        report["victim"] = victim.returncode
     return report
 
 
-def _ready(rank: int, size: int, url: str) -> int:
-    return rank
-
-
-@pytest.fixture
-def world3():
-    world = World(3)  # its own processes: one of them dies
-    world.run(_ready, timeout=180)  # started (torch imported) before the timed task, however loaded the machine
-    yield world
-    world.close()
-
-
-def test_a_destination_killed_midway_its_peers_raise_saying_so(world3, tmp_path) -> None:
-    with pytest.raises(WorldError) as info:
-        world3.run(_killed, str(tmp_path), timeout=60)
-    assert re.search(rf"rank 1:\s*process died with exit code -{int(signal.SIGKILL)}\b", str(info.value)), info.value
-    source, survivor = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 2))
+def test_a_destination_killed_midway_its_peers_raise_saying_so(world2) -> None:
+    source, survivor = world2.run(_killed, timeout=120)
+    assert source["victim"] == -signal.SIGKILL, source
     for r in (source, survivor):
         assert r["type"] in ("CommError", "CommTimeoutError") and r["elapsed"] <= GROUP_TIMEOUT + BOUND, r
     assert re.search(r"destinations at ranks \[1, 2\] may hold partial weights", source["msg"]), source
