@@ -1,5 +1,7 @@
 """A custom backend: a gloo communicator that records every call, registered by name.
 
+The class is README "Custom backends"'s, with ``broadcast`` recorded too.
+
     python examples/custom_backend.py                       # 2 local ranks, no launcher
     torchrun --nproc-per-node 2 examples/custom_backend.py
 """

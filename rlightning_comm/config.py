@@ -30,6 +30,9 @@ class DistributedConfig(_Frozen):
     """torch.distributed init method: ``env://``, ``tcp://host:port`` or ``file:///path``."""
     timeout: float = Field(gt=0)
     """Default timeout of every collective, in seconds."""
+    bounded_wait: bool = Field(default=False, strict=True)
+    """NCCL calls wait on the host within their group's timeout and raise the library's errors (see
+    :meth:`CommContext.init_distributed_env`); no effect on gloo, whose calls always do."""
 
     _normalise_timeout = field_validator("timeout", mode="before")(_as_seconds)
 

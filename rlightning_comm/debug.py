@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import pickle
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -45,8 +46,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from rlightning_comm import rendezvous
+from rlightning_comm import _debug_p2p, rendezvous
 from rlightning_comm.communicators import _packing
+from rlightning_comm.communicators._checks import reduce_op_type
 from rlightning_comm.communicators.base import COLLECTIVES
 from rlightning_comm.errors import CommError, CommMismatchError, CommTimeoutError, ModeNotBoundError, ObjectRefusedError
 
@@ -67,6 +69,7 @@ def _tensor(t: Any) -> str:
 
 
 def _op(op: Any) -> str:
+    op = reduce_op_type(op)  # ReduceOp(ReduceOp.MAX) is MAX, as for the checks
     return str(getattr(op, "name", op))
 
 
@@ -82,6 +85,14 @@ def _all_to_all_single(a: dict[str, Any], ws: int, mode: str) -> tuple[dict[str,
     out, inp = a["output"], a["input_"]
     rows = {name: f"{str(t.dtype).removeprefix('torch.')} rows of shape {list(t.shape[1:])}" for name, t in (("output", out), ("input_", inp))}
     return rows, {"out": _splits(a["output_split_sizes"], out, ws), "in": _splits(a["input_split_sizes"], inp, ws)}
+
+
+def _all_gather_object(a: dict[str, Any], ws: int, mode: str) -> tuple[dict[str, Any], Any]:
+    try:  # an object that cannot be pickled fails in the call on its own rank: here every rank learns it first
+        pickle.dumps(a["obj"])
+    except Exception as err:  # pickle raises many kinds
+        raise TypeError(f"all_gather_object on mode {mode!r}: obj cannot be pickled ({err})") from err
+    return {"len(object_list)": len(a["object_list"])}, None
 
 
 def _all_reduce_dict(a: dict[str, Any], ws: int, mode: str) -> tuple[dict[str, Any], Any]:
@@ -103,6 +114,11 @@ _DESCRIBE: dict[str, Callable[[dict[str, Any], int, str], tuple[dict[str, Any], 
     "broadcast_object_list": lambda a, ws, m: ({"len(object_list)": len(a["object_list"]), "src": repr(a["src"])}, None),
     "all_reduce_dict": _all_reduce_dict,
     "barrier": lambda a, ws, m: ({}, None),
+    "reduce": lambda a, ws, m: ({"tensor": _tensor(a["tensor"]), "dst": repr(a["dst"]), "op": _op(a["op"])}, None),
+    "all_gather_object": _all_gather_object,
+    # A send and its recv are checked by those two ranks alone (rlightning_comm._debug_p2p).
+    "send": lambda a, ws, m: (_debug_p2p.fingerprint(a["tensor"]), None),
+    "recv": lambda a, ws, m: (_debug_p2p.fingerprint(a["tensor"]), None),
 }
 OPS = COLLECTIVES
 
@@ -272,8 +288,11 @@ def enable(comm: Communicator, timeout: float) -> None:
         return
     checker = vars(comm).get("_debug_paused") or _Checker(comm, timeout)
     comm._debug_checker = checker
+    prefix = f"rlightning_comm/debug/{_generation}/{comm.group.group_name}"
+    pairs = vars(comm).get("_debug_pairs") or _debug_p2p.PairChecker(comm, timeout, prefix, _REFUSALS, _refusal_type)
+    comm._debug_pairs = pairs  # kept while paused, as the checker is: the counts stay in step with the peers'
     for name in OPS:
-        setattr(comm, name, _checked(comm, name, checker))
+        setattr(comm, name, _debug_p2p.checked(comm, name, pairs) if name in _debug_p2p.OPS else _checked(comm, name, checker))
 
 
 def disable(comm: Communicator) -> None:

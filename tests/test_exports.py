@@ -89,4 +89,6 @@ def test_context_keeps_the_seed_signatures():
     for name, params in CONTEXT_SEED_SIGNATURES.items():
         got = list(inspect.signature(getattr(rlightning_comm.CommContext, name)).parameters)[1:]
         assert got[: len(params)] == params and (params or not got), name
-    assert list(inspect.signature(rlightning_comm.initialize_distributed_env).parameters) == ["rank", "world_size", "backend", "dist_url", "timeout"]
+    params = inspect.signature(rlightning_comm.initialize_distributed_env).parameters
+    assert list(params)[:5] == ["rank", "world_size", "backend", "dist_url", "timeout"]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in list(params.values())[5:])  # options beyond the seed's
