@@ -41,6 +41,7 @@ from rlightning_comm._weight_loader import LoadPipeline
 from rlightning_comm._weight_pipeline import Pipeline
 from rlightning_comm._weight_plan import Delivery, Entry, Plan, build_plan, deliveries
 from rlightning_comm._weight_transport import Transfer, point_to_point
+from rlightning_comm.failures import LAUNCH_ERRORS
 
 HANDSHAKE_TAG = 0x5755  # the point-to-point tag of the exchange over gloo (the data's is the next-lower one)
 _ERRORS: dict[str, type[Exception]] = {cls.__name__: cls for cls in (TypeError, ValueError, RuntimeError, NotImplementedError)}
@@ -113,7 +114,7 @@ def exchange(comm: Any, words: list[int], memory: Kept) -> list[list[int]]:
 
         def gather(device: torch.device) -> torch.Tensor:
             rows = torch.empty(comm.world_size, n, dtype=torch.int64, device=device)
-            _call(comm, lambda: comm.group.allgather([list(rows.unbind())], [mine.to(device)], AllgatherOptions()))
+            comm._run("broadcast_state_dict", lambda: comm.group.allgather([list(rows.unbind())], [mine.to(device)], AllgatherOptions()))
             return rows
 
         return _on_device(comm, memory, gather).tolist()
@@ -129,7 +130,7 @@ def exchange(comm: Any, words: list[int], memory: Kept) -> list[list[int]]:
             works = [group.send([mine], 0, HANDSHAKE_TAG), group.recv([rows], 0, HANDSHAKE_TAG)]
         for work in works:
             work.wait()
-    except RuntimeError as err:
+    except LAUNCH_ERRORS as err:
         raise comm._failure("broadcast_state_dict", err) from err
     return rows.tolist()
 
@@ -163,7 +164,7 @@ def broadcast_manifest(comm: Any, offer: tuple[list[Entry], int] | None, src: in
     def bcast(t: torch.Tensor) -> Any:
         def run(device: torch.device) -> torch.Tensor:
             on = t.to(device)
-            _call(comm, lambda: comm.group.broadcast([on], opts))
+            comm._run("broadcast_state_dict", lambda: comm.group.broadcast([on], opts))
             return on
 
         return run
@@ -181,16 +182,6 @@ def broadcast_manifest(comm: Any, offer: tuple[list[Entry], int] | None, src: in
         return [(str(name), str(dtype), tuple(int(n) for n in shape), int(alias)) for name, dtype, shape, alias in entries], int(bucket_bytes)
     except (ValueError, TypeError) as err:  # another version's manifest, or bytes the transport garbled
         raise ValueError(f"the source's manifest ({n} bytes) could not be read: {err}") from err
-
-
-def _call(comm: Any, post: Any) -> None:
-    """Run a process-group call and wait for it; the backend's failure as the library's error."""
-    try:
-        work = post()
-        if work is not None:
-            work.wait()
-    except RuntimeError as err:
-        raise comm._failure("broadcast_state_dict", err) from err
 
 
 def _check_arguments(comm: Any, src: Any, bucket_bytes: Any, declared: int | None) -> tuple[int | None, Problem]:

@@ -39,6 +39,7 @@ import torch
 
 from rlightning_comm._weight_plan import Plan
 from rlightning_comm.errors import CommError
+from rlightning_comm.failures import LAUNCH_ERRORS
 
 _TAG = 0x5754  # the point-to-point tag of every unit ("WT"); other traffic on the group is told apart by its own tags
 
@@ -142,7 +143,7 @@ class Transfer:
         comm = self._comm
         try:
             works = post()
-        except RuntimeError as err:
+        except LAUNCH_ERRORS as err:
             raise comm._failure("broadcast_state_dict", err) from err
         return [comm._handle(work, "broadcast_state_dict") for work in works]
 
@@ -164,7 +165,7 @@ class Transfer:
         for peer in self._peers:
             try:
                 works.append(group.send([data], peer, _TAG))
-            except RuntimeError as err:  # a pair already closed: that destination is gone
+            except LAUNCH_ERRORS as err:  # a pair already closed: that destination is gone
                 self._failed_peer = peer
                 raise comm._failure("broadcast_state_dict", err) from err
         return [comm._handle(work, "broadcast_state_dict") for work in works]
