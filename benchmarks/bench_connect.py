@@ -9,7 +9,7 @@ barrier to that member holding every tensor; medians over rounds, and the
 median of the per-round ratios to the limit's speed:
 
 * library: ``broadcast_state_dict(state, mode, src=0)``, in place (the steady state: the plan is kept);
-* load: the same, into the ``load`` callable, where this checkout has it;
+* load: the same, the engines passing a ``load`` callable that copies each named tensor into their own;
 * limit: one broadcast of a ready flat buffer of the same bytes, by the group itself (no packing at all).
 
 ``loss``: a trainer (member 0), an engine that survives (member 1) and an
@@ -80,18 +80,13 @@ def _sync_task(rank: int, nproc: int, rounds: int, address_file: str) -> dict:
     def limit() -> None:
         comm.group.broadcast([flat], root).wait()
 
-    ways = {"library": library, "load": via_load, "limit": limit} if _has_load(broadcast_state_dict) else {"library": library, "limit": limit}
+    ways = {"library": library, "load": via_load, "limit": limit}
 
     def slowest(elapsed: torch.Tensor) -> None:
         comm.all_reduce(elapsed, op=dist.ReduceOp.MAX)
 
     times, identical = measure(ways, rank, tensors, rounds, comm.barrier, slowest)
     return {"times": times, "identical": identical, "bytes": total, "tensors": len(tensors)}
-
-
-def _has_load(fn) -> bool:
-    """Whether this checkout's broadcast_state_dict takes a ``load`` callable on destinations (its docstring says so)."""
-    return "load(" in (fn.__doc__ or "")
 
 
 def sync(rounds: int) -> None:
@@ -101,8 +96,6 @@ def sync(rounds: int) -> None:
     print(f"{out['tensors']} tensors, {out['bytes'] / 2**20:.1f} MiB; {rounds} interleaved rounds; load before: {load}")
     print()
     print_speed_table(out["times"], out["identical"])
-    if "load" not in out["times"]:
-        print("\n(the load callable is not in this checkout: not measured)")
     print(f"\nload after: {os.getloadavg()}")
     if not all(out["identical"].values()):
         raise SystemExit("a way left an engine different from the trainer")
