@@ -147,7 +147,8 @@ class Transfer:
         except CommError as err:
             self._done = True
             self._slots[0] = self._slots[1] = None
-            raise type(err)(f"{err}\nbroadcast_state_dict failed midway: {self._account()}") from err
+            # The same type with the account added, its other arguments kept (PeerLostError's mode, generation, member).
+            raise type(err)(f"{err}\nbroadcast_state_dict failed midway: {self._account()}", *err.args[1:]) from err
 
     def _account(self) -> str:
         units = len(self._plan.units)
