@@ -19,7 +19,7 @@ and is SIGKILLed; recorded: the time from the kill to each survivor's
 ``PeerLostError``, and the time to re-form (the slowest member's ``connect``,
 from the moment every member, the replacement included, is ready to call it).
 
-    python benchmarks/bench_connect.py [--rounds 20] [--kills 11] [--only sync|loss]
+    python benchmarks/bench_connect.py [--rounds 20] [--kills 11] [--only sync|loss] [--threads N]
 """
 
 from __future__ import annotations
@@ -42,8 +42,11 @@ MODE = "WEIGHT_SYNC"
 
 
 # ---------------------------------------------------------------------------- sync
-def _sync_task(rank: int, nproc: int, rounds: int, address_file: str) -> dict:
+def _sync_task(rank: int, nproc: int, rounds: int, address_file: str, threads: int) -> dict:
     import torch
+
+    if threads:
+        torch.set_num_threads(threads)
     import torch.distributed as dist
 
     from rlightning_comm import CommContext, broadcast_state_dict
@@ -89,11 +92,15 @@ def _sync_task(rank: int, nproc: int, rounds: int, address_file: str) -> dict:
     return {"times": times, "identical": identical, "bytes": total, "tensors": len(tensors)}
 
 
-def sync(rounds: int) -> None:
+def sync(rounds: int, threads: int) -> None:
     load = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
-    out = run_ranks(_sync_task, 3, rounds, os.path.join(tempfile.mkdtemp(prefix="rlc-bench-connect-"), "address"), timeout=1200, own_worlds=True)[0]
+    address_file = os.path.join(tempfile.mkdtemp(prefix="rlc-bench-connect-"), "address")
+    out = run_ranks(_sync_task, 3, rounds, address_file, threads, timeout=1200, own_worlds=True)[0]
     print(f"{machine()}; 3 processes, each in its own gloo world, joined by a connected mode (1 trainer, 2 engines)")
-    print(f"{out['tensors']} tensors, {out['bytes'] / 2**20:.1f} MiB; {rounds} interleaved rounds; load before: {load}")
+    threads_text = threads or "torch's default"
+    print(
+        f"{out['tensors']} tensors, {out['bytes'] / 2**20:.1f} MiB; {rounds} interleaved rounds; intra-op threads per rank: {threads_text}; load before: {load}"
+    )
     print()
     print_speed_table(out["times"], out["identical"])
     print(f"\nload after: {os.getloadavg()}")
@@ -225,9 +232,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--kills", type=int, default=11)
     parser.add_argument("--only", choices=("sync", "loss"))
+    parser.add_argument("--threads", type=int, default=0, help="torch's intra-op threads per rank in sync (0: torch's default)")
     args = parser.parse_args()
     if args.only != "loss":
-        sync(args.rounds)
+        sync(args.rounds, args.threads)
     if args.only != "sync":
         if args.only is None:
             print()
