@@ -10,6 +10,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
+from rlightning_comm.communicators.registry import get_communicator_class
 from rlightning_comm.context import CommContext
 from rlightning_comm.rendezvous import pin_gloo_to_loopback
 
@@ -21,38 +24,78 @@ def under_launcher() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def _placement_env(rank: int, world_size: int) -> dict[str, str]:
+    """What torchrun puts in the environment of rank ``rank`` of a one-node job of ``world_size`` processes.
+
+    The placement variables only: the ranks :func:`run` spawns meet through a
+    file store, so there is no ``MASTER_ADDR`` / ``MASTER_PORT``.
+    """
+    return {
+        **dict.fromkeys(("RANK", "LOCAL_RANK", "ROLE_RANK"), str(rank)),
+        **dict.fromkeys(("WORLD_SIZE", "LOCAL_WORLD_SIZE", "ROLE_WORLD_SIZE"), str(world_size)),
+        "GROUP_RANK": "0",
+        "GROUP_WORLD_SIZE": "1",
+    }
+
+
 def _rank_main(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world_size: int, backend: str, url: str, timeout: float, local: bool = False) -> None:
     if local:
+        os.environ.update(_placement_env(rank, world_size))  # before the world: NCCL picks its GPU from LOCAL_RANK
         pin_gloo_to_loopback()  # every peer is on this host: nothing needs to listen beyond loopback
     ctx = CommContext()
     ctx.init_distributed_env(world_size=world_size, rank=rank, backend=backend, dist_url=url, timeout=timeout)
+    ctx._mark_launched()
     try:
         fn(*args)
     finally:
         ctx.destroy()
 
 
-def run(fn: Callable[..., Any], nproc: int = 4, *args: Any, backend: str = "gloo", timeout: float = 300) -> None:
-    """Run ``fn(*args)`` on every rank with the context initialised.
+def _check_gpus(backend: str, nproc: int) -> None:
+    if get_communicator_class(backend).backend != "nccl":
+        return
+    count = torch.cuda.device_count()
+    if nproc > count:
+        raise ValueError(
+            f"run(..., backend={backend!r}) puts each local rank on its own GPU (cuda:LOCAL_RANK), so nproc must be at most "
+            f"torch.cuda.device_count() = {count}; got nproc={nproc}. Hint: pass nproc={max(count, 1)}, or backend='gloo' on CPU"
+        )
 
-    Under torchrun, this process is one rank: the context is initialised from
-    the launcher's environment (``env://``) and ``nproc`` is ignored. With no
-    launcher, ``nproc`` local processes are spawned and rendezvous through a
-    file store in a private temporary folder, and gloo listens on the loopback
+
+def run(fn: Callable[..., Any], nproc: int = 4, *args: Any, backend: str = "gloo", timeout: float = 1800) -> None:
+    """Run ``fn(*args)`` on every rank, with the context initialised.
+
+    With no launcher, ``nproc`` local processes are spawned (the ``spawn``
+    start method, so ``fn`` must be importable: defined at module level, with
+    the call under ``if __name__ == "__main__":``). They rendezvous through a
+    file store in a private temporary folder and gloo listens on the loopback
     interface (unless ``GLOO_SOCKET_IFNAME`` is set), so nothing listens
-    beyond loopback.
+    beyond loopback. Each rank gets torchrun's placement variables
+    (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+    ``GROUP_RANK`` = 0, ...): with ``backend="nccl"`` rank ``i`` runs on
+    ``cuda:i``. Under torchrun (``RANK`` and ``WORLD_SIZE`` set), this
+    process is one rank: the world is initialised from the launcher's
+    environment (``env://``) and ``nproc`` is ignored.
+
+    Inside ``fn`` the world is ready: ``CommContext()`` has ``CommMode.GLOBAL``
+    bound, and a call to ``init_distributed_env`` that asks for this world
+    (its size, rank, backend and timeout, any of them left out, ``env://``)
+    is a no-op; one that asks for another raises ``CommError`` naming both.
+    The context is destroyed when ``fn`` returns or raises.
 
     Args:
         fn: A picklable (module-level) function; it finds its ranks through
             ``CommContext()``.
         nproc: Number of local ranks to spawn without a launcher.
-        *args: Passed to ``fn``.
+        *args: Passed to ``fn`` (picklable).
         backend: Registered communicator name for the world.
-        timeout: Collective timeout in seconds; also bounds the wait for the
-            spawned ranks (twice this long at most).
+        timeout: Collective timeout in seconds, as ``init_distributed_env``'s;
+            also bounds the wait for the spawned ranks (twice this long at most).
 
     Raises:
-        ValueError: ``nproc`` is not a positive integer.
+        ValueError: ``nproc`` is not a positive integer, or more ranks than
+            GPUs are asked for with ``backend="nccl"``.
+        KeyError: ``backend`` is not registered.
         RuntimeError: a spawned rank failed or did not finish in time.
     """
     if under_launcher():
@@ -60,6 +103,7 @@ def run(fn: Callable[..., Any], nproc: int = 4, *args: Any, backend: str = "gloo
         return
     if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
         raise ValueError(f"nproc must be a positive integer; got {nproc!r}")
+    _check_gpus(backend, nproc)
     store = tempfile.mkdtemp(prefix="rlightning-comm-")
     url = f"file://{store}/store"
     ctx = mp.get_context("spawn")

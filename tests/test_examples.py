@@ -8,10 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from rlightning_comm.launch import run
-
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -53,28 +49,6 @@ def test_custom_backend_example_records_every_call():
     for rank in range(2):
         # 3 all_reduces + 1 from all_reduce_dict; 3 x 256 float32 + 2 float64 (a dict of numbers is reduced in float64) = 3088 bytes.
         assert f"[rank {rank}] RecordingCommunicator calls={{'all_reduce': 4, 'broadcast': 1}} bytes={{'all_reduce': 3088, 'broadcast': 64}}" in out, out
-
-
-def _fail_on_rank_one() -> None:
-    from rlightning_comm import CommContext, collective
-
-    if CommContext().get_global_rank() == 1:
-        raise ValueError("rank 1 fails on purpose")
-    collective.barrier()
-
-
-def test_launch_run_reports_a_failed_rank_and_stops_the_others(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
-    with pytest.raises(RuntimeError, match=r"local ranks failed: exit codes \{.*'rank1': 1"):
-        run(_fail_on_rank_one, 2, timeout=20)
-
-
-@pytest.mark.parametrize("nproc", [0, -1, 1.5, True])
-def test_launch_run_rejects_a_bad_nproc(monkeypatch, nproc):
-    monkeypatch.delenv("RANK", raising=False)
-    with pytest.raises(ValueError, match="nproc must be a positive integer"):
-        run(_fail_on_rank_one, nproc)
 
 
 NO_NUMPY_SCRIPT = '''

@@ -29,6 +29,7 @@ EXPECTED = {
     "format_layout",
     "initialize_distributed_env",
     "register_communicator",
+    "run",  # rlightning_comm.launch.run
     # sequence parallelism
     "UlyssesAttention",
     "all_gather_from_sequence_parallel_region",
@@ -90,3 +91,12 @@ def test_context_keeps_the_seed_signatures():
         got = list(inspect.signature(getattr(rlightning_comm.CommContext, name)).parameters)[1:]
         assert got[: len(params)] == params and (params or not got), name
     assert list(inspect.signature(rlightning_comm.initialize_distributed_env).parameters) == ["rank", "world_size", "backend", "dist_url", "timeout"]
+
+
+def test_the_launcher_is_exported_with_its_signature():
+    from rlightning_comm import launch
+
+    assert rlightning_comm.run is launch.run
+    params = inspect.signature(rlightning_comm.run).parameters
+    assert list(params) == ["fn", "nproc", "args", "backend", "timeout"]
+    assert (params["nproc"].default, params["backend"].default, params["timeout"].default) == (4, "gloo", 1800)
