@@ -1,6 +1,6 @@
 """Build the full parallel layout, print it, and check every collective on every mode.
 
-Under a launcher (one or several nodes)::
+From the repository root, with the package installed (``pip install .``). Under a launcher (one or several nodes)::
 
     torchrun --nproc-per-node 4 examples/parallel_layout.py --tp 2
 

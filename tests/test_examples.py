@@ -1,4 +1,4 @@
-"""The README's examples run, with and without a launcher, and print the right values."""
+"""The README's examples run as their docstrings show, with and without a launcher, and print the right values."""
 
 from __future__ import annotations
 
@@ -8,14 +8,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+from example_commands import EXAMPLES, commands, documented, environment
+
 ROOT = Path(__file__).resolve().parent.parent
+# Spawner options of an example without a launcher: under torchrun the launcher decides the ranks.
+SPAWNER_OPTIONS = ("--nproc", "--nprocs", "--simulated-nodes")
 
 
 def _run(*cmd: str, timeout: float = 120) -> str:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{cmd} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     return proc.stdout
 
@@ -36,16 +38,35 @@ def _check_quickstart(out: str, world: int) -> None:
 
 
 def test_quickstart_without_a_launcher():
-    _check_quickstart(_run(sys.executable, "examples/quickstart.py"), 4)
+    _check_quickstart(_run(*documented("quickstart.py")), 4)
 
 
 def test_quickstart_under_torchrun():
-    out = _run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "examples/quickstart.py", timeout=180)
-    _check_quickstart(out, 4)
+    # The one torchrun command the suite runs: run() under a launcher is one code path for every example.
+    _check_quickstart(_run(*documented("quickstart.py", True), timeout=180), 4)
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in EXAMPLES.glob("*.py")))
+def test_every_example_shows_a_command_a_test_runs_and_its_torchrun_form_agrees(example):
+    shown = commands(example)
+    plain = documented(example)  # exactly one command without a launcher
+    assert shown and all(f"examples/{example}" == c.split()[1 + c.startswith("torchrun ") * 2] for c in shown), shown
+    tests = "".join(p.read_text() for p in Path(__file__).parent.glob("test_*.py"))
+    assert f'documented("{example}"' in tests, f"no test runs the command examples/{example} shows: {plain}"
+    if any(c.startswith("torchrun ") for c in shown):
+        under = documented(example, True)
+        assert under[4:6] == ["--nproc-per-node", under[5]] and under[6] == f"examples/{example}", under
+        kept, args = [], iter(plain[2:])
+        for arg in args:
+            if arg in SPAWNER_OPTIONS:
+                next(args)
+            else:
+                kept.append(arg)
+        assert under[7:] == kept, f"examples/{example}: the torchrun command takes {under[7:]}, the one without a launcher {kept}"
 
 
 def test_custom_backend_example_records_every_call():
-    out = _run(sys.executable, "examples/custom_backend.py")
+    out = _run(*documented("custom_backend.py"))
     for rank in range(2):
         # 3 all_reduces + 1 from all_reduce_dict; 3 x 256 float32 + 2 float64 (a dict of numbers is reduced in float64) = 3088 bytes.
         assert f"[rank {rank}] RecordingCommunicator calls={{'all_reduce': 4, 'broadcast': 1}} bytes={{'all_reduce': 3088, 'broadcast': 64}}" in out, out
@@ -95,10 +116,8 @@ def test_parallel_layout_example_runs_without_numpy(tmp_path):
     fake = tmp_path / "no_numpy" / "numpy"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("raise ModuleNotFoundError('numpy is hidden by the test', name='numpy')\n")
-    env = {**os.environ, "PYTHONPATH": f"{fake.parent}{os.pathsep}{ROOT}"}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    proc = subprocess.run([sys.executable, "examples/parallel_layout.py", "--nproc", "4", "--simulated-nodes", "2", "--tp", "2"], check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    env = {**environment(), "PYTHONPATH": f"{fake.parent}{os.pathsep}{ROOT}"}
+    proc = subprocess.run(documented("parallel_layout.py"), check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Failed to initialize NumPy" in proc.stderr  # numpy really was missing
     assert "checks: all passed" in proc.stdout and "bit-identical" in proc.stdout, proc.stdout
