@@ -103,3 +103,9 @@ def test_the_block_reader_finds_fences_and_keeps_line_numbers():
     assert python_blocks(text)[0].padded().split("\n")[3] == "x = 1"  # line 4 of the text
     with pytest.raises(ValueError, match="never closed"):
         python_blocks("```python\nx = 1\n")
+
+
+def test_the_bench_excerpt_shows_the_columns_the_bench_prints():
+    from rlightning_comm.bench.report import _COLUMNS
+
+    assert _COLUMNS in README.read_text().splitlines(), f"README's bench excerpt lacks the bench's column line:\n{_COLUMNS}"
