@@ -22,7 +22,7 @@ def _report_then_fail_on_rank_one(out_dir: str) -> None:
 
     ctx = CommContext()
     rank = ctx.get_global_rank()
-    seen = {name: os.environ.get(name) for name in PLACEMENT}
+    seen = {name: os.environ.get(name) for name in (*PLACEMENT, "RLC_CALLER_SET")}
     # What a newcomer pastes from a torchrun script: the launcher's world already, so a no-op.
     same = ctx.init_distributed_env(backend="gloo", timeout=20) is ctx.get_communicator()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"env": seen, "same": same}))
@@ -31,14 +31,15 @@ def _report_then_fail_on_rank_one(out_dir: str) -> None:
     collective.barrier()
 
 
-def test_spawned_ranks_get_torchruns_placement_and_a_failed_rank_stops_the_others(monkeypatch, tmp_path):
+def test_local_ranks_get_the_callers_environment_and_torchruns_placement_and_a_failed_rank_stops_the_others(monkeypatch, tmp_path):
     for name in PLACEMENT:
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RLC_CALLER_SET", "at run()")  # the ranks start with the caller's environment at the call
     with pytest.raises(RuntimeError, match=r"local ranks failed: exit codes \{.*'rank1': 1"):
         run(_report_then_fail_on_rank_one, 2, str(tmp_path), timeout=20)
     for rank in range(2):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        expected = dict(zip(PLACEMENT, map(str, (rank, 2, rank, 2, 0, 1, rank, 2))))
+        expected = dict(zip(PLACEMENT, map(str, (rank, 2, rank, 2, 0, 1, rank, 2)))) | {"RLC_CALLER_SET": "at run()"}
         assert report == {"env": expected, "same": True}, report
 
 
@@ -74,9 +75,11 @@ def _init_again(rank: int, size: int) -> dict[str, object]:
 
 
 def _launched_task(rank: int, size: int, url: str) -> dict[str, object]:
+    import os
+
     out: dict[str, object] = {}
-    # What each spawned rank of run() executes, on the suite's reusable ranks.
-    launch._rank_main(lambda: out.update(_init_again(rank, size)), (), rank, size, "gloo", url, 20, local=True)
+    # What each local rank of run() executes, on the suite's reusable ranks.
+    launch._rank_main(lambda: out.update(_init_again(rank, size)), (), rank, size, "gloo", url, 20, env=dict(os.environ))
     return out
 
 

@@ -68,12 +68,13 @@ BLOCKS = python_blocks(README.read_text())
 
 def _block_task(rank: int, size: int, url: str, source: str) -> None:
     import inspect
+    import os
 
     from rlightning_comm import launch
 
     code = compile(source, str(README), "exec")
     timeout = inspect.signature(launch.run).parameters["timeout"].default  # as rlightning_comm.run(fn, size) does it
-    launch._rank_main(exec, (code, {"__name__": "__readme__"}), rank, size, "gloo", url, timeout, local=True)
+    launch._rank_main(exec, (code, {"__name__": "__readme__"}), rank, size, "gloo", url, timeout, env=dict(os.environ))
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[f"line{b.line}" for b in BLOCKS])
