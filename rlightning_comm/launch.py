@@ -71,6 +71,10 @@ def _rank_main(
     ctx._mark_launched()
     try:
         fn(*args)
+        # No rank tears the world down while a peer still uses it: gloo's connection set-up on a slower peer
+        # fails once a faster one has closed its side (a function that makes no collective returns at once).
+        if ctx.is_initialized():
+            ctx.get_communicator().barrier()
     finally:
         ctx.destroy()
 
@@ -108,7 +112,9 @@ def run(fn: Callable[..., Any], nproc: int = 4, *args: Any, backend: str = "gloo
     bound, and a call to ``init_distributed_env`` that asks for this world
     (its size, rank, backend and timeout, any of them left out, ``env://``)
     is a no-op; one that asks for another raises ``CommError`` naming both.
-    The context is destroyed when ``fn`` returns or raises.
+    When ``fn`` returns, the rank waits at a barrier of the world for the
+    others, then destroys the context; when it raises, it destroys it at once
+    (the peers' next collective fails).
 
     Args:
         fn: A picklable (module-level) function; it finds its ranks through
