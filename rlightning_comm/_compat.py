@@ -7,7 +7,6 @@ so a torch release that moves it fails in one place (and in
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,15 +36,14 @@ Safe mode's unpickler resolves exactly these (to checked replacements of its own
 """
 
 
-def assume_constant_result(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``torch.compiler.assume_constant_result(fn)`` without importing dynamo at import time.
+COALESCING: dict[Any, list[Any]] = dist.distributed_c10d._world.pg_coalesce_state
+"""Process group -> the collectives torch's ``_coalescing_manager`` has recorded for it; a group is a key while a manager is open on it.
 
-    torch's decorator imports ``torch._dynamo`` (about 1.6 s, in every process
-    that imports the library) only to set this mark, which dynamo reads when it
-    traces a call to ``fn``.
-    """
-    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
-    return fn
+The dict object itself (torch only ever mutates it), so testing ``group in
+COALESCING`` costs one lookup. Inside the manager, torch's ``all_reduce``,
+``all_gather_into_tensor`` and ``reduce_scatter_tensor`` record their call and
+the manager issues them as one coalesced call when it exits.
+"""
 
 
 def default_store() -> dist.Store:
@@ -56,3 +54,25 @@ def default_store() -> dist.Store:
 def rebuild_tensor(storage: torch.storage.TypedStorage, offset: int, size: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
     """A tensor viewing ``storage`` (public API: ``Tensor.set_``, which checks the view stays inside the storage)."""
     return torch.empty(0, dtype=storage.dtype, device=storage.device).set_(storage.untyped(), offset, size, stride)
+
+
+def join_world_split() -> None:
+    """On a world bound to a device, take part in the split of the world's communicator that torch runs on every non-member.
+
+    With ``init_process_group(device_id=...)``, torch's ``new_group`` makes
+    every rank outside the new group run the world communicator's no-color
+    split (``ncclCommSplit`` is collective over the whole world), whatever the
+    new group's backend. The members of a new NCCL group split with their
+    color, but the members of a new gloo group make no split at all, so the
+    non-members would wait for them (pytorch#145376 is this mismatch). A
+    member of a new non-NCCL group calls this after ``new_group``: every rank
+    of the world then makes one split per group. No-op on an unbound world.
+    """
+    c10d = dist.distributed_c10d
+    world = c10d._get_default_group()
+    device = world.bound_device_id
+    if device is None:
+        return
+    source = c10d._get_split_source(world)
+    if source is not None:
+        source.perform_nocolor_split(device)

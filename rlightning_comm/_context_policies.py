@@ -60,7 +60,7 @@ class ContextPolicies:
         return self._debug
 
     def set_object_defaults(self, safe: bool = False, max_bytes: int | None = None) -> None:
-        """Set what ``broadcast_object_list`` does when a call leaves ``safe`` or ``max_bytes`` out.
+        """Set what ``broadcast_object_list`` and ``all_gather_object`` do when a call leaves ``safe`` or ``max_bytes`` out.
 
         Args:
             safe: Receivers accept only plain data (None, bool, int, float,
@@ -78,7 +78,7 @@ class ContextPolicies:
         _objects.set_defaults(safe, max_bytes)
 
     def get_object_defaults(self) -> tuple[bool, int | None]:
-        """The ``(safe, max_bytes)`` defaults of ``broadcast_object_list``."""
+        """The ``(safe, max_bytes)`` defaults of ``broadcast_object_list`` and ``all_gather_object``."""
         return _objects.get_defaults()
 
     # ------------------------------------------------------------------- stats

@@ -8,6 +8,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from rlightning_comm import _compat
 from rlightning_comm.errors import CommError
 from rlightning_comm.failures import comm_failure
 from rlightning_comm.topology import Partition
@@ -37,12 +38,20 @@ def check_order_supported(groups: Partition, mode: str) -> None:
 def new_group(part: tuple[int, ...], backend: str, timeout: float, mode: str) -> dist.ProcessGroup:
     """``dist.new_group`` of ``part`` in its declared order; every rank of the world calls it.
 
+    On a world bound to a device (an NCCL world: ``device_id``), torch splits
+    the world's communicator for every new group, members and non-members
+    alike; the members of a gloo group take part here (see
+    :func:`rlightning_comm._compat.join_world_split`).
+
     Raises:
         CommError: torch failed to create the group (the message names the mode).
     """
     # A sorted declaration takes torch's default path: nothing changes for it.
     order = {} if list(part) == sorted(part) else {"sort_ranks": False}
     try:
-        return dist.new_group(ranks=list(part), backend=backend, timeout=timedelta(seconds=timeout), **order)
+        group = dist.new_group(ranks=list(part), backend=backend, timeout=timedelta(seconds=timeout), **order)
+        if backend != "nccl" and dist.get_rank() in part:
+            _compat.join_world_split()  # the split torch runs on this group's non-members when the world is bound to a device
     except RuntimeError as err:
         raise comm_failure(err, mode, "init_group", timeout) from err
+    return group

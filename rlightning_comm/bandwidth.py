@@ -44,6 +44,10 @@ _FACTORS: dict[str, Callable[[int], float]] = {
     "scatter": _ring,
     "broadcast": _root,
     "broadcast_object_list": _root,
+    "reduce": _root,
+    "send": _root,
+    "recv": _root,
+    "all_gather_object": _ring,
     "barrier": _zero,
 }
 
@@ -58,6 +62,10 @@ FACTOR_FORMULAS: dict[str, str] = {
     "scatter": "(n-1)/n",
     "broadcast": "1",
     "broadcast_object_list": "1",
+    "reduce": "1",
+    "send": "1",
+    "recv": "1",
+    "all_gather_object": "(n-1)/n",
     "barrier": "0",
 }
 """The bus factor of each op as a formula of the group size ``n``, for headers and docs."""

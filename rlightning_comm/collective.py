@@ -66,6 +66,33 @@ def scatter(
     return _context.get_communicator(comm_mode).scatter(tensor, scatter_list, src, async_op)
 
 
+def reduce(tensor: torch.Tensor, comm_mode: CommMode | str, dst: int = 0, op: Any = ReduceOp.SUM, async_op: bool = False) -> Any | None:
+    """Reduce ``tensor`` across ``comm_mode`` into global rank ``dst``'s tensor. See :meth:`Communicator.reduce`."""
+    return _context.get_communicator(comm_mode).reduce(tensor, dst, op, async_op)
+
+
+def reduce_scatter(
+    output_tensor: torch.Tensor, input_tensor: torch.Tensor, comm_mode: CommMode | str, op: Any = ReduceOp.SUM, async_op: bool = False
+) -> Any | None:
+    """Reduce ``input_tensor`` across ``comm_mode``; this rank's dim-0 slice lands in ``output_tensor``. See :meth:`Communicator.reduce_scatter`."""
+    return _context.get_communicator(comm_mode).reduce_scatter(output_tensor, input_tensor, op, async_op)
+
+
+def all_gather_object(object_list: list[Any], obj: Any, comm_mode: CommMode | str, *, safe: bool | None = None, max_bytes: int | None = None) -> None:
+    """Gather every rank's picklable ``obj`` into ``object_list`` over ``comm_mode``. See :meth:`Communicator.all_gather_object`."""
+    return _context.get_communicator(comm_mode).all_gather_object(object_list, obj, safe=safe, max_bytes=max_bytes)
+
+
+def send(tensor: torch.Tensor, comm_mode: CommMode | str, dst: int, async_op: bool = False) -> Any | None:
+    """Send ``tensor`` to global rank ``dst`` of ``comm_mode``. See :meth:`Communicator.send`."""
+    return _context.get_communicator(comm_mode).send(tensor, dst, async_op)
+
+
+def recv(tensor: torch.Tensor, comm_mode: CommMode | str, src: int, async_op: bool = False) -> Any | None:
+    """Receive into ``tensor`` from global rank ``src`` of ``comm_mode``. See :meth:`Communicator.recv`."""
+    return _context.get_communicator(comm_mode).recv(tensor, src, async_op)
+
+
 def barrier(comm_mode: CommMode | str = CommMode.GLOBAL) -> None:
     """Block until every rank of ``comm_mode`` arrives. See :meth:`Communicator.barrier`."""
     return _context.get_communicator(comm_mode).barrier()

@@ -30,6 +30,9 @@ class DistributedConfig(_Frozen):
     """torch.distributed init method: ``env://``, ``tcp://host:port`` or ``file:///path``."""
     timeout: float = Field(gt=0)
     """Default timeout of every collective, in seconds."""
+    bounded_wait: bool = Field(default=False, strict=True)
+    """NCCL calls wait on the host within their group's timeout and raise the library's errors (see
+    :meth:`CommContext.init_distributed_env`); no effect on gloo, whose calls always do."""
 
     _normalise_timeout = field_validator("timeout", mode="before")(_as_seconds)
 
@@ -39,7 +42,9 @@ class DistributedConfig(_Frozen):
             raise ValueError(f"rank must satisfy 0 <= rank < world_size; got rank={self.rank}, world_size={self.world_size}")
         return self
 
-    def refuse_relaunch(self, world_size: int | None, rank: int | None, backend: str, dist_url: str, timeout: float | timedelta) -> str | None:
+    def refuse_relaunch(
+        self, world_size: int | None, rank: int | None, backend: str, dist_url: str, timeout: float | timedelta, bounded_wait: bool
+    ) -> str | None:
         """Why an ``init_distributed_env`` call inside a launched function does not ask for this, the launcher's world; ``None`` if it does.
 
         Left-out ``world_size`` / ``rank`` and ``env://`` stand for the
@@ -52,14 +57,15 @@ class DistributedConfig(_Frozen):
             backend=backend,
             dist_url=self.dist_url if dist_url == "env://" else dist_url,
             timeout=timeout,
+            bounded_wait=bounded_wait,
         )
         if asked == self:
             return None
         differ = ", ".join(f"{k}={v!r}" for k, v in asked.model_dump().items() if v != getattr(self, k))
         return (
             f"rlightning_comm.launch.run already initialised this process's world with world_size={self.world_size}, rank={self.rank}, "
-            f"backend={self.backend!r}, timeout={self.timeout:g} s; init_distributed_env asked for {differ}. "
-            "Inside a launched function the world is ready: drop the call, or pass the backend and timeout to run()"
+            f"backend={self.backend!r}, timeout={self.timeout:g} s, bounded_wait={self.bounded_wait}; init_distributed_env asked for {differ}. "
+            "Inside a launched function the world is ready: drop the call, or pass the backend, timeout and bounded_wait to run()"
         )
 
 

@@ -20,6 +20,7 @@ from rlightning_comm._env import argument_from_env, env_debug
 from rlightning_comm._groups import check_order_supported, new_group
 from rlightning_comm.communicators import _objects
 from rlightning_comm.communicators.base import Communicator
+from rlightning_comm.communicators.nccl import enable_blocking_wait
 from rlightning_comm.communicators.registry import get_communicator_class
 from rlightning_comm.config import DistributedConfig, GroupConfig
 from rlightning_comm.errors import CommError, ModeNotBoundError
@@ -29,15 +30,17 @@ from rlightning_comm.topology import Partition
 _GLOBAL = CommMode.GLOBAL.value
 
 
-def initialize_distributed_env(rank: int, world_size: int, backend: str = "nccl", dist_url: str = "env://", timeout: float | timedelta = 1800) -> Communicator:
-    """The seed's module function: ``CommContext().init_distributed_env(world_size, rank, backend, dist_url, timeout)``.
+def initialize_distributed_env(
+    rank: int, world_size: int, backend: str = "nccl", dist_url: str = "env://", timeout: float | timedelta = 1800, *, bounded_wait: bool = False
+) -> Communicator:
+    """The seed's module function: ``CommContext().init_distributed_env(world_size, rank, backend, dist_url, timeout, bounded_wait=...)``.
 
     Note the argument order, ``rank`` first, as in the seed.
 
     Returns:
         The communicator bound to ``CommMode.GLOBAL``.
     """
-    return CommContext().init_distributed_env(world_size=world_size, rank=rank, backend=backend, dist_url=dist_url, timeout=timeout)
+    return CommContext().init_distributed_env(world_size=world_size, rank=rank, backend=backend, dist_url=dist_url, timeout=timeout, bounded_wait=bounded_wait)
 
 
 class CommContext(ContextLookups, ContextLayouts, ContextPolicies):
@@ -103,6 +106,8 @@ class CommContext(ContextLookups, ContextLayouts, ContextPolicies):
         backend: str = "nccl",
         dist_url: str = "env://",
         timeout: float | timedelta = 1800,
+        *,
+        bounded_wait: bool = False,
     ) -> Communicator:
         """Initialise torch.distributed and bind ``CommMode.GLOBAL`` to the whole world.
 
@@ -116,6 +121,15 @@ class CommContext(ContextLookups, ContextLayouts, ContextPolicies):
             backend: A registered communicator name, ``"nccl"`` or ``"gloo"`` or a custom one.
             dist_url: The torch.distributed init method.
             timeout: Default timeout of every collective, in seconds or a ``timedelta``.
+            bounded_wait: On NCCL, make every call of every group this context
+                creates wait on the host for its work, within the group's timeout,
+                and raise :class:`CommTimeoutError` / :class:`CommError` as on gloo,
+                instead of returning at once and leaving a failure to torch's
+                watchdog, which tears the process down. It sets
+                ``TORCH_NCCL_BLOCKING_WAIT=1`` for the process before any group is
+                created (torch then runs no NCCL watchdog thread). The cost: no
+                call returns before its data has arrived. No effect on gloo. See
+                README "Failure behaviour".
 
         With a loopback rendezvous address (``tcp://127.0.0.1:port``, or
         ``env://`` with such a ``MASTER_ADDR`` outside torchrun) the store
@@ -123,7 +137,7 @@ class CommContext(ContextLookups, ContextLayouts, ContextPolicies):
 
         In a function run by :func:`rlightning_comm.launch.run` the launcher
         has initialised the world already: a call that asks for that world
-        (the same backend and timeout; size and rank left out or the same;
+        (the same backend, timeout and ``bounded_wait``; size and rank left out or the same;
         ``env://`` or the launcher's own URL) returns its communicator, and
         any other raises ``CommError`` naming what the launcher set up.
 
@@ -132,13 +146,14 @@ class CommContext(ContextLookups, ContextLayouts, ContextPolicies):
 
         Raises:
             KeyError: ``backend`` is not registered.
-            ValueError: a bad or missing value (validated before torch.distributed is touched).
+            ValueError: a bad or missing value (validated before torch.distributed is touched), or
+                ``bounded_wait=True`` while ``TORCH_NCCL_BLOCKING_WAIT`` turns blocking wait off.
             CommError: already initialised with different arguments.
         """
         with self._lock:
             cls = get_communicator_class(backend)
             if self._launched:
-                refusal = self._require_world().refuse_relaunch(world_size, rank, backend, dist_url, timeout)
+                refusal = self._require_world().refuse_relaunch(world_size, rank, backend, dist_url, timeout, bounded_wait)
                 if refusal:
                     raise CommError(refusal)
                 return self._comms[_GLOBAL]
@@ -147,12 +162,13 @@ class CommContext(ContextLookups, ContextLayouts, ContextPolicies):
                     raise ValueError(f"world_size and rank are required with dist_url={dist_url!r}; only env:// reads them from the environment")
                 world_size = argument_from_env("WORLD_SIZE", "world_size") if world_size is None else world_size
                 rank = argument_from_env("RANK", "rank") if rank is None else rank
-            config = DistributedConfig(world_size=world_size, rank=rank, backend=backend, dist_url=dist_url, timeout=timeout)
+            config = DistributedConfig(world_size=world_size, rank=rank, backend=backend, dist_url=dist_url, timeout=timeout, bounded_wait=bounded_wait)
             debug_from_env = env_debug()
             if self._dist_config is not None:
                 if config == self._dist_config:
                     return self._comms[_GLOBAL]
                 raise CommError(f"CommContext is already initialised with {self._dist_config!r}; call destroy() before initialising with {config!r}")
+            blocking_before = enable_blocking_wait() if config.bounded_wait else False
             if dist.is_initialized():
                 got = (dist.get_world_size(), dist.get_rank(), dist.get_backend())
                 if got[:2] != (config.world_size, config.rank) or cls.backend not in got[2]:
@@ -161,14 +177,24 @@ class CommContext(ContextLookups, ContextLayouts, ContextPolicies):
                         f"expected world_size={config.world_size}, rank={config.rank}, backend {cls.backend!r}"
                     )
                 self._owns_world = False
+                if config.bounded_wait and cls.backend == "nccl" and not blocking_before:
+                    warnings.warn(
+                        "init_distributed_env(bounded_wait=True) adopts an NCCL world created without TORCH_NCCL_BLOCKING_WAIT=1: "
+                        "its calls keep torch's behaviour (no host wait; torch's watchdog handles a failure); groups created from now on wait "
+                        "within their timeout. Set TORCH_NCCL_BLOCKING_WAIT=1 before initialising the world to bound it too",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
             else:
                 cls.setup_process()
-                rendezvous.init_process_group(cls.backend, config.dist_url, config.world_size, config.rank, timedelta(seconds=config.timeout))
+                limit = timedelta(seconds=config.timeout)
+                rendezvous.init_process_group(cls.backend, config.dist_url, config.world_size, config.rank, limit, cls.bind_device())
                 self._owns_world = True
             self._dist_config = config
             world = tuple(range(config.world_size))
             self._configs[_GLOBAL] = GroupConfig(partition=(world,), world_size=config.world_size, backend=backend, timeout=config.timeout)
-            comm = cls(group=dist.group.WORLD, ranks=world, mode=_GLOBAL, timeout=config.timeout)
+            bounded = config.bounded_wait and (self._owns_world or blocking_before)
+            comm = cls(group=dist.group.WORLD, ranks=world, mode=_GLOBAL, timeout=config.timeout, bounded_wait=bounded)
             debug.new_generation()
             self._debug = self._debug or debug_from_env
             self._bind(_GLOBAL, comm)
@@ -227,11 +253,11 @@ class CommContext(ContextLookups, ContextLayouts, ContextPolicies):
             comm = self._comms.get(name)
             if not new:
                 return comm
-            me = self._require_world().rank
+            world = self._require_world()
             for part in new:
                 group = new_group(part, cls.backend, config.timeout, name)
-                if me in part:
-                    comm = cls(group=group, ranks=part, mode=name, timeout=config.timeout)
+                if world.rank in part:
+                    comm = cls(group=group, ranks=part, mode=name, timeout=config.timeout, bounded_wait=world.bounded_wait)
             if comm is None or not comm.is_member:
                 # A non-member of a mode with one group still reports that group's ranks.
                 comm = cls(group=None, ranks=config.partition[0] if len(config.partition) == 1 else (), mode=name, timeout=config.timeout)
@@ -253,6 +279,7 @@ class CommContext(ContextLookups, ContextLayouts, ContextPolicies):
             backend = "gloo"  # as in the seed, use_cpu forces gloo whatever backend says (a gloo-based custom backend is kept)
         backend = backend or dist_config.backend
         cls = get_communicator_class(backend)
+        cls.bind_device()  # an environment that names no device is refused before any group exists
         config = GroupConfig(
             partition=ranks,
             world_size=dist_config.world_size,

@@ -12,7 +12,14 @@ starts, on every rank of the group:
   rank and its problem;
 * a disagreement raises :class:`CommMismatchError`;
 * a rank that does not arrive within the group's timeout makes the others
-  raise :class:`CommTimeoutError` naming it.
+  raise :class:`CommTimeoutError` naming it: every waiting rank names the
+  same absent ranks, and raises as soon as the first of them times out.
+
+A :class:`CommMismatchError` raised for a disagreement carries ``shapes``:
+for each global rank of the group, the shape of every tensor argument of its
+call (``{global rank: {argument: shape}}``), for the layers above to explain
+what their own arguments made of it (the sequence-parallel ops name a
+forgotten ``seq_lens``).
 
 In all three cases no collective was started and the group stays usable:
 the sequence numbers stay in step even after a timeout (a rank that arrives
@@ -21,9 +28,9 @@ works on every rank. :func:`disable` removes the attributes, so a
 communicator that never had debug mode on runs exactly the class's code: no
 wrapper, no store traffic.
 
-Each check costs a few store round trips (one add, one set, one wait, one
-multi-get, a few deletes per rank): a debugging aid, not something to leave
-on in a long run.
+Each check costs a few store round trips (one compare-and-set, polls until
+every rank's fingerprint is there, one multi-get, a few deletes per rank): a
+debugging aid, not something to leave on in a long run.
 """
 
 from __future__ import annotations
@@ -31,15 +38,17 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import pickle
+import time
 from collections.abc import Callable
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from rlightning_comm import rendezvous
+from rlightning_comm import _debug_p2p, rendezvous
 from rlightning_comm.communicators import _packing
+from rlightning_comm.communicators._checks import reduce_op_type
 from rlightning_comm.communicators.base import COLLECTIVES
 from rlightning_comm.errors import CommError, CommMismatchError, CommTimeoutError, ModeNotBoundError, ObjectRefusedError
 
@@ -60,6 +69,7 @@ def _tensor(t: Any) -> str:
 
 
 def _op(op: Any) -> str:
+    op = reduce_op_type(op)  # ReduceOp(ReduceOp.MAX) is MAX, as for the checks
     return str(getattr(op, "name", op))
 
 
@@ -75,6 +85,14 @@ def _all_to_all_single(a: dict[str, Any], ws: int, mode: str) -> tuple[dict[str,
     out, inp = a["output"], a["input_"]
     rows = {name: f"{str(t.dtype).removeprefix('torch.')} rows of shape {list(t.shape[1:])}" for name, t in (("output", out), ("input_", inp))}
     return rows, {"out": _splits(a["output_split_sizes"], out, ws), "in": _splits(a["input_split_sizes"], inp, ws)}
+
+
+def _all_gather_object(a: dict[str, Any], ws: int, mode: str) -> tuple[dict[str, Any], Any]:
+    try:  # an object that cannot be pickled fails in the call on its own rank: here every rank learns it first
+        pickle.dumps(a["obj"])
+    except Exception as err:  # pickle raises many kinds
+        raise TypeError(f"all_gather_object on mode {mode!r}: obj cannot be pickled ({err})") from err
+    return {"len(object_list)": len(a["object_list"])}, None
 
 
 def _all_reduce_dict(a: dict[str, Any], ws: int, mode: str) -> tuple[dict[str, Any], Any]:
@@ -96,6 +114,11 @@ _DESCRIBE: dict[str, Callable[[dict[str, Any], int, str], tuple[dict[str, Any], 
     "broadcast_object_list": lambda a, ws, m: ({"len(object_list)": len(a["object_list"]), "src": repr(a["src"])}, None),
     "all_reduce_dict": _all_reduce_dict,
     "barrier": lambda a, ws, m: ({}, None),
+    "reduce": lambda a, ws, m: ({"tensor": _tensor(a["tensor"]), "dst": repr(a["dst"]), "op": _op(a["op"])}, None),
+    "all_gather_object": _all_gather_object,
+    # A send and its recv are checked by those two ranks alone (rlightning_comm._debug_p2p).
+    "send": lambda a, ws, m: (_debug_p2p.fingerprint(a["tensor"]), None),
+    "recv": lambda a, ws, m: (_debug_p2p.fingerprint(a["tensor"]), None),
 }
 OPS = COLLECTIVES
 
@@ -103,7 +126,9 @@ OPS = COLLECTIVES
 _REFUSALS: dict[str, type[Exception]] = {
     cls.__name__: cls for cls in (ModeNotBoundError, ObjectRefusedError, CommError, TypeError, ValueError, IndexError, KeyError, NotImplementedError)
 }
-_GAVE_UP = 1 << 40  # added to a check's arrival count by a rank that timed out: later arrivals know the check is abandoned
+_ABSENT = "absent"  # what a rank that gave a check up puts in the slots still empty (a fingerprint is a JSON list)
+_ABSENT_BYTES = _ABSENT.encode()
+_FIRST_PAUSE, _LONGEST_PAUSE = 0.0005, 0.02  # seconds between polls of a check's slots: doubling, up to the longest
 
 
 def _refusal_type(err: BaseException) -> str:
@@ -113,13 +138,16 @@ def _refusal_type(err: BaseException) -> str:
 class _Checker:
     """The store-side state of one communicator's checks.
 
-    Check ``seq`` of a group uses the keys ``seq/n`` (the arrival count),
-    ``seq/<group rank>`` (each rank's fingerprint) and ``seq/verdict``. A rank
-    counts itself in (``add``) before it posts: a rank that times out adds
-    :data:`_GAVE_UP`, so a rank that arrives later sees the check abandoned
-    and takes the next sequence number instead, which keeps every rank's
-    numbers in step after a failure. The first rank to give up decides for
-    all: if every rank had counted itself in by then, the check goes on.
+    Check ``seq`` of a group has one slot per group rank, ``seq/<group
+    rank>``. A rank arrives by filling its own slot with its fingerprint in
+    one atomic compare-and-set (set if empty), then polls until every slot is
+    filled. A rank still waiting when its timeout is up fills every slot
+    that is still empty with :data:`_ABSENT`, by the same compare-and-set, and
+    each slot is decided once: a rank arrives, or it is absent. Every rank
+    then reads the same slots, so all name the same absent ranks, and the
+    ranks still waiting learn it at once (their slots are all filled). A rank
+    that arrives to find its slot marked absent takes the next sequence
+    number instead, which keeps every rank's numbers in step after a failure.
     """
 
     def __init__(self, comm: Communicator, timeout: float) -> None:
@@ -132,21 +160,28 @@ class _Checker:
         self.done = 0  # keys of checks before this one are no longer read by anyone once a check completes
         self.depth = 0  # > 0 inside a checked call: its inner collectives are not checked again
 
-    def check(self, op: str, fields: dict[str, Any], extra: Any, refusal: BaseException | None) -> None:
-        """Exchange this rank's fingerprint; raise on every rank when a rank refused the call or the ranks disagree."""
+    def check(self, op: str, fields: dict[str, Any], extra: Any, refusal: BaseException | None, shapes: dict[str, list[int]]) -> None:
+        """Exchange this rank's fingerprint; raise on every rank when a rank refused the call, the ranks disagree or one is absent."""
+        why = None if refusal is None else [_refusal_type(refusal), str(refusal)]
+        mine = json.dumps([op, fields, extra, why, shapes])
         while True:
             seq = self.seq
             self.seq += 1
-            if self.store.add(f"{seq}/n", 1) < _GAVE_UP:
-                break  # counted in; otherwise the others gave this check up before we came: take the next one
-        why = None if refusal is None else [_refusal_type(refusal), str(refusal)]
-        self.store.set(f"{seq}/{self.me}", json.dumps([op, fields, extra, why]))
+            if self.store.compare_set(f"{seq}/{self.me}", "", mine) != _ABSENT_BYTES:
+                break  # arrived; otherwise the others gave this check up before we came: take the next one
         keys = [f"{seq}/{r}" for r in range(len(self.ranks))]
-        try:
-            self.store.wait(keys, timedelta(seconds=self.timeout))
-        except RuntimeError as err:
-            self._give_up(seq, op, keys, err)
-        calls = [json.loads(v) for v in self.store.multi_get(keys)]
+        if not self._all_arrived(keys):
+            for key in keys:  # decide every empty slot: absent (a rank arriving meanwhile wins its own slot)
+                self.store.compare_set(key, "", _ABSENT)
+        slots = self.store.multi_get(keys)
+        absent = [self.ranks[r] for r, slot in enumerate(slots) if slot == _ABSENT_BYTES]
+        if absent:
+            raise CommTimeoutError(
+                f"debug check before collective #{seq} ({op}) on mode {self.mode!r}: global ranks {absent} did not reach it "
+                f"within {self.timeout:g} s (the group's timeout); a rank skipped a call, is blocked elsewhere or died. "
+                "No collective was started; the group is still usable, and a late rank's next call is checked with the others' next one"
+            )
+        calls = [json.loads(slot) for slot in slots]
         self._forget(seq)
         refused = [(self.ranks[r], c[3]) for r, c in enumerate(calls) if c[3] is not None]
         where = f"debug check before collective #{seq} on mode {self.mode!r}"
@@ -156,35 +191,31 @@ class _Checker:
             raise error from refusal
         problem = self._disagreement(calls)
         if problem:
-            raise CommMismatchError(f"{where}: the ranks disagree: {problem}. No collective was started; the group is still usable")
+            error = CommMismatchError(f"{where}: the ranks disagree: {problem}. No collective was started; the group is still usable")
+            error.shapes = {self.ranks[r]: c[4] for r, c in enumerate(calls)}  # type: ignore[attr-defined]
+            raise error
 
-    def _give_up(self, seq: int, op: str, keys: list[str], err: RuntimeError) -> None:
-        """After a timed-out wait: raise ``CommTimeoutError`` unless every rank had counted itself in."""
-        count = self.store.add(f"{seq}/n", _GAVE_UP)
-        if count < 2 * _GAVE_UP:  # the first to give up decides for everyone
-            verdict = "go" if count - _GAVE_UP == len(self.ranks) else "abandoned"
-            self.store.set(f"{seq}/verdict", verdict)
-        else:
-            self.store.wait([f"{seq}/verdict"], timedelta(seconds=max(self.timeout, 30.0)))
-            verdict = self.store.get(f"{seq}/verdict").decode()
-        if verdict == "go":
-            self.store.wait(keys, timedelta(seconds=max(self.timeout, 30.0)))  # all counted in: their fingerprints are on the way
-            return
-        missing = [self.ranks[r] for r, key in enumerate(keys) if not self.store.check([key])]
-        self.store.delete_key(keys[self.me])
-        raise CommTimeoutError(
-            f"debug check before collective #{seq} ({op}) on mode {self.mode!r}: global ranks {missing} did not reach it "
-            f"within {self.timeout:g} s (the group's timeout); a rank skipped a call, is blocked elsewhere or died. "
-            "No collective was started; the group is still usable, and a late rank's next call is checked with the others' next one"
-        ) from err
+    def _all_arrived(self, keys: list[str]) -> bool:
+        """Poll until every slot is filled (``True``) or the timeout is up (``False``).
+
+        A poll rather than the store's ``wait``: ``FileStore.wait`` counts whole
+        seconds and overshoots a timeout by up to one.
+        """
+        deadline = time.monotonic() + self.timeout
+        pause = _FIRST_PAUSE
+        while not self.store.check(keys):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, _LONGEST_PAUSE)
+        return True
 
     def _forget(self, seq: int) -> None:
-        # Every rank has posted `seq`, so each has finished with every earlier check: nobody reads their keys again.
+        # Every rank has posted `seq`, so each has finished with every earlier check: nobody reads their slots again
+        # (a slot marked absent is its rank's to delete, as it takes the next number).
         for old in range(self.done, seq):
             self.store.delete_key(f"{old}/{self.me}")
-            if self.me == 0:
-                self.store.delete_key(f"{old}/n")
-                self.store.delete_key(f"{old}/verdict")
         self.done = seq
 
     def _by_value(self, values: list[Any]) -> str:
@@ -232,14 +263,16 @@ def _checked(comm: Communicator, name: str, checker: _Checker) -> Callable[..., 
         with comm._exclusive(name):  # a second thread is refused here, before anything is exchanged
             fields: dict[str, Any] = {}
             extra = refusal = None
+            shapes: dict[str, list[int]] = {}
             try:
                 local_checks(comm, *args, **kwargs)  # the op's own local checks; a refusal goes to every rank
                 bound = signature.bind(comm, *args, **kwargs)
                 bound.apply_defaults()
                 fields, extra = describe(bound.arguments, ws, comm.mode)
+                shapes = {arg: list(value.shape) for arg, value in bound.arguments.items() if isinstance(value, torch.Tensor)}
             except Exception as err:  # noqa: BLE001 - whatever this rank cannot do, its peers must learn before they wait
                 refusal = err
-            checker.check(name, fields, extra, refusal)
+            checker.check(name, fields, extra, refusal, shapes)
             checker.depth += 1
             try:
                 return method(comm, *args, **kwargs)
@@ -255,8 +288,11 @@ def enable(comm: Communicator, timeout: float) -> None:
         return
     checker = vars(comm).get("_debug_paused") or _Checker(comm, timeout)
     comm._debug_checker = checker
+    prefix = f"rlightning_comm/debug/{_generation}/{comm.group.group_name}"
+    pairs = vars(comm).get("_debug_pairs") or _debug_p2p.PairChecker(comm, timeout, prefix, _REFUSALS, _refusal_type)
+    comm._debug_pairs = pairs  # kept while paused, as the checker is: the counts stay in step with the peers'
     for name in OPS:
-        setattr(comm, name, _checked(comm, name, checker))
+        setattr(comm, name, _debug_p2p.checked(comm, name, pairs) if name in _debug_p2p.OPS else _checked(comm, name, checker))
 
 
 def disable(comm: Communicator) -> None:

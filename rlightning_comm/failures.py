@@ -12,18 +12,41 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from rlightning_comm.errors import CommError, CommTimeoutError
 
 # After a timeout gloo closes the group's connections: the next op fails at
 # once with this text, which names a timeout but is not one.
 _BROKEN_MARKERS = ("pair closure", "connection reset", "connection closed", "closed by peer", "broken pipe", "connection refused")
 _TIMEOUT_MARKERS = ("timed out", "timeout")
-# The backend's own argument checks on this rank (gloo's algorithm setup, ProcessGroupGloo's validation). They fail
-# before this rank sends anything, so its connections are intact; a transport enforce is a broken pair instead.
-_LOCAL_MARKERS = ("enforce fail", "processgroupgloo::", "invalid scalar type", "invalid tensor", "invalid root")
+# The backend's own argument checks on this rank, which fail before this rank sends anything, so its connections are
+# intact: gloo's algorithm setup and ProcessGroupGloo's validation (a transport enforce is a broken pair instead), and
+# ProcessGroupNCCL's checks (torch 2.13 raises most of them as ValueError / TypeError, older releases as RuntimeError).
+_LOCAL_MARKERS = (
+    "enforce fail",
+    "processgroupgloo::",
+    "invalid scalar type",
+    "invalid tensor",
+    "invalid root",
+    "must be cuda and dense",
+    "must be contiguous",
+    "must be non-overlapping and dense",
+    "not supported for nccl",
+    "unsupported float8 type",
+    "float8 dtypes are not currently supported",
+    "cannot use reduceop",
+    "unhandled reduceop",
+    "does not support",
+    "expecting one tensor only",
+    "tensor list must be",
+    "invalid argument",
+)
+LAUNCH_ERRORS = (RuntimeError, TypeError, ValueError)
+"""What a launch catches: backend failures (``RuntimeError``, ``DistBackendError``) and the backend's own argument refusals."""
 
 
-def comm_failure(err: BaseException, mode: str, op: str, timeout: float | None) -> CommError:
+def comm_failure(err: BaseException, mode: str, op: str, timeout: float | None) -> Exception:
     """Build the library's error for a backend error raised by ``op`` on ``mode``.
 
     Args:
@@ -34,27 +57,34 @@ def comm_failure(err: BaseException, mode: str, op: str, timeout: float | None) 
 
     Returns:
         A :class:`CommTimeoutError` when the backend timed out waiting for a
-        peer, else a :class:`CommError` that says which case it is: the
-        backend's own argument check refused the call on this rank (the group
-        still works), or a peer is gone / the group is broken. The caller
-        raises it ``from err``.
+        peer; the same ``TypeError`` / ``ValueError`` (or, for any other local
+        refusal, a :class:`CommError`) saying that the backend's own check
+        refused the call on this rank and the group still works; else a
+        :class:`CommError` saying a peer is gone or the group is broken. The
+        caller raises it ``from err``.
     """
     text = str(err).strip()
     lowered = text.lower()
+    if isinstance(err, (TypeError, ValueError)):  # an argument check: no transport error is ever one of these
+        return (TypeError if isinstance(err, TypeError) else ValueError)(_refused(op, mode, text))
     if not any(m in lowered for m in _BROKEN_MARKERS) and any(m in lowered for m in _TIMEOUT_MARKERS):
         limit = "its timeout" if timeout is None else f"{timeout:g} s (the group's timeout)"
         return CommTimeoutError(
             f"{op} on mode {mode!r} timed out after {limit}: a peer did not join it "
             f"(it skipped the call, is blocked elsewhere or died). The group is unusable now; destroy() the context. Backend: {text}"
         )
-    if "transport" not in lowered and any(m in lowered for m in _LOCAL_MARKERS):
-        return CommError(
-            f"{op} on mode {mode!r} was refused by the backend's own check on this rank, before this rank sent anything: "
-            f"the group still works here, but peers that entered this call wait until the group's timeout. "
-            f"Fix the arguments (debug mode compares them across ranks first). Backend: {text}"
-        )
+    if isinstance(err, NotImplementedError) or ("transport" not in lowered and any(m in lowered for m in _LOCAL_MARKERS)):
+        return CommError(_refused(op, mode, text))
     return CommError(
         f"{op} on mode {mode!r} failed: a peer is gone or an earlier failure broke the group. The group is unusable now; destroy() the context. Backend: {text}"
+    )
+
+
+def _refused(op: str, mode: str, text: str) -> str:
+    return (
+        f"{op} on mode {mode!r} was refused by the backend's own check on this rank, before this rank sent anything: "
+        f"the group still works here, but peers that entered this call wait until the group's timeout. "
+        f"Fix the arguments (debug mode compares them across ranks first). Backend: {text}"
     )
 
 
@@ -62,7 +92,10 @@ class WorkHandle:
     """The handle an ``async_op=True`` collective returns: torch's work object whose :meth:`wait` raises the library's errors.
 
     Every other attribute (``is_completed``, ``get_future``, ...) is the
-    wrapped torch work's own.
+    wrapped torch work's own. A backend that returned no work (``None``: the
+    op completed in the call, or runs in stream order) gets a handle that is
+    complete: ``wait()`` and ``is_completed()`` return ``True`` and
+    ``get_future()`` a completed future.
     """
 
     __slots__ = ("_mode", "_op", "_timeout", "_work")
@@ -80,10 +113,25 @@ class WorkHandle:
             CommTimeoutError: a peer did not join within the group's timeout.
             CommError: the collective failed (a peer is gone, the group is broken).
         """
+        work = self._work
+        if work is None:
+            return True
         try:
-            return self._work.wait(*args, **kwargs)
-        except RuntimeError as err:
+            return work.wait(*args, **kwargs)
+        except LAUNCH_ERRORS as err:
             raise comm_failure(err, self._mode, self._op, self._timeout) from err
+
+    def is_completed(self) -> bool:
+        """Whether the collective has completed (torch's ``Work.is_completed``)."""
+        return True if self._work is None else self._work.is_completed()
+
+    def get_future(self) -> Any:
+        """torch's ``Work.get_future``; a completed future when the backend returned no work."""
+        if self._work is None:
+            future: torch.futures.Future[Any] = torch.futures.Future()
+            future.set_result(None)
+            return future
+        return self._work.get_future()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)

@@ -59,7 +59,15 @@ def _process_context() -> Any:
 
 
 def _rank_main(
-    fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world_size: int, backend: str, url: str, timeout: float, env: dict[str, str] | None = None
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    rank: int,
+    world_size: int,
+    backend: str,
+    url: str,
+    timeout: float,
+    env: dict[str, str] | None = None,
+    bounded_wait: bool = False,
 ) -> None:
     if env is not None:  # a local rank: the caller's environment (a forked rank has the fork server's), and torchrun's placement
         os.environ.clear()
@@ -67,7 +75,7 @@ def _rank_main(
         os.environ.update(_placement_env(rank, world_size))  # before the world: NCCL picks its GPU from LOCAL_RANK
         pin_gloo_to_loopback()  # every peer is on this host: nothing needs to listen beyond loopback
     ctx = CommContext()
-    ctx.init_distributed_env(world_size=world_size, rank=rank, backend=backend, dist_url=url, timeout=timeout)
+    ctx.init_distributed_env(world_size=world_size, rank=rank, backend=backend, dist_url=url, timeout=timeout, bounded_wait=bounded_wait)
     ctx._mark_launched()
     try:
         fn(*args)
@@ -90,7 +98,7 @@ def _check_gpus(backend: str, nproc: int) -> None:
         )
 
 
-def run(fn: Callable[..., Any], nproc: int = 4, *args: Any, backend: str = "gloo", timeout: float = 1800) -> None:
+def run(fn: Callable[..., Any], nproc: int = 4, *args: Any, backend: str = "gloo", timeout: float = 1800, bounded_wait: bool = False) -> None:
     """Run ``fn(*args)`` on every rank, with the context initialised.
 
     With no launcher, ``nproc`` local processes are started (forked from a
@@ -110,7 +118,8 @@ def run(fn: Callable[..., Any], nproc: int = 4, *args: Any, backend: str = "gloo
 
     Inside ``fn`` the world is ready: ``CommContext()`` has ``CommMode.GLOBAL``
     bound, and a call to ``init_distributed_env`` that asks for this world
-    (its size, rank, backend and timeout, any of them left out, ``env://``)
+    (its size, rank, backend, timeout and ``bounded_wait``; size and rank may
+    be left out; ``env://``)
     is a no-op; one that asks for another raises ``CommError`` naming both.
     When ``fn`` returns, the rank waits at a barrier of the world for the
     others, then destroys the context; when it raises, it destroys it at once
@@ -123,7 +132,9 @@ def run(fn: Callable[..., Any], nproc: int = 4, *args: Any, backend: str = "gloo
         *args: Passed to ``fn`` (picklable).
         backend: Registered communicator name for the world.
         timeout: Collective timeout in seconds, as ``init_distributed_env``'s;
-            also bounds the wait for the spawned ranks (twice this long at most).
+            also bounds the wait for the local ranks (twice this long at most).
+        bounded_wait: As ``init_distributed_env``'s (NCCL calls wait on the
+            host within their timeout and raise the library's errors).
 
     Raises:
         ValueError: ``nproc`` is not a positive integer, or more ranks than
@@ -132,7 +143,7 @@ def run(fn: Callable[..., Any], nproc: int = 4, *args: Any, backend: str = "gloo
         RuntimeError: a spawned rank failed or did not finish in time.
     """
     if under_launcher():
-        _rank_main(fn, args, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), backend, "env://", timeout)
+        _rank_main(fn, args, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), backend, "env://", timeout, bounded_wait=bounded_wait)
         return
     if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
         raise ValueError(f"nproc must be a positive integer; got {nproc!r}")
@@ -141,7 +152,9 @@ def run(fn: Callable[..., Any], nproc: int = 4, *args: Any, backend: str = "gloo
     url = f"file://{store}/store"
     ctx = _process_context()
     env = dict(os.environ)
-    procs = [ctx.Process(target=_rank_main, args=(fn, args, r, nproc, backend, url, timeout, env), name=f"rank{r}") for r in range(nproc)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(fn, args, r, nproc, backend, url, timeout, env, bounded_wait), name=f"rank{r}") for r in range(nproc)
+    ]
     try:
         for p in procs:
             p.start()

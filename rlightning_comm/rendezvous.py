@@ -23,6 +23,7 @@ import weakref
 from datetime import timedelta
 from urllib.parse import urlparse
 
+import torch
 import torch.distributed as dist
 
 from rlightning_comm import _compat
@@ -54,12 +55,19 @@ def loopback_address(init_method: str) -> tuple[str, int] | None:
         return None  # not an IP literal, or a bad port: torch reports it
 
 
-def init_process_group(backend: str, init_method: str, world_size: int, rank: int, timeout: timedelta) -> None:
+def init_process_group(backend: str, init_method: str, world_size: int, rank: int, timeout: timedelta, device_id: torch.device | None = None) -> None:
     """``torch.distributed.init_process_group``, with a loopback-only store for a loopback rendezvous address.
 
     The world's store is made here (a loopback ``TCPStore``, or torch's public
     ``torch.distributed.rendezvous`` for every other URL, as
     ``init_process_group`` itself does) and kept for :func:`world_store`.
+
+    ``device_id`` (an NCCL world's GPU) binds the world to that device: torch
+    connects the world's communicator at once, refuses a tensor on another
+    device, and creates later NCCL groups by splitting the world's
+    communicator (every rank of the world must then take part in every group
+    creation, members or not; :func:`rlightning_comm._groups.new_group` makes
+    the members of a gloo group take part too).
 
     Raises:
         CommError: rank 0 could not listen on the loopback address.
@@ -81,7 +89,7 @@ def init_process_group(backend: str, init_method: str, world_size: int, rank: in
             store = dist.TCPStore(host, port, world_size, False, timeout, use_libuv=True)
     # The key layout torch gives the store it makes from a URL, so peers that let torch initialise interoperate.
     store = dist.PrefixStore(_compat.DEFAULT_PG_STORE_PREFIX, store)
-    dist.init_process_group(backend=backend, store=store, world_size=world_size, rank=rank, timeout=timeout)
+    dist.init_process_group(backend=backend, store=store, world_size=world_size, rank=rank, timeout=timeout, device_id=device_id)
     _STORES[dist.group.WORLD] = store
 
 

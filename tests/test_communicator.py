@@ -64,6 +64,31 @@ class RecordingCommunicator(GlooCommunicator):
         self._record("barrier")
         return super().barrier()
 
+    @override
+    def reduce(self, tensor, dst=0, op=ReduceOp.SUM, async_op=False):
+        self._record("reduce", tensor, dst, op, async_op)
+        return super().reduce(tensor, dst, op, async_op)
+
+    @override
+    def reduce_scatter(self, output, input_, op=ReduceOp.SUM, async_op=False):
+        self._record("reduce_scatter", output, input_, op, async_op)
+        return super().reduce_scatter(output, input_, op, async_op)
+
+    @override
+    def all_gather_object(self, object_list, obj, **options):
+        self._record("all_gather_object", object_list, obj)
+        return super().all_gather_object(object_list, obj, **options)
+
+    @override
+    def send(self, tensor, dst, async_op=False):
+        self._record("send", tensor, dst, async_op)
+        return super().send(tensor, dst, async_op)
+
+    @override
+    def recv(self, tensor, src, async_op=False):
+        self._record("recv", tensor, src, async_op)
+        return super().recv(tensor, src, async_op)
+
 
 @register_communicator("from-base-test")
 class FromBaseCommunicator(Communicator):
@@ -78,7 +103,7 @@ class FromBaseCommunicator(Communicator):
         return torch.device("cpu")
 
     @override
-    def _check_device(self, tensor: torch.Tensor, name: str) -> None:
+    def check_device(self, tensor: torch.Tensor, name: str) -> None:
         if tensor.device.type != "cpu":
             raise ValueError(f"{name} must be on the CPU; got {tensor.device}")
 
@@ -88,7 +113,7 @@ class CudaOnlyGloo(GlooCommunicator):
     """Narrows gloo's devices to CUDA and leaves the fast path's device test alone."""
 
     @override
-    def _check_device(self, tensor: torch.Tensor, name: str) -> None:
+    def check_device(self, tensor: torch.Tensor, name: str) -> None:
         if not tensor.is_cuda:
             raise ValueError(f"{name}: cuda-only-gloo-test takes CUDA tensors; got {tensor.device}")
 
@@ -112,6 +137,12 @@ DELEGATION = [
     (lambda m: collective.broadcast_object_list(["x"], m, 0), ("broadcast_object_list", (["x"], 0))),
     (lambda m: collective.all_reduce_dict({"a": 1}, m, ReduceOp.SUM, torch.float64), ("all_reduce_dict", ({"a": 1}, ReduceOp.SUM, torch.float64))),
     (lambda m: collective.barrier(m), ("barrier", ())),
+    (lambda m: collective.reduce(T, m, 0, ReduceOp.MAX, True), ("reduce", (T, 0, ReduceOp.MAX, True))),
+    (lambda m: collective.reduce_scatter(T, U, m, ReduceOp.SUM), ("reduce_scatter", (T, U, ReduceOp.SUM, False))),
+    (lambda m: collective.all_gather_object([None], {"a": 1}, m), ("all_gather_object", ([{"a": 1}], {"a": 1}))),
+    # A one-rank world has no peer: the call reaches the method, whose check refuses this rank as its own peer.
+    (lambda m: collective.send(T, m, 0, True), ("send", (T, 0, True))),
+    (lambda m: collective.recv(U, m, 0), ("recv", (U, 0, False))),
 ]
 
 
@@ -120,8 +151,13 @@ def test_each_facade_calls_the_method_of_the_same_name(ctx, call, expected):
     comm = ctx.init_group([0], "recorded", backend="recording-test")
     assert isinstance(comm, RecordingCommunicator) and get_communicator_class("recording-test") is RecordingCommunicator
     RecordingCommunicator.calls.clear()
-    result = call("recorded")
     name, args = expected
+    if name in ("send", "recv"):
+        with pytest.raises(ValueError, match=f"{'dst' if name == 'send' else 'src'}=0 is this rank"):
+            call("recorded")
+        result = None
+    else:
+        result = call("recorded")
     # all_reduce_dict reduces its packed buffer through self.all_reduce, so an override sees that too.
     inner = ["all_reduce"] if name == "all_reduce_dict" else []
     assert [c[0] for c in RecordingCommunicator.calls] == [name, *inner]
@@ -129,7 +165,7 @@ def test_each_facade_calls_the_method_of_the_same_name(ctx, call, expected):
     assert len(got) == len(args)
     for g, a in zip(got, args):
         assert g is a or g == a
-    if name in ("all_reduce", "broadcast"):
+    if name in ("all_reduce", "broadcast", "reduce"):
         assert result is not None and result.wait()
 
 
@@ -259,7 +295,8 @@ def test_debug_mode_and_stats_cover_every_collective():
     from rlightning_comm.stats import TRACKED_OPS
 
     # Every public method that takes part in a collective is in the one list both features read.
-    public = {n for n, f in _inspect.getmembers(Communicator, _inspect.isfunction) if not n.startswith("_")} - {"setup_process"}
+    extension_points = {"setup_process", "bind_device", "check_device", "on_device"}  # what subclasses override, not collectives
+    public = {n for n, f in _inspect.getmembers(Communicator, _inspect.isfunction) if not n.startswith("_")} - extension_points
     assert set(COLLECTIVES) == public
     assert debug.OPS == TRACKED_OPS == COLLECTIVES
     assert set(debug._DESCRIBE) == set(COLLECTIVES)  # each has a fingerprint
@@ -278,10 +315,10 @@ def test_sequence_parallel_ops_apply_the_communicators_device_rule(ctx, monkeypa
 
 
 def test_a_subclass_that_narrows_check_device_is_held_to_it_on_every_op(ctx):
-    # GlooCommunicator's fast path takes two CPU tensors without calling _check_device; a subclass that refuses CPU
+    # GlooCommunicator's fast path takes two CPU tensors without calling check_device; a subclass that refuses CPU
     # tensors there, and does not say how to test its devices fast, must get its own check on every call.
     comm = ctx.init_group([0], "cuda-only", backend="cuda-only-gloo-test")
-    assert CudaOnlyGloo._on_device(torch.ones(1), torch.ones(1)) is False
+    assert CudaOnlyGloo.on_device(torch.ones(1), torch.ones(1)) is False
     x, out = torch.ones(4), torch.zeros(4)
     calls = [
         lambda: comm.all_reduce(x),
@@ -297,3 +334,149 @@ def test_a_subclass_that_narrows_check_device_is_held_to_it_on_every_op(ctx):
             call()
         assert sent == {}, sent
     assert torch.equal(x, torch.ones(4)) and torch.equal(out, torch.zeros(4))
+
+
+class _NoWorkGroup:
+    """A stand-in process group that does each op of a one-rank group in the call and returns no work, as NCCL does for blocking calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def _done(self, name: str) -> None:
+        self.calls.append(name)
+
+    def allreduce(self, tensors, opts):
+        self._done("allreduce")
+
+    def broadcast(self, tensors, opts):
+        self._done("broadcast")
+
+    def all_gather_single(self, output, input_, opts):
+        output.copy_(input_.reshape(output.shape))
+        self._done("all_gather_single")
+
+    def reduce_scatter_single(self, output, input_, opts):
+        output.copy_(input_.reshape(output.shape))
+        self._done("reduce_scatter_single")
+
+    def all_to_all_single(self, output, input_, output_splits, input_splits, opts):
+        output.copy_(input_)
+        self._done("all_to_all_single")
+
+    def gather(self, outputs, inputs, opts):
+        outputs[0][0].copy_(inputs[0])
+        self._done("gather")
+
+    def scatter(self, outputs, inputs, opts):
+        outputs[0].copy_(inputs[0][0])
+        self._done("scatter")
+
+    def barrier(self, opts):
+        self._done("barrier")
+
+
+def test_a_backend_that_returns_no_work_is_waited_on_by_no_one(ctx):
+    # torch's wrappers guard each blocking op with `elif work is not None: work.wait()`; NCCL's blocking calls return None.
+    stand_in = _NoWorkGroup()
+    comm = GlooCommunicator(stand_in, [0], "no-work")
+    x = torch.arange(4.0)
+    ours, theirs = x.clone(), x.clone()
+    comm.all_reduce(ours)
+    dist.all_reduce(theirs)
+    assert torch.equal(ours, theirs)
+    out = torch.empty(4)
+    comm.all_gather(out, x)
+    assert torch.equal(out, x)
+    comm.broadcast(ours, 0)
+    gathered = [torch.empty(4)]
+    comm.gather(x, gathered, 0)
+    assert torch.equal(gathered[0], x)
+    scattered = torch.empty(4)
+    comm.scatter(scattered, [x], 0)
+    assert torch.equal(scattered, x)
+    comm.reduce_scatter(out, x)
+    comm.all_to_all_single(out, x)
+    comm.barrier()
+    assert comm.all_reduce_dict({"loss": 2.0, "n": 3}) == {"loss": 2.0, "n": 3.0}
+    objs = [{"a": 1}]
+    comm.broadcast_object_list(objs, 0)
+    assert objs == [{"a": 1}]
+    handle = comm.all_reduce(ours, async_op=True)
+    assert handle.wait() is True and handle.is_completed() is True and handle.get_future().wait() is None
+    assert set(stand_in.calls) == {"allreduce", "broadcast", "all_gather_single", "reduce_scatter_single", "all_to_all_single", "gather", "scatter", "barrier"}
+
+
+def test_inside_torchs_coalescing_manager_calls_join_it_or_are_refused(ctx, monkeypatch):
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    from rlightning_comm import CommError
+
+    comm = ctx.get_communicator()
+    coalesced = []
+    real = dist.ProcessGroup.allreduce_coalesced
+    monkeypatch.setattr(dist.ProcessGroup, "allreduce_coalesced", lambda pg, ts, opts: coalesced.append(len(ts)) or real(pg, ts, opts))
+    a, b = torch.arange(3.0), torch.arange(3.0) + 5
+    with backend_calls() as sent:
+        with _coalescing_manager(comm.group):
+            comm.all_reduce(a)
+            comm.all_reduce(b, ReduceOp.SUM)
+            assert sent == {} and coalesced == []  # recorded by the manager, not issued one by one
+            for name, call in (
+                ("broadcast", lambda: comm.broadcast(a, 0)),
+                ("gather", lambda: comm.gather(a, [torch.empty(3)], 0)),
+                ("scatter", lambda: comm.scatter(a, [b], 0)),
+                ("all_to_all_single", lambda: comm.all_to_all_single(torch.empty(3), b)),
+                ("barrier", comm.barrier),
+                ("all_reduce_dict", lambda: comm.all_reduce_dict({"x": 1.0})),
+                ("broadcast_object_list", lambda: comm.broadcast_object_list([1], 0)),
+            ):
+                with pytest.raises(CommError, match=rf"{name} on mode 'GLOBAL' was called inside torch's _coalescing_manager"):
+                    call()
+        assert coalesced == [2]  # one call for both, when the manager exited
+    assert torch.equal(a, torch.arange(3.0)) and torch.equal(b, torch.arange(3.0) + 5)
+    assert sent == {}
+
+
+def test_a_subclass_with_a_mis_shaped_extension_point_fails_when_it_is_created():
+    with pytest.raises(TypeError) as info:
+
+        class OneArgument(GlooCommunicator):
+            def check_device(self, tensor):  # the name argument is missing
+                pass
+
+            def on_device(self, a, b):  # a method, not a @staticmethod
+                return True
+
+            def device(self):  # not a property
+                return torch.device("cpu")
+
+    text = str(info.value)
+    assert text.startswith("OneArgument does not fit the Communicator contract:")
+    for problem in (
+        "check_device must be a method check_device(self, tensor, name) -> None",
+        "on_device must be a @staticmethod on_device(a, b) -> bool; got a method that also takes self",
+        "device must be a property (decorate it with @property); got function",
+    ):
+        assert problem in text, text
+    with pytest.raises(TypeError, match="_check_device is now named check_device: rename the override"):
+
+        class OldName(GlooCommunicator):
+            def _check_device(self, tensor, name):
+                pass
+
+
+def test_registering_an_incomplete_subclass_lists_what_it_lacks():
+    class Incomplete(Communicator):
+        supported_reduce_ops = frozenset({ReduceOp.SUM})
+
+    with pytest.raises(TypeError) as info:
+        register_communicator("incomplete-test")(Incomplete)
+    text = str(info.value)
+    assert text.startswith("Incomplete cannot be registered:")
+    for problem in ("check_device is missing (still abstract)", "device is missing (still abstract)", "backend is missing"):
+        assert problem in text, text
+    assert "incomplete-test" not in registered_communicators()
+    with pytest.raises(TypeError, match=r"backend must be a non-empty str naming a torch.distributed backend; got 3"):
+
+        class BadBackend(GlooCommunicator):
+            backend = 3

@@ -88,25 +88,56 @@ def test_flat_collective_shims_resolve_to_torch_functions():
     assert _compat.reduce_scatter_single in (getattr(dist, "reduce_scatter_single", None), dist.reduce_scatter_tensor)
 
 
-def test_assume_constant_result_marks_as_torch_does_without_importing_dynamo():
+def test_importing_the_library_does_not_import_dynamo():
     import subprocess
     import sys
 
-    import torch
-
-    from rlightning_comm._compat import assume_constant_result
-
-    def ours() -> int:
-        return 1
-
-    def theirs() -> int:
-        return 1
-
-    assume_constant_result(ours)
-    torch.compiler.assume_constant_result(theirs)
-    marks = {k: v for k, v in vars(theirs).items() if k != "__wrapped__"}
-    assert marks and vars(ours) == marks  # torch's decorator sets exactly this mark
     loaded = subprocess.run(
         [sys.executable, "-c", "import sys, rlightning_comm; print('torch._dynamo' in sys.modules)"], capture_output=True, text=True, timeout=120, check=True
     )
     assert loaded.stdout.strip() == "False", loaded.stdout + loaded.stderr
+
+
+def test_join_world_split_matches_the_split_torch_runs_on_non_members(monkeypatch):
+    import inspect
+
+    import torch.distributed as dist
+
+    c10d = dist.distributed_c10d
+    # torch still makes every non-member of a new group split a device-bound world's communicator, whatever the group's
+    # backend; if this changes, the members' split in join_world_split would be one too many.
+    helper = inspect.getsource(c10d._new_process_group_helper)
+    assert "perform_nocolor_split" in helper and "bound_device_id" in helper
+    assert callable(c10d._get_split_source) and callable(c10d._get_default_group)
+
+    class World:
+        bound_device_id = None
+
+    monkeypatch.setattr(c10d, "_get_default_group", lambda: World)
+    splits = []
+
+    class Source:
+        def perform_nocolor_split(self, device):
+            splits.append(device)
+
+    monkeypatch.setattr(c10d, "_get_split_source", lambda world: Source())
+    _compat.join_world_split()
+    assert splits == []  # an unbound world: torch splits nothing, nor do we
+    World.bound_device_id = torch.device("cuda", 1)
+    _compat.join_world_split()
+    assert splits == [torch.device("cuda", 1)]
+
+
+def test_coalescing_is_the_dict_torchs_coalescing_manager_fills(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    assert _compat.COALESCING is dist.distributed_c10d._world.pg_coalesce_state
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", world_size=1, rank=0)
+    group = dist.group.WORLD
+    assert group not in _compat.COALESCING
+    with _coalescing_manager(group):
+        assert group in _compat.COALESCING  # the test every communicator call makes
+        dist.all_reduce(torch.ones(2))
+        assert len(_compat.COALESCING[group]) == 1  # torch records its all_reduce for the manager
+    assert group not in _compat.COALESCING

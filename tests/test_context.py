@@ -205,13 +205,16 @@ def test_initialize_distributed_env_is_the_seeds_function(monkeypatch):
     from rlightning_comm import initialize_distributed_env
 
     params = inspect.signature(initialize_distributed_env).parameters
-    assert [(n, p.default) for n, p in params.items()] == [
+    positional = [(n, p.default) for n, p in params.items() if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+    assert positional == [
         ("rank", inspect.Parameter.empty),
         ("world_size", inspect.Parameter.empty),
         ("backend", "nccl"),
         ("dist_url", "env://"),
         ("timeout", 1800),
     ]
+    # Options beyond the seed's come after it, keyword-only, with defaults: every seed call means what it meant.
+    assert [(n, p.default) for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY] == [("bounded_wait", False)]
     with pytest.raises(CommError, match="not initialised"):
         CommContext().is_main_rank()
     for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():

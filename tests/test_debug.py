@@ -121,6 +121,46 @@ def test_debug_mode_names_the_rank_that_skipped_a_call(world2):
     assert GROUP_TIMEOUT - 0.1 <= r0["elapsed"] <= GROUP_TIMEOUT + BOUND
 
 
+SHORT_TIMEOUT = 1.0
+SMALL_BOUND = 0.75  # what a rank may take past the timeout (the store's old wait overshot by a whole second)
+
+
+def _skip_one_of_four_task(rank, size, url):
+    import torch
+    import torch.distributed as dist
+
+    from rlightning_comm import CommTimeoutError, collective
+
+    ctx = init_world(rank, size, url, timeout=30)
+    ctx.init_group(list(range(size)), "TP", timeout=SHORT_TIMEOUT)
+    ctx.set_debug(True)
+    out = {}
+    if rank != 3:
+        start = time.monotonic()
+        try:
+            collective.all_reduce(torch.ones(3), "TP")  # rank 3 never makes this call
+        except CommTimeoutError as err:
+            out = {"error": str(err), "elapsed": time.monotonic() - start}
+    dist.barrier()  # raw torch: rank 3 goes on only once the others have given up
+    t = torch.full((2,), float(rank + 1))
+    raw = t.clone()
+    collective.all_reduce(t, "TP")  # rank 3 finds its slot of the abandoned check marked and takes the next one
+    dist.all_reduce(raw, group=ctx.get_group("TP"))
+    out["after"] = torch.equal(t, raw)
+    return out
+
+
+def test_debug_mode_every_rank_names_the_same_absent_rank_within_the_timeout(world4):
+    results = world4.run(_skip_one_of_four_task, timeout=60)
+    assert [r["after"] for r in results] == [True] * 4, results
+    waited = results[:3]
+    assert all("error" in r for r in waited), results
+    assert "collective #0 (all_reduce) on mode 'TP': global ranks [3] did not reach it" in waited[0]["error"], waited[0]
+    assert len({r["error"] for r in waited}) == 1, [r["error"] for r in waited]  # the same message on every waiting rank
+    assert max(r["elapsed"] for r in waited) >= SHORT_TIMEOUT - 0.05, waited  # the first to give up waited its timeout
+    assert all(r["elapsed"] <= SHORT_TIMEOUT + SMALL_BOUND for r in waited), waited
+
+
 def _count_task(rank, size, url):
     import torch
     import torch.distributed as dist

@@ -90,7 +90,9 @@ def test_context_keeps_the_seed_signatures():
     for name, params in CONTEXT_SEED_SIGNATURES.items():
         got = list(inspect.signature(getattr(rlightning_comm.CommContext, name)).parameters)[1:]
         assert got[: len(params)] == params and (params or not got), name
-    assert list(inspect.signature(rlightning_comm.initialize_distributed_env).parameters) == ["rank", "world_size", "backend", "dist_url", "timeout"]
+    params = inspect.signature(rlightning_comm.initialize_distributed_env).parameters
+    assert list(params)[:5] == ["rank", "world_size", "backend", "dist_url", "timeout"]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in list(params.values())[5:])  # options beyond the seed's
 
 
 def test_the_launcher_is_exported_with_its_signature():
@@ -98,5 +100,5 @@ def test_the_launcher_is_exported_with_its_signature():
 
     assert rlightning_comm.run is launch.run
     params = inspect.signature(rlightning_comm.run).parameters
-    assert list(params) == ["fn", "nproc", "args", "backend", "timeout"]
-    assert (params["nproc"].default, params["backend"].default, params["timeout"].default) == (4, "gloo", 1800)
+    assert list(params) == ["fn", "nproc", "args", "backend", "timeout", "bounded_wait"]
+    assert (params["nproc"].default, params["backend"].default, params["timeout"].default, params["bounded_wait"].default) == (4, "gloo", 1800, False)

@@ -11,6 +11,8 @@ mode its peers would enter the collective (tests/test_bad_input.py has those).
 
 from __future__ import annotations
 
+import warnings
+
 from counting import backend_calls
 from world import init_world
 
@@ -26,6 +28,12 @@ def _cases(torch, rank):
         return (torch.arange(n, dtype=torch.float64) + 10 * rank + 1).to(dtype).reshape(shape) if n else torch.empty(shape, dtype=dtype)
 
     one_strided = lambda: torch.empty(8).as_strided((1,), (5,)).fill_(rank + 1.0)  # contiguous to torch
+
+    def nested(layout):
+        with warnings.catch_warnings():  # the strided layout's "prototype" warning
+            warnings.simplefilter("ignore")
+            return torch.nested.nested_tensor([full(2), full(3)], layout=layout)
+
     return [
         ("all_reduce 1-d", "all_reduce", lambda: (full(4),)),
         ("all_reduce 0-d", "all_reduce", lambda: (full(),)),
@@ -42,6 +50,24 @@ def _cases(torch, rank):
         ("all_reduce csr", "all_reduce", lambda: (full(2, 2).to_sparse_csr(),)),
         ("all_reduce MAX", "all_reduce", lambda: (full(3), torch.distributed.ReduceOp.MAX)),
         ("all_reduce a list", "all_reduce", lambda: ([1.0],)),
+        ("all_reduce neg view", "all_reduce", lambda: (torch._neg_view(full(3)),)),
+        ("all_reduce conj view", "all_reduce", lambda: (full(3, dtype=torch.complex64).conj(),)),
+        ("all_reduce nested", "all_reduce", lambda: (nested(torch.strided),)),
+        ("all_reduce jagged", "all_reduce", lambda: (nested(torch.jagged),)),
+        ("all_reduce MAX instance", "all_reduce", lambda: (full(3), torch.distributed.ReduceOp(torch.distributed.ReduceOp.MAX))),
+        ("all_reduce PREMUL_SUM", "all_reduce", lambda: (full(3), torch.distributed._make_nccl_premul_sum(2.0))),
+        ("all_gather neg input", "all_gather", lambda: (torch.empty(8), torch._neg_view(full(4)))),
+        ("all_gather neg output", "all_gather", lambda: (torch._neg_view(torch.zeros(8)), full(4))),
+        ("broadcast neg view", "broadcast", lambda: (torch._neg_view(full(3)), 0)),
+        ("broadcast conj view", "broadcast", lambda: (full(3, dtype=torch.complex64).conj(), 0)),
+        ("reduce_scatter MAX instance", "reduce_scatter", lambda: (torch.empty(2), full(4), torch.distributed.ReduceOp(torch.distributed.ReduceOp.MAX))),
+        ("all_to_all neg input", "all_to_all_single", lambda: (torch.empty(4), torch._neg_view(full(4)))),
+        ("gather neg tensor", "gather", lambda: (torch._neg_view(full(3)), [torch.empty(3), torch.empty(3)] if rank == 0 else None, 0)),
+        (
+            "scatter conj tensor",
+            "scatter",
+            lambda: (torch.zeros(3, dtype=torch.complex64).conj(), [full(3, dtype=torch.complex64)] * 2 if rank == 1 else None, 1),
+        ),
         ("all_gather flat", "all_gather", lambda: (torch.empty(8), full(4))),
         ("all_gather empty", "all_gather", lambda: (torch.empty(0), full(0))),
         ("all_gather 0-d input", "all_gather", lambda: (torch.empty(2), full())),
@@ -59,6 +85,13 @@ def _cases(torch, rank):
         ("reduce_scatter dtype", "reduce_scatter", lambda: (torch.empty(2, dtype=torch.float64), full(4))),
         ("reduce_scatter MAX", "reduce_scatter", lambda: (torch.empty(2), full(4), torch.distributed.ReduceOp.MAX)),
         ("reduce_scatter transposed input", "reduce_scatter", lambda: (torch.empty(3), full(3, 2).t())),
+        ("reduce_scatter complex", "reduce_scatter", lambda: (torch.empty(2, dtype=torch.complex64), full(4, dtype=torch.complex64))),
+        (
+            "reduce_scatter complex MAX",
+            "reduce_scatter",
+            lambda: (torch.empty(2, dtype=torch.complex64), full(4, dtype=torch.complex64), torch.distributed.ReduceOp.MAX),
+        ),
+        ("all_reduce bool AVG", "all_reduce", lambda: (torch.ones(3, dtype=torch.bool), torch.distributed.ReduceOp.AVG)),
         ("all_to_all flat", "all_to_all_single", lambda: (torch.empty(4), full(4))),
         ("all_to_all 2-d rows", "all_to_all_single", lambda: (torch.empty(2, 3), full(2, 3))),
         ("all_to_all odd length", "all_to_all_single", lambda: (torch.empty(3), full(3))),
@@ -82,6 +115,8 @@ def _cases(torch, rank):
 
 def _raw(dist, op, args, group):
     """The same call through torch.distributed (the oracle), or None where torch has no same-shaped form."""
+    import torch
+
     from rlightning_comm._compat import all_gather_single, reduce_scatter_single
 
     if op == "all_reduce":
@@ -90,7 +125,8 @@ def _raw(dist, op, args, group):
         out, inp = args
         return all_gather_single(out.view(-1), inp.view(-1), group=group) if out.dim() != inp.dim() else all_gather_single(out, inp, group=group)
     if op == "reduce_scatter":
-        return reduce_scatter_single(args[0], args[1], *(args[2:3] or ()), group=group)
+        out, inp = (torch.view_as_real(t).view(-1) for t in args[:2]) if args[1].is_complex() else args[:2]  # complex: the real pairs' bytes
+        return reduce_scatter_single(out, inp, *(args[2:3] or ()), group=group)
     if op == "all_to_all_single":
         return dist.all_to_all_single(*args, group=group)
     if op == "broadcast":
@@ -153,3 +189,6 @@ def test_fast_path_accepts_exactly_what_the_full_checks_accept(world2) -> None:
     # The table covers both sides of the fast path's boundary.
     assert {"all_reduce transposed", "all_gather wrong length", "broadcast bool src", "all_reduce csr"} <= refused
     assert {"all_reduce one element, stride 5", "all_gather 2-d stacked", "broadcast numpy src", "all_to_all splits"} <= accepted
+    # Views whose memory is not their values, nested tensors and PREMUL_SUM are refused; ReduceOp instances are ops like any.
+    assert {"all_reduce neg view", "all_reduce conj view", "all_reduce nested", "all_reduce jagged", "all_reduce PREMUL_SUM", "gather neg tensor"} <= refused
+    assert {"all_reduce MAX instance", "reduce_scatter MAX instance"} <= accepted

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import time
+import warnings
 from collections import Counter
 
 from world import init_world
@@ -40,6 +41,10 @@ EXPECTED = {
     "dict dtype": "refused",
     "unbound mode": "timeout",
     "numbers (valid)": "ok",
+    "conj or neg view": "refused",
+    "nested": "refused",
+    "meta": "refused",
+    "reduce op instance (valid)": "ok",
 }
 KINDS = list(EXPECTED)
 
@@ -100,6 +105,22 @@ def _call(kind, rng, me, bad, torch, coll, comm):
     elif kind == "numbers (valid)":
         value = rng.choice([0, 3, 2.5, True]) if is_bad else 1.5
         return ("dict", coll.all_reduce_dict({"count": value, "n": 2**24 + 1}, "F"), [float(value), 2**24 + 1])
+    elif kind == "conj or neg view":
+        view = rng.choice([lambda: torch.ones(n, dtype=torch.complex64).conj(), lambda: torch._neg_view(torch.ones(n))])
+        coll.all_reduce(view() if is_bad else torch.ones(n, dtype=view().dtype), "F")
+    elif kind == "nested":
+        with warnings.catch_warnings():  # the strided layout's "prototype" warning
+            warnings.simplefilter("ignore")
+            nested = torch.nested.nested_tensor([torch.ones(n), torch.ones(n + 1)], layout=rng.choice([torch.strided, torch.jagged]))
+        coll.all_reduce(nested if is_bad else torch.ones(2 * n + 1), "F")
+    elif kind == "meta":
+        coll.broadcast(torch.empty(n, device="meta") if is_bad else torch.ones(n), "F", src=0)
+    elif kind == "reduce op instance (valid)":
+        values = [rng.random() * (me + 1) for _ in range(n)]
+        op = ReduceOp(ReduceOp.MAX) if is_bad else ReduceOp.MAX  # torch takes both; the fingerprints must agree
+        t = torch.tensor(values, dtype=torch.float64)
+        coll.all_reduce(t, "F", op=op)
+        return ("max", t.tolist(), values)
     return None
 
 
@@ -110,6 +131,7 @@ def _fuzz_task(rank, size, url, seed):
 
     from rlightning_comm import collective
 
+    torch.nested.nested_tensor([torch.ones(1)], layout=torch.jagged)  # its first use imports the jagged layout: seconds, not part of any case
     ctx = init_world(rank, size, url, timeout=30)
     ctx.init_group([0, 1], "F", timeout=TIMEOUT)
     ctx.init_group([0, 1], "U", timeout=SHORT_TIMEOUT)
@@ -130,10 +152,10 @@ def _fuzz_task(rank, size, url, seed):
         elapsed = time.monotonic() - start
         correct = None
         if result is not None:
-            _, got, values = result
+            tag, got, values = result
             raw = torch.tensor(values, dtype=torch.float64)
-            dist.all_reduce(raw, group=group)
-            correct = list(got.values()) == raw.tolist()
+            dist.all_reduce(raw, group=group, op=dist.ReduceOp.MAX if tag == "max" else dist.ReduceOp.SUM)
+            correct = (list(got.values()) if tag == "dict" else got) == raw.tolist()
         dist.barrier()  # raw torch: a rank that failed locally waits here while its peer's check times out
         t = torch.tensor([rng.random() for _ in range(3)]) * (rank + 1)
         expected = t.clone()

@@ -62,6 +62,7 @@ def _init_again(rank: int, size: int) -> dict[str, object]:
         "world_size": {"world_size": size + 1, "backend": "gloo", "timeout": 20},
         "rank": {"rank": 1 - rank, "backend": "gloo", "timeout": 20},
         "url": {"backend": "gloo", "timeout": 20, "dist_url": "tcp://127.0.0.1:1"},
+        "bounded_wait": {"backend": "gloo", "timeout": 20, "bounded_wait": True},
     }.items():
         try:
             ctx.init_distributed_env(**kwargs)
@@ -87,10 +88,11 @@ def test_init_distributed_env_in_a_launched_function_is_a_no_op_for_its_world_an
     for rank, out in enumerate(world2.run(_launched_task)):
         assert out["same"] is True and out["env"] == str(rank), out
         refused = out["refused"]
-        assert set(refused) == {"default backend", "timeout", "world_size", "rank", "url", "bad"}, refused
-        head = f"rlightning_comm.launch.run already initialised this process's world with world_size=2, rank={rank}, backend='gloo', timeout=20 s"
-        assert all(refused[k].startswith(head) for k in ("default backend", "timeout", "world_size", "rank", "url")), refused
-        assert "asked for backend='nccl', timeout=1800.0" in refused["default backend"] and "pass the backend and timeout to run()" in refused["timeout"]
+        assert set(refused) == {"default backend", "timeout", "world_size", "rank", "url", "bounded_wait", "bad"}, refused
+        head = f"rlightning_comm.launch.run already initialised this process's world with world_size=2, rank={rank}, backend='gloo', timeout=20 s, bounded_wait=False"
+        assert all(refused[k].startswith(head) for k in ("default backend", "timeout", "world_size", "rank", "url", "bounded_wait")), refused
+        assert "asked for backend='nccl', timeout=1800.0" in refused["default backend"] and "pass the backend, timeout and bounded_wait to run()" in refused["timeout"]
+        assert "asked for bounded_wait=True." in refused["bounded_wait"], refused
         assert "asked for world_size=3." in refused["world_size"] and f"asked for rank={1 - rank}." in refused["rank"], refused
         assert "asked for dist_url='tcp://127.0.0.1:1'." in refused["url"] and refused["bad"] == "ValueError", refused
 

@@ -113,3 +113,87 @@ def _check_group_forms(chk: Checks, ctx, rank: int) -> None:
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_every_op_compiles_fullgraph_and_equals_eager(world2, backend) -> None:
     assert_all_within(world2.run(_task, backend, timeout=400), tol=TOL)
+
+
+# Each round destroys the context and declares again, without torch._dynamo.reset(): the group name, this rank's
+# position in it or both change between rounds, and the compiled function must follow (or refuse) every binding.
+REDECLARATIONS = [[("SP", [0, 1])], [("SP", [1, 0])], [("OTHER", [1, 0]), ("SP", [0, 1])], [("SP", [0, 1])]]
+
+
+def _redeclare_task(rank: int, size: int, url: str) -> dict[str, float]:
+    from world import init_world
+
+    import rlightning_comm.sequence_parallel as sp
+    from rlightning_comm import CommContext
+
+    def by_mode(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return sp.scatter_to_sequence_parallel_region(x, False, mode="SP"), sp.all_gather_from_sequence_parallel_region(y, mode="SP")
+
+    def by_group(x: torch.Tensor, pg) -> torch.Tensor:  # its own function: its recompiles must not hide the other's
+        return sp.scatter_to_sequence_parallel_region(x, False, mode=pg)
+
+    torch._dynamo.reset()  # once, before the first round: never between rounds
+    # backend="eager": what is frozen or guarded is dynamo's doing, and this backend compiles fastest.
+    compiled, compiled_group = (torch.compile(f, fullgraph=True, backend="eager") for f in (by_mode, by_group))
+    chk = Checks()
+    (x,) = data(5, (2, 4, 3))  # the same on every rank, as scatter(rank0_only=False) wants
+    ys = data(6, *[(2, 3, 3)] * size)  # global rank g holds ys[g]
+    for i, declaration in enumerate(REDECLARATIONS):
+        ctx = init_world(rank, size, f"{url}{i}")
+        for mode, ranks in declaration:
+            ctx.init_group(ranks, mode)
+        ranks = dict(declaration)["SP"]
+        me = ranks.index(rank)
+        chunk = x.narrow(1, 2 * me, 2)  # the oracle: plain slicing and cat in the declared order
+        gathered = torch.cat([ys[g] for g in ranks], 1)
+        got = (*compiled(x, ys[rank]), compiled_group(x, ctx.get_group("SP")))
+        for name, value, want in zip(("scatter via mode", "all_gather via mode", "scatter via its ProcessGroup"), got, (chunk, gathered, chunk)):
+            chk.equal(f"round {i} {declaration} {name}", value, want)
+        ctx.destroy()
+    try:
+        compiled(x, ys[rank])
+        raised = ""
+    except Exception as err:  # noqa: BLE001 - with fullgraph=True dynamo re-raises what the traced code raised as its own error
+        raised = str(err)
+    chk.true("unbound after destroy() raises", "No communicator bound for mode 'SP'" in raised and not CommContext().is_initialized())
+    return chk.errors
+
+
+def test_compiled_ops_follow_a_new_binding_after_destroy_without_a_dynamo_reset(world2) -> None:
+    assert_all_within(world2.run(_redeclare_task, timeout=300), tol=0.0)
+
+
+def _shared_roles(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Self-attention's one tensor in three roles, and a key that is also the value."""
+    import rlightning_comm.sequence_parallel as sp
+
+    return sp.ulysses_attention(q, q, q), sp.ulysses_attention(q, k, k, is_causal=True)
+
+
+def _shared_roles_task(rank: int, size: int, url: str) -> dict[str, float]:
+    from sp_oracle import init_sp
+
+    from rlightning_comm.sequence_parallel import sdpa_bshd
+
+    init_sp(rank, size, url)
+    chk = Checks()
+    full_q, full_k, w1, w2 = data(9, *[(2, 6, 4, 3)] * 4)  # every rank builds the full tensors; rank r holds chunk r of the sequence
+    # The oracle: the same attention on the full sequence on one process, and its autograd.
+    oq, ok = full_q.clone().requires_grad_(), full_k.clone().requires_grad_()
+    want = (sdpa_bshd(oq, oq, oq), sdpa_bshd(oq, ok, ok, is_causal=True))
+    ((want[0] * w1).sum() + (want[1] * w2).sum()).backward()
+    local = slice(3 * rank, 3 * rank + 3)
+    torch._dynamo.reset()
+    for label, fn in (("eager", _shared_roles), ("compiled", torch.compile(_shared_roles, fullgraph=True, backend="aot_eager"))):
+        q, k = full_q[:, local].clone().requires_grad_(), full_k[:, local].clone().requires_grad_()
+        got = fn(q, k)
+        ((got[0] * w1[:, local]).sum() + (got[1] * w2[:, local]).sum()).backward()
+        chk.close(f"{label} q, q, q forward", got[0], want[0][:, local])
+        chk.close(f"{label} q, k, k forward", got[1], want[1][:, local])
+        chk.close(f"{label} grad of q (three roles and one)", q.grad, oq.grad[:, local])
+        chk.close(f"{label} grad of k (two roles)", k.grad, ok.grad[:, local])
+    return chk.errors
+
+
+def test_ulysses_with_one_tensor_in_two_roles_compiles_and_adds_up_its_gradients(world2) -> None:
+    assert_all_within(world2.run(_shared_roles_task, timeout=300), tol=TOL)

@@ -3,6 +3,7 @@ no host sync, debug mode's cross-rank check of the lengths, stats, and backward 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from sp_oracle import SP, Checks, assert_all_within, data, init_sp
 
@@ -81,6 +82,12 @@ def _mismatches(rank: int) -> dict:
         "ulysses_attention": lambda: sp.ulysses_attention(x, x, x),
         "reduce_scatter": lambda: sp.reduce_scatter_to_sequence_parallel_region(torch.zeros(2, 2 * n, 4)),
         "scatter r0=True": lambda: sp.scatter_to_sequence_parallel_region(torch.zeros(2, 2 * n, 4)),
+        # The usual way to get there: an uneven default split of 7, then a gather without seq_lens.
+        "gather after uneven scatter": lambda: sp.gather_from_sequence_parallel_region(sp.scatter_to_sequence_parallel_region(data(9, (2, 7, 3))[0], False)),
+        "gather lengths 2 and 5": lambda: sp.gather_from_sequence_parallel_region(data(rank, (2, 2 if rank == 0 else 5, 3))[0]),
+        "gather dtypes differ": lambda: sp.gather_from_sequence_parallel_region(
+            data(0, (2, 3, 4))[0].to(torch.float64 if rank == 0 else torch.float32)
+        ),  # no hint
     }
 
 
@@ -114,16 +121,25 @@ def test_debug_mode_names_every_ranks_length_before_sending(world2) -> None:
         "gather r0=True": "input_tensor: float64[2, 4, 4, 3] on global ranks [0]; float64[2, 3, 4, 3] on global ranks [1]",
         "gather r0=False": "input_tensor: float64[2, 4, 4, 3] on global ranks [0]; float64[2, 3, 4, 3] on global ranks [1]",
         "all_gather": "input_tensor: float64[2, 4, 4, 3] on global ranks [0]; float64[2, 3, 4, 3] on global ranks [1]",
-        "ulysses_attention": "rows of shape [4, 36] on global ranks [0]; float64 rows of shape [3, 36] on global ranks [1]",
+        "ulysses_attention": "rows of shape [2, 4, 2, 3] on global ranks [0]; float64 rows of shape [2, 3, 2, 3] on global ranks [1]",  # x once for q, k, v
         "reduce_scatter": "output: float32[2, 4, 4] on global ranks [0]; float32[2, 3, 4] on global ranks [1]",
         "scatter r0=True": "global rank 0 sends 4 rows to global rank 1, which expects 3",
     }
+    # A gather-type op without lengths names the argument and the call that gives them, on every rank.
+    hints = {
+        name: "Hint: seq_lens was not given, so each rank took its own length along dim 1 as every rank's, but the ranks hold [4, 3] "
+        "(in group rank order), as the default split of 7 over a group of 2 leaves them: pass seq_lens=sequence_split_sizes(7, 2) on every rank"
+        for name in ("gather r0=True", "gather r0=False", "all_gather", "ulysses_attention", "gather after uneven scatter")
+    }
+    hints["all_to_all"] = hints["gather r0=True"].replace("seq_lens", "gather_sizes")
+    hints["gather lengths 2 and 5"] = "but the ranks hold [2, 5] (in group rank order): pass seq_lens=[2, 5] on every rank"
     for rank, out in enumerate(results):
         for name in _mismatches(rank):
             assert out[name + " after"] == [3.0, 3.0], f"rank {rank}, {name}: group out of step: {out[name + ' after']}"
-        for name, fragment in named.items():
+            assert (name in hints) == ("Hint: " in out[name]), f"rank {rank}, {name}: {out[name]!r}"
+        for name, fragment in (named | hints).items():
             assert fragment in out[name], f"rank {rank}, {name}: {fragment!r} not in {out[name]!r}"
-    for name in named:
+    for name in _mismatches(0):
         assert results[0][name] == results[1][name], name
 
 
@@ -158,3 +174,20 @@ def _task_stats_and_threads(rank: int, size: int, url: str) -> dict:
 
 def test_stats_see_the_ops_and_backward_may_run_on_another_thread(world2) -> None:
     assert_all_within(world2.run(_task_stats_and_threads, timeout=60))
+
+
+@pytest.mark.parametrize(
+    ("wire", "hinted"),
+    [
+        ([[2, 4, 3], [2, 3, 3], [2, 3, 3]], "sequence_split_sizes(10, 3)"),  # torch.tensor_split's lengths of 10 over 3
+        ([[2, 4, 3], [2, 5, 3], [2, 4, 3]], "seq_lens=[4, 5, 4] on every rank"),  # other lengths: the list itself
+        ([[2, 4, 3], [3, 4, 3], [2, 4, 3]], None),  # the batch differs, not the length (this rank's is 4)
+        ([[2, 4, 3], [2, 3, 2], [2, 4, 3]], None),  # two dims differ: not the rule's doing alone
+        ([[2, 4, 3], [2, 4], [2, 4, 3]], None),  # different ranks
+    ],
+)
+def test_the_lengths_hint_only_when_the_shapes_differ_in_the_length_alone(wire, hinted) -> None:
+    from rlightning_comm.sequence_parallel._sizes import forgotten_lengths_hint
+
+    got = forgotten_lengths_hint(wire, 0, "seq_lens", 1, 4)
+    assert (got is None) if hinted is None else (hinted in got), got

@@ -297,3 +297,54 @@ def test_context_is_consistent_under_concurrent_use_and_double_init(world1):
     assert len(out["errors"]) == 2
     assert "CommContext is already initialised with" in out["errors"][0]
     assert "mode 'M0' is already bound to ranks [0]" in out["errors"][1]
+
+
+def _raw_group_overlap_task(rank, size, url):
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import rlightning_comm.sequence_parallel as sp
+    from rlightning_comm import CommError, collective
+
+    ctx = init_world(rank, size, url, timeout=30)
+    ctx.init_group([0, 1], "SP")
+    ctx.init_group([0, 1], "SIDE")  # rank 1 waits on it, so rank 0's first call stays in flight
+    comm, pg = ctx.get_communicator("SP"), ctx.get_group("SP")
+    first_in, first_out = torch.full((4,), float(rank + 1)), torch.empty(4)
+    x = torch.arange(8, dtype=torch.float64).view(1, 2, 4) + 10 * rank
+    out = {}
+    if rank == 0:
+        th = threading.Thread(target=lambda: comm.all_to_all_single(first_out, first_in), name="first")
+        th.start()
+        deadline = time.monotonic() + 20
+        while comm._lock.acquire(False) and time.monotonic() < deadline:  # until 'first' holds the claim
+            comm._lock.release()
+            time.sleep(0.001)
+        with backend_calls() as calls:
+            try:
+                sp.all_to_all(x, 1, 2, pg)  # the same group, reached through its raw ProcessGroup
+                out["late"] = "no error"
+            except CommError as err:
+                out["late"] = str(err)
+        out["late_calls"] = dict(calls)
+        collective.barrier("SIDE")  # now rank 1 joins the first call
+        th.join(30)
+        out["first_alive"] = th.is_alive()
+    else:
+        collective.barrier("SIDE")
+        comm.all_to_all_single(first_out, first_in)
+    out["first"] = first_out.tolist()
+    raw = [torch.empty(1, 2, 2, dtype=torch.float64) for _ in range(size)]
+    dist.all_to_all(raw, [c.contiguous() for c in x.chunk(size, 2)], group=pg)  # the oracle: torch's list form
+    out["after_equal"] = torch.equal(sp.all_to_all(x, 1, 2, pg), torch.cat(raw, 1))  # in step: nothing of the late call was sent
+    return out
+
+
+def test_a_raw_process_group_shares_its_mode_claim(world2):
+    r0, r1 = world2.run(_raw_group_overlap_task, timeout=60)
+    assert "all_to_all_single on mode 'process group " in r0["late"] and "overlaps a call that thread 'first' has in flight" in r0["late"], r0
+    assert r0["late_calls"] == {} and not r0["first_alive"]
+    assert r0["first"] == [1.0, 1.0, 2.0, 2.0] and r1["first"] == [1.0, 1.0, 2.0, 2.0]
+    assert r0["after_equal"] and r1["after_equal"]

@@ -20,10 +20,16 @@ from rlightning_comm.communicators import _objects, _packing
 
 _Tensor = torch.Tensor
 _SUM = ReduceOp.SUM
+_compiling = torch.compiler.is_dynamo_compiling
 _AVG = ReduceOp.AVG
 _BITWISE = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
 # torch views a complex tensor as real pairs, which is only exact for these ops.
 _COMPLEX_OPS = frozenset({ReduceOp.SUM, ReduceOp.AVG})
+
+
+def reduce_op_type(op: Any) -> Any:
+    """``ReduceOp(ReduceOp.MAX)`` as ``ReduceOp.MAX``: torch takes both, the option tables are keyed by the second."""
+    return op.op if type(op) is ReduceOp else op
 
 
 def _same_device(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -39,22 +45,44 @@ class InputChecks:
     _global_rank: int
     _group_rank_of: dict[int, int]
     _ranks: tuple[int, ...]
-    _on_device: Callable[[torch.Tensor, torch.Tensor], bool]  # the backend's fast device test (Communicator._on_device)
+    on_device: Callable[[torch.Tensor, torch.Tensor], bool]  # the backend's fast device test (Communicator.on_device)
     supported_reduce_ops: ClassVar[frozenset[Any]]
     integer_avg_supported: ClassVar[bool]
-    # _check_device(tensor, name) is the backend's part, declared abstract on Communicator.
+    supported_dtypes: ClassVar[frozenset[torch.dtype] | None]
+    # check_device(tensor, name) is the backend's part, declared abstract on Communicator.
 
     # ------------------------------------------------------------ primitives
     def _check_tensor(self, tensor: Any, name: str) -> None:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor; got {type(tensor).__name__} (mode {self._mode!r})")
+        if tensor.is_nested:
+            raise ValueError(
+                f"{name} is a nested tensor; {type(self).__name__} (mode {self._mode!r}) takes dense, contiguous tensors. "
+                "Hint: pass its values as one dense tensor (t.values() of a jagged tensor, torch.cat([x.flatten() for x in t.unbind()]) otherwise)"
+            )
         try:
             contiguous = tensor.is_contiguous()
         except RuntimeError:  # sparse compressed layouts have no strides at all
             contiguous = False
         if not contiguous:
             self._refuse_layout(tensor, name)
-        self._check_device(tensor, name)
+        if not _compiling() and (tensor.is_conj() or tensor.is_neg()):  # dynamo traces neither
+            kind, fix = ("conjugate", "resolve_conj") if tensor.is_conj() else ("negative", "resolve_neg")
+            raise ValueError(
+                f"{name} is a {kind} view, whose memory holds the values before the {kind} bit is applied; {type(self).__name__} "
+                f"(mode {self._mode!r}) moves memory as it is, so expected a tensor without the bit. Hint: pass t.{fix}() (a copy) and copy the result back"
+            )
+        self.check_device(tensor, name)
+        dtypes = self.supported_dtypes
+        if dtypes is not None and tensor.dtype not in dtypes:
+            self._refuse_dtype(tensor.dtype, name)
+
+    def _refuse_dtype(self, dtype: torch.dtype, name: str) -> None:
+        moves = ", ".join(sorted(str(d).removeprefix("torch.") for d in self.supported_dtypes or ()))
+        raise ValueError(
+            f"{name} is {dtype}, which {type(self).__name__} (mode {self._mode!r}) cannot move; expected one of: {moves}. "
+            "Hint: cast it (for example t.to(torch.int64)) and cast the result back"
+        )
 
     def _refuse_layout(self, tensor: torch.Tensor, name: str) -> None:
         if tensor.layout != torch.strided:
@@ -92,9 +120,30 @@ class InputChecks:
         if operator.index(rank) not in self._group_rank_of:
             raise ValueError(f"{name}={rank!r} is not a global rank of mode {self._mode!r}; expected one of {expected}")
 
+    def _check_reduction(self, op: Any, dtype: torch.dtype) -> None:
+        """The checks of a reducing op (``op`` on ``dtype``), whatever the op: SUM too."""
+        op = reduce_op_type(op)
+        if op is not _SUM:
+            self._check_reduce_op(op, dtype)
+        if dtype in self._unreducible_dtypes():
+            raise ValueError(
+                f"{type(self).__name__} (mode {self._mode!r}) cannot reduce {dtype} tensors (the backend has no such reduction); "
+                "expected another dtype. Hint: reduce a copy in a wider dtype (t.float()); moving this dtype (broadcast, all_gather) works"
+            )
+
+    def _unreducible_dtypes(self) -> frozenset[torch.dtype]:
+        """Dtypes the backend moves but cannot reduce (none by default)."""
+        return frozenset()
+
     def _check_reduce_op(self, op: Any, dtype: torch.dtype) -> None:
+        op = reduce_op_type(op)
         if op is _SUM:
             return
+        if op is ReduceOp.PREMUL_SUM:
+            raise ValueError(
+                f"reduce op PREMUL_SUM (torch's _make_nccl_premul_sum) is not supported by {type(self).__name__} (mode {self._mode!r}); "
+                "expected SUM, AVG, PRODUCT, MIN or MAX. Hint: scale the tensor first (t.mul_(factor)), then reduce with SUM"
+            )
         if op not in self.supported_reduce_ops:
             supported = sorted(str(o).rsplit(".", 1)[-1] for o in self.supported_reduce_ops)
             raise ValueError(f"reduce op {op!r} is not supported by {type(self).__name__} (mode {self._mode!r}); supported: {supported}")
@@ -104,19 +153,36 @@ class InputChecks:
         elif op in _BITWISE:
             if dtype.is_floating_point:
                 raise ValueError(f"bitwise reduce op {op!r} needs an integer or bool tensor; got {dtype} (mode {self._mode!r})")
-        elif op is _AVG and not dtype.is_floating_point and not self.integer_avg_supported:
+        elif op is _AVG and (dtype is torch.bool or (not dtype.is_floating_point and not self.integer_avg_supported)):
             raise ValueError(f"reduce op AVG needs a floating-point tensor with {type(self).__name__}; got {dtype} (mode {self._mode!r})")
 
     def _check_rooted(self, name: str, tensor: Any, tensors: Any, root_name: str, root: Any) -> None:
-        on_device = self._on_device
+        on_device = self.on_device
         try:  # the common case in C-level reads (a cold call pays for each frame); anything else gets the checks below
-            if type(root) is int and root in self._group_rank_of and isinstance(tensor, _Tensor) and on_device(tensor, tensor) and tensor.is_contiguous():
+            if (
+                type(root) is int
+                and root in self._group_rank_of
+                and isinstance(tensor, _Tensor)
+                and on_device(tensor, tensor)
+                and tensor.is_contiguous()
+                and not tensor.is_complex()
+                and not tensor.is_nested
+                and (_compiling() or not tensor.is_neg())  # dynamo cannot trace is_neg
+            ):
                 if self._global_rank != root:
                     return
                 if type(tensors) is list and len(tensors) == self._world_size:
                     dtype, shape = tensor.dtype, tensor.shape
                     for t in tensors:
-                        if not (isinstance(t, _Tensor) and t.dtype is dtype and on_device(t, tensor) and t.is_contiguous() and t.shape == shape):
+                        if not (
+                            isinstance(t, _Tensor)
+                            and t.dtype is dtype
+                            and on_device(t, tensor)
+                            and t.is_contiguous()
+                            and not t.is_nested
+                            and (_compiling() or not t.is_neg())
+                            and t.shape == shape
+                        ):
                             break
                     else:
                         return
@@ -147,8 +213,7 @@ class InputChecks:
     # ------------------------------------------------------------ per op
     def _check_all_reduce(self, tensor: Any, op: Any = _SUM, async_op: bool = False) -> None:
         self._check_tensor(tensor, "tensor")
-        if op is not _SUM:
-            self._check_reduce_op(op, tensor.dtype)
+        self._check_reduction(op, tensor.dtype)
 
     def _check_all_gather(self, output_tensor: Any, input_tensor: Any, async_op: bool = False) -> None:
         self._check_tensor(output_tensor, "output_tensor")
@@ -185,8 +250,7 @@ class InputChecks:
     def _check_reduce_scatter(self, output: Any, input_: Any, op: Any = _SUM, async_op: bool = False) -> None:
         self._check_tensor(output, "output")
         self._check_tensor(input_, "input_")
-        if op is not _SUM:
-            self._check_reduce_op(op, input_.dtype)
+        self._check_reduction(op, input_.dtype)
         if input_.numel() != output.numel() * self._world_size or input_.dtype != output.dtype or not _same_device(input_, output):
             raise ValueError(
                 f"input_ must hold world_size * output.numel() = {self._world_size * output.numel()} elements of {output.dtype} on {output.device}; "
@@ -205,8 +269,37 @@ class InputChecks:
         self._check_splits(output_split_sizes, output, "output_split_sizes", "output")
         self._check_splits(input_split_sizes, input_, "input_split_sizes", "input_")
 
+    def _check_reduce(self, tensor: Any, dst: Any = 0, op: Any = _SUM, async_op: bool = False) -> None:
+        self._check_tensor(tensor, "tensor")
+        self._check_peer(dst, "dst")
+        self._check_reduction(op, tensor.dtype)
+
+    def _check_point_to_point(self, op: str, tensor: Any, peer: Any, name: str) -> None:
+        self._check_tensor(tensor, "tensor")
+        self._check_peer(peer, name)
+        if operator.index(peer) == self._global_rank:
+            raise ValueError(
+                f"{name}={peer!r} is this rank: {op} needs another rank of mode {self._mode!r}; expected one of "
+                f"{[r for r in self._ranks if r != self._global_rank]}"
+            )
+
+    def _check_send(self, tensor: Any, dst: Any, async_op: bool = False) -> None:
+        self._check_point_to_point("send", tensor, dst, "dst")
+
+    def _check_recv(self, tensor: Any, src: Any, async_op: bool = False) -> None:
+        self._check_point_to_point("recv", tensor, src, "src")
+
     def _check_barrier(self) -> None:
         return None
+
+    def _check_all_gather_object(self, object_list: Any, obj: Any, *, safe: bool | None = None, max_bytes: int | None = None) -> None:
+        if not isinstance(object_list, list):
+            raise TypeError(
+                f"object_list must be a list of {self._world_size} entries (it is filled in place); got {type(object_list).__name__} (mode {self._mode!r})"
+            )
+        if len(object_list) != self._world_size:
+            raise ValueError(f"object_list must hold one entry per rank: expected {self._world_size}; got {len(object_list)} (mode {self._mode!r})")
+        _objects.resolve_options(safe, max_bytes, self._mode)
 
     def _check_broadcast_object_list(self, object_list: Any, src: Any = 0, *, safe: bool | None = None, max_bytes: int | None = None) -> None:
         if not isinstance(object_list, list):
@@ -218,4 +311,7 @@ class InputChecks:
         if not isinstance(dictionary, Mapping):
             raise TypeError(f"dictionary must be a Mapping; got {type(dictionary).__name__} (mode {self._mode!r})")
         _packing.check(dictionary, dtype, self._mode)  # the dtype, a total key order, and every value, as pack() checks them
-        self._check_reduce_op(op, dtype)
+        dtypes = self.supported_dtypes
+        if dtypes is not None and dtype not in dtypes:
+            self._refuse_dtype(dtype, "dtype")
+        self._check_reduction(op, dtype)

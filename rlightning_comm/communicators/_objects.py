@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import io
 import pickle
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,31 +28,39 @@ from rlightning_comm import _compat
 from rlightning_comm.errors import ObjectRefusedError
 
 
-def broadcast_objects(object_list: list[Any], src: int, group: dist.ProcessGroup, device: torch.device) -> list[memoryview] | None:
-    """Broadcast the pickles of ``object_list`` from global rank ``src``.
+def broadcast_objects(object_list: list[Any], is_src: bool, broadcast: Callable[[torch.Tensor], None], device: torch.device) -> list[memoryview] | None:
+    """Broadcast the pickles of ``object_list`` from the source, through ``broadcast`` (the communicator's own launch).
+
+    Args:
+        object_list: The objects on the source; a list of the same length elsewhere.
+        is_src: Whether this rank sends.
+        broadcast: Broadcasts a tensor in place from the source and returns
+            when it has arrived (so the host reads below never wait on a
+            collective the communicator did not bound).
+        device: Where the payload is staged.
 
     Returns:
-        On a receiver, the ``len(object_list)`` payloads, not unpickled; ``None`` on ``src``
+        On a receiver, the ``len(object_list)`` payloads, not unpickled; ``None`` on the source
         or for an empty list (no collective then).
     """
     if not object_list:
         return None
-    is_src = dist.get_rank() == src
     if is_src:
         payloads = [pickle.dumps(obj) for obj in object_list]
         sizes = torch.tensor([len(p) for p in payloads], dtype=torch.long, device=device)
     else:
         sizes = torch.empty(len(object_list), dtype=torch.long, device=device)
-    dist.broadcast(sizes, src=src, group=group)
+    broadcast(sizes)
     if is_src:
         data = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).to(device)
     else:
         # Receive into a bytearray (through a tensor view of it on CPU, so no copy at all): bytes(storage)
         # iterates element by element (8 s for 4 MiB), and a parallel copy into fresh pages is slow on a busy host.
-        buffer = bytearray(int(sizes.sum().item()))
+        lengths = sizes.tolist()  # one device-to-host copy
+        buffer = bytearray(sum(lengths))
         host = torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0, dtype=torch.uint8)  # frombuffer refuses b""
         data = host if device.type == "cpu" else torch.empty(len(buffer), dtype=torch.uint8, device=device)
-    dist.broadcast(data, src=src, group=group)
+    broadcast(data)
     if is_src:
         return None
     if data is not host:
@@ -59,38 +68,59 @@ def broadcast_objects(object_list: list[Any], src: int, group: dist.ProcessGroup
     raw = memoryview(buffer)
     received = []
     offset = 0
-    for size in sizes.tolist():
+    for size in lengths:
         received.append(raw[offset : offset + size])
         offset += size
     return received
 
 
-def all_gather_objects(obj: Any, group: dist.ProcessGroup, device: torch.device) -> list[Any]:
+def all_gather_objects(
+    obj: Any, group: dist.ProcessGroup, device: torch.device, gather: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+) -> list[Any]:
     """Every group rank's ``obj``, in group-rank order: torch's ``all_gather_object`` without numpy.
 
-    For the library's own exchanges between trusted ranks (it unpickles what
-    peers send): two all-gathers, of the pickle sizes and of the pickles
-    padded to the longest, received straight into one ``bytearray``.
+    For the library's own exchanges between trusted ranks: it unpickles what
+    peers send (``Communicator.all_gather_object`` decodes the payloads of
+    :func:`all_gather_payloads` with :func:`decode_gathered` instead).
+
+    Args:
+        obj: This rank's object.
+        group: The process group.
+        device: Where the payload is staged.
+        gather: ``gather(output, input)`` all-gathers flat tensors and returns
+            when they have arrived (a communicator's own launch); ``None``
+            means torch's ``all_gather_single`` on ``group``.
     """
-    payload = pickle.dumps(obj)
-    world = dist.get_world_size(group)
+    if gather is None:
+
+        def gather(output: torch.Tensor, input_: torch.Tensor) -> None:
+            _compat.all_gather_single(output, input_, group=group)
+
+    return [pickle.loads(p) for p in all_gather_payloads(pickle.dumps(obj), dist.get_world_size(group), device, gather)]
+
+
+def all_gather_payloads(payload: bytes, world: int, device: torch.device, gather: Callable[[torch.Tensor, torch.Tensor], None]) -> list[memoryview]:
+    """Every group rank's ``payload`` bytes, in group-rank order: two all-gathers (the sizes, then the bytes padded to the longest).
+
+    ``gather(output, input)`` all-gathers flat tensors over the ``world`` ranks and returns once they have arrived.
+    """
     sizes = torch.empty(world, dtype=torch.long, device=device)
-    _compat.all_gather_single(sizes, torch.tensor([len(payload)], dtype=torch.long, device=device), group=group)
+    gather(sizes, torch.tensor([len(payload)], dtype=torch.long, device=device))
     lengths = sizes.tolist()  # one device-to-host copy for every rank's size
     width = max(lengths)
     padded = bytearray(width)
     padded[: len(payload)] = payload
-    mine = torch.frombuffer(padded, dtype=torch.uint8)
+    mine = torch.frombuffer(padded, dtype=torch.uint8) if width else torch.empty(0, dtype=torch.uint8)
     buffer = bytearray(world * width)
-    host = torch.frombuffer(buffer, dtype=torch.uint8)
+    host = torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0, dtype=torch.uint8)
     if device.type == "cpu":
-        _compat.all_gather_single(host, mine, group=group)
+        gather(host, mine)
     else:
         data = torch.empty(world * width, dtype=torch.uint8, device=device)
-        _compat.all_gather_single(data, mine.to(device), group=group)
+        gather(data, mine.to(device))
         host.copy_(data)
     raw = memoryview(buffer)
-    return [pickle.loads(raw[r * width : r * width + n]) for r, n in enumerate(lengths)]
+    return [raw[r * width : r * width + n] for r, n in enumerate(lengths)]
 
 
 _default_safe = False
@@ -126,31 +156,47 @@ def resolve_options(safe: bool | None, max_bytes: int | None, mode: str) -> tupl
 
 
 def decode(payloads: list[memoryview], src: int, safe: bool, max_bytes: int | None, mode: str) -> list[Any]:
-    """Unpickle received payloads, all or none.
+    """Unpickle the payloads ``broadcast_object_list`` received from ``src``, all or none (``max_bytes`` bounds their total).
 
     Raises:
         ObjectRefusedError: over ``max_bytes``, or (safe) not plain data.
     """
-    total = sum(len(p) for p in payloads)
-    if max_bytes is not None and total > max_bytes:
+    _bound(sum(len(p) for p in payloads), src, max_bytes, mode, "broadcast_object_list")
+    return [_load(p, f"object {i} from rank {src}", safe, mode, "broadcast_object_list") for i, p in enumerate(payloads)]
+
+
+def decode_gathered(payloads: list[memoryview], ranks: tuple[int, ...], me: int, safe: bool, max_bytes: int | None, mode: str) -> list[Any]:
+    """Unpickle every rank's ``all_gather_object`` payload, all or none; ``max_bytes`` bounds each peer's payload.
+
+    This rank's own object comes back as a copy (unpickled as it was sent), never refused.
+
+    Raises:
+        ObjectRefusedError: a peer's payload is over ``max_bytes``, or (safe) not plain data.
+    """
+    for r, payload in enumerate(payloads):
+        if r != me:
+            _bound(len(payload), ranks[r], max_bytes, mode, "all_gather_object")
+    return [pickle.loads(p) if r == me else _load(p, f"the object of rank {ranks[r]}", safe, mode, "all_gather_object") for r, p in enumerate(payloads)]
+
+
+def _bound(size: int, src: int, max_bytes: int | None, mode: str, op: str) -> None:
+    if max_bytes is not None and size > max_bytes:
         raise ObjectRefusedError(
-            f"broadcast_object_list on mode {mode!r} refused {total} bytes from rank {src}: over max_bytes={max_bytes}; "
-            "nothing was deserialised and the list is unchanged"
+            f"{op} on mode {mode!r} refused {size} bytes from rank {src}: over max_bytes={max_bytes}; nothing was deserialised and the list is unchanged"
         )
+
+
+def _load(payload: memoryview, what: str, safe: bool, mode: str, op: str) -> Any:
     if not safe:
-        return [pickle.loads(p) for p in payloads]
-    out = []
-    for i, payload in enumerate(payloads):
-        try:
-            obj = _PlainUnpickler(io.BytesIO(payload)).load()
-            _check_plain(obj)
-        except Exception as err:  # noqa: BLE001 - whatever the payload makes the unpickler raise is a refusal
-            raise ObjectRefusedError(
-                f"broadcast_object_list on mode {mode!r} (safe) refused object {i} from rank {src}: {err}. "
-                f"Safe mode accepts only {_PLAIN_NAMES}; nothing in it was run and the list is unchanged"
-            ) from None
-        out.append(obj)
-    return out
+        return pickle.loads(payload)
+    try:
+        obj = _PlainUnpickler(io.BytesIO(payload)).load()
+        _check_plain(obj)
+    except Exception as err:  # noqa: BLE001 - whatever the payload makes the unpickler raise is a refusal
+        raise ObjectRefusedError(
+            f"{op} on mode {mode!r} (safe) refused {what}: {err}. Safe mode accepts only {_PLAIN_NAMES}; nothing in it was run and the list is unchanged"
+        ) from None
+    return obj
 
 
 def _load_storage(data: bytes) -> Any:

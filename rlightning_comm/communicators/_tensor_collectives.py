@@ -1,4 +1,8 @@
-"""The eight tensor collectives of :class:`Communicator`, each written for the cold call.
+"""The tensor collectives of :class:`Communicator` that every rank feeds alike, each written for the cold call.
+
+The rooted ones (``broadcast``, ``gather``, ``scatter``, ``reduce``) are in
+:mod:`._rooted`, the point-to-point ones (``send``, ``recv``) in :mod:`._p2p`;
+all follow the scheme below.
 
 Between two collectives a training loop waits on the backend, so every call
 starts cold: each distinct Python frame and each distinct tensor attribute it
@@ -9,7 +13,7 @@ calling out only for the device test and the compile test on the common path:
 1. the non-member test (``None``);
 2. one boolean expression that accepts the common case with C-level reads:
    dense contiguous tensors of a real dtype on the backend's device
-   (:meth:`Communicator._on_device`), matching dtypes and flat shapes, a
+   (:meth:`Communicator.on_device`), matching dtypes and flat shapes, a
    plain ``int`` rank of the group. What it does not accept (any other
    shape, a complex or sparse tensor, a bad argument) goes to the op's full
    ``_check_<op>`` (:mod:`._checks`), which accepts it or refuses it with the
@@ -25,25 +29,26 @@ calling out only for the device test and the compile test on the common path:
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol  # the traceable collectives; sequence_parallel uses them too
 from torch.distributed import ReduceOp
 from torch.overrides import has_torch_function_unary
 
+from rlightning_comm._compat import COALESCING as _coalescing
 from rlightning_comm._compat import all_gather_single as _all_gather_flat
 from rlightning_comm._compat import reduce_scatter_single as _reduce_scatter_flat
-from rlightning_comm.communicators._launch import as_real, compiling, rooted_args
+from rlightning_comm.communicators._checks import reduce_op_type
+from rlightning_comm.communicators._launch import as_real, compiling
+from rlightning_comm.failures import LAUNCH_ERRORS
 
 _Tensor = torch.Tensor
 _SUM = ReduceOp.SUM
 
 
 class TensorCollectives:
-    """Mixin of :class:`Communicator`: all_reduce, all_gather, broadcast, gather, scatter, reduce_scatter, all_to_all_single, barrier."""
+    """Mixin of :class:`Communicator`: all_reduce, all_gather, reduce_scatter, all_to_all_single, barrier."""
 
     _group: Any
     _mode: str
@@ -53,7 +58,7 @@ class TensorCollectives:
     _lock: Any
     _sync: Any
     _async: Any
-    # Provided by the other mixins: _on_device, the _check_<op> methods, _overlap, _failure, _handle, _barrier_options.
+    # Provided by the other mixins: on_device, the _check_<op> methods, _overlap, _failure, _handle, _barrier_options.
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = _SUM, async_op: bool = False) -> Any | None:
         """Reduce ``tensor`` across the group, in place; every rank gets the result.
@@ -77,13 +82,23 @@ class TensorCollectives:
         group = self._group
         if group is None:
             return None
+        traced = compiling()  # constant under dynamo, which cannot trace is_neg
         try:  # a sparse compressed tensor raises in is_contiguous: the full check names it
-            plain = op is _SUM and isinstance(tensor, _Tensor) and self._on_device(tensor, tensor) and tensor.is_contiguous() and not tensor.is_complex()
+            plain = (
+                op is _SUM
+                and isinstance(tensor, _Tensor)
+                and self.on_device(tensor, tensor)
+                and tensor.is_contiguous()
+                and not tensor.is_complex()
+                and not tensor.is_nested
+                and (traced or not tensor.is_neg())
+            )
         except RuntimeError:
             plain = False
         if not plain:
             self._check_all_reduce(tensor, op, async_op)
-        if compiling() or has_torch_function_unary(tensor):
+            op = reduce_op_type(op)
+        if traced or (_coalescing and group in _coalescing) or has_torch_function_unary(tensor):
             return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
         if plain:
             opts = self._async.allreduce_sum if async_op else self._sync.allreduce_sum
@@ -96,8 +111,9 @@ class TensorCollectives:
             work = group.allreduce([tensor], opts)
             if async_op:
                 return self._handle(work, "all_reduce")
-            work.wait()
-        except RuntimeError as err:
+            if work is not None:  # NCCL returns no work for a blocking call (it runs on the current stream)
+                work.wait()
+        except LAUNCH_ERRORS as err:
             raise self._failure("all_reduce", err) from err
         finally:
             lock.release()
@@ -119,17 +135,21 @@ class TensorCollectives:
         group = self._group
         if group is None:
             return None
+        traced = compiling()  # constant under dynamo, which cannot trace is_neg
         try:
             plain = (
                 isinstance(output_tensor, _Tensor)
                 and isinstance(input_tensor, _Tensor)
                 and output_tensor.dim() == 1 == input_tensor.dim()
-                and output_tensor.dtype is input_tensor.dtype
-                and self._on_device(output_tensor, input_tensor)
+                and (dtype := input_tensor.dtype) is output_tensor.dtype
+                and self.on_device(output_tensor, input_tensor)
                 and output_tensor.is_contiguous()
+                and not output_tensor.is_nested
                 and input_tensor.is_contiguous()
+                and not input_tensor.is_nested
+                and (traced or not (output_tensor.is_neg() or input_tensor.is_neg()))
                 and output_tensor.numel() == self._world_size * input_tensor.numel()
-                and not input_tensor.is_complex()
+                and not dtype.is_complex  # one dtype read for both tests
             )
         except RuntimeError:
             plain = False
@@ -139,7 +159,7 @@ class TensorCollectives:
             # have the same layout (both tensors are contiguous).
             if output_tensor.dim() != input_tensor.dim():
                 output_tensor, input_tensor = output_tensor.view(-1), input_tensor.view(-1)
-        if compiling() or has_torch_function_unary(input_tensor):
+        if traced or (_coalescing and group in _coalescing) or has_torch_function_unary(input_tensor):
             return _all_gather_flat(output_tensor, input_tensor, group=group, async_op=async_op)
         if not plain and input_tensor.is_complex():  # the check made both the same dtype
             output_tensor, input_tensor = torch.view_as_real(output_tensor), torch.view_as_real(input_tensor)
@@ -151,130 +171,10 @@ class TensorCollectives:
             work = group.all_gather_single(output_tensor, input_tensor, opts)
             if async_op:
                 return self._handle(work, "all_gather")
-            work.wait()
-        except RuntimeError as err:
+            if work is not None:  # NCCL returns no work for a blocking call (it runs on the current stream)
+                work.wait()
+        except LAUNCH_ERRORS as err:
             raise self._failure("all_gather", err) from err
-        finally:
-            lock.release()
-        return None
-
-    def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Any | None:
-        """Copy ``tensor`` from global rank ``src`` into ``tensor`` on every rank.
-
-        Returns:
-            A work handle if ``async_op``, else ``None``; ``None`` on a non-member.
-        """
-        group = self._group
-        if group is None:
-            return None
-        try:
-            plain = (
-                type(src) is int
-                and src in self._group_rank_of
-                and isinstance(tensor, _Tensor)
-                and self._on_device(tensor, tensor)
-                and tensor.is_contiguous()
-                and not tensor.is_complex()
-            )
-        except RuntimeError:
-            plain = False
-        if not plain:
-            self._check_broadcast(tensor, src, async_op)
-            src = operator.index(src)  # a rank the check accepted through __index__ (a 0-d tensor): the int the tables are keyed by
-        if compiling():  # dynamo does not rewrite dist.broadcast: the functional one, copied back in place
-            tensor.copy_(funcol.wait_tensor(funcol.broadcast(tensor, self._group_rank_of[src], group)))
-            return None
-        if has_torch_function_unary(tensor):
-            return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
-        if not plain:
-            tensor = as_real(tensor)
-        opts = self._async.broadcast[src] if async_op else self._sync.broadcast[src]
-        lock = self._lock
-        if not lock.acquire(False):
-            raise self._overlap("broadcast")
-        try:
-            work = group.broadcast([tensor], opts)
-            if async_op:
-                return self._handle(work, "broadcast")
-            work.wait()
-        except RuntimeError as err:
-            raise self._failure("broadcast", err) from err
-        finally:
-            lock.release()
-        return None
-
-    def gather(self, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int = 0, async_op: bool = False) -> Any | None:
-        """Gather ``tensor`` from every rank into ``gather_list`` on global rank ``dst``.
-
-        Args:
-            tensor: This rank's contribution.
-            gather_list: On ``dst``, one tensor per rank shaped like ``tensor``;
-                ignored on other ranks.
-            dst: Global rank that receives.
-            async_op: Return a work handle instead of waiting.
-
-        Returns:
-            A work handle if ``async_op``, else ``None``; ``None`` on a non-member.
-        """
-        group = self._group
-        if group is None:
-            return None
-        self._check_gather(tensor, gather_list, dst, async_op)  # its own fast path covers the root's list
-        if type(dst) is not int:
-            dst = operator.index(dst)
-        on_root = self._global_rank == dst
-        if compiling() or has_torch_function_unary(tensor):
-            return dist.gather(tensor, list(gather_list) if on_root else None, dst=dst, group=group, async_op=async_op)
-        tensor, outputs = rooted_args(tensor, gather_list, on_root)
-        opts = self._async.gather[dst] if async_op else self._sync.gather[dst]
-        lock = self._lock
-        if not lock.acquire(False):
-            raise self._overlap("gather")
-        try:
-            work = group.gather(outputs, [tensor], opts)
-            if async_op:
-                return self._handle(work, "gather")
-            work.wait()
-        except RuntimeError as err:
-            raise self._failure("gather", err) from err
-        finally:
-            lock.release()
-        return None
-
-    def scatter(self, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int = 0, async_op: bool = False) -> Any | None:
-        """Send ``scatter_list[i]`` from global rank ``src`` to the group's i-th rank, into ``tensor``.
-
-        Args:
-            tensor: Output on every rank.
-            scatter_list: On ``src``, one tensor per rank shaped like ``tensor``;
-                ignored on other ranks.
-            src: Global rank that sends.
-            async_op: Return a work handle instead of waiting.
-
-        Returns:
-            A work handle if ``async_op``, else ``None``; ``None`` on a non-member.
-        """
-        group = self._group
-        if group is None:
-            return None
-        self._check_scatter(tensor, scatter_list, src, async_op)  # its own fast path covers the root's list
-        if type(src) is not int:
-            src = operator.index(src)
-        on_root = self._global_rank == src
-        if compiling() or has_torch_function_unary(tensor):
-            return dist.scatter(tensor, list(scatter_list) if on_root else None, src=src, group=group, async_op=async_op)
-        tensor, inputs = rooted_args(tensor, scatter_list, on_root)
-        opts = self._async.scatter[src] if async_op else self._sync.scatter[src]
-        lock = self._lock
-        if not lock.acquire(False):
-            raise self._overlap("scatter")
-        try:
-            work = group.scatter([tensor], inputs, opts)
-            if async_op:
-                return self._handle(work, "scatter")
-            work.wait()
-        except RuntimeError as err:
-            raise self._failure("scatter", err) from err
         finally:
             lock.release()
         return None
@@ -294,29 +194,37 @@ class TensorCollectives:
         group = self._group
         if group is None:
             return None
+        traced = compiling()  # constant under dynamo, which cannot trace is_neg
         try:
             plain = (
                 op is _SUM
                 and isinstance(output, _Tensor)
                 and isinstance(input_, _Tensor)
                 and output.dim() == 1 == input_.dim()
-                and output.dtype is input_.dtype
-                and self._on_device(output, input_)
+                and (dtype := input_.dtype) is output.dtype
+                and self.on_device(output, input_)
                 and output.is_contiguous()
+                and not output.is_nested
                 and input_.is_contiguous()
+                and not input_.is_nested
+                and (traced or not (output.is_neg() or input_.is_neg()))
                 and input_.numel() == output.numel() * self._world_size
+                and not dtype.is_complex  # one dtype read for both tests
             )
         except RuntimeError:
             plain = False
         if not plain:
             self._check_reduce_scatter(output, input_, op, async_op)
+            op = reduce_op_type(op)
             # Any shapes of the right sizes: both tensors are contiguous, so flat views have their layout.
             if output.dim() != 1:
                 output = output.view(-1)
             if input_.dim() != 1:
                 input_ = input_.view(-1)
-        if compiling() or has_torch_function_unary(input_):
+        if traced or (_coalescing and group in _coalescing) or has_torch_function_unary(input_):
             return _reduce_scatter_flat(output, input_, op=op, group=group, async_op=async_op)
+        if not plain and input_.is_complex():  # SUM or AVG (checked): exact on the real pairs
+            output, input_ = torch.view_as_real(output).view(-1), torch.view_as_real(input_).view(-1)
         if plain:
             opts = self._async.reduce_scatter_sum if async_op else self._sync.reduce_scatter_sum
         else:
@@ -328,8 +236,9 @@ class TensorCollectives:
             work = group.reduce_scatter_single(output, input_, opts)
             if async_op:
                 return self._handle(work, "reduce_scatter")
-            work.wait()
-        except RuntimeError as err:
+            if work is not None:  # NCCL returns no work for a blocking call (it runs on the current stream)
+                work.wait()
+        except LAUNCH_ERRORS as err:
             raise self._failure("reduce_scatter", err) from err
         finally:
             lock.release()
@@ -353,6 +262,7 @@ class TensorCollectives:
         group = self._group
         if group is None:
             return None
+        traced = compiling()  # constant under dynamo, which cannot trace is_neg
         try:  # flat tensors split evenly
             plain = (
                 output_split_sizes is None
@@ -360,19 +270,24 @@ class TensorCollectives:
                 and isinstance(output, _Tensor)
                 and isinstance(input_, _Tensor)
                 and output.dim() == 1 == input_.dim()
-                and output.dtype is input_.dtype
-                and self._on_device(output, input_)
+                and (dtype := input_.dtype) is output.dtype
+                and self.on_device(output, input_)
                 and output.is_contiguous()
+                and not output.is_nested
                 and input_.is_contiguous()
+                and not input_.is_nested
+                and (traced or not (output.is_neg() or input_.is_neg()))
                 and not output.numel() % self._world_size
                 and not input_.numel() % self._world_size
-                and not input_.is_complex()
+                and not dtype.is_complex  # one dtype read for both tests
             )
         except RuntimeError:
             plain = False
         if not plain:
             self._check_all_to_all_single(output, input_, output_split_sizes, input_split_sizes, async_op)
-        if compiling() or has_torch_function_unary(input_):
+        if _coalescing and group in _coalescing:
+            raise self._coalesced("all_to_all_single")
+        if traced or has_torch_function_unary(input_):
             return dist.all_to_all_single(output, input_, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
         if not plain and input_.is_complex():  # the check made both the same dtype
             output, input_ = torch.view_as_real(output), torch.view_as_real(input_)
@@ -384,8 +299,9 @@ class TensorCollectives:
             work = group.all_to_all_single(output, input_, output_split_sizes or [], input_split_sizes or [], opts)
             if async_op:
                 return self._handle(work, "all_to_all_single")
-            work.wait()
-        except RuntimeError as err:
+            if work is not None:  # NCCL returns no work for a blocking call (it runs on the current stream)
+                work.wait()
+        except LAUNCH_ERRORS as err:
             raise self._failure("all_to_all_single", err) from err
         finally:
             lock.release()
@@ -396,6 +312,8 @@ class TensorCollectives:
         group = self._group
         if group is None:
             return None
+        if _coalescing and group in _coalescing:
+            raise self._coalesced("barrier")
         if compiling():
             return dist.barrier(group=group, device_ids=self._barrier_device_ids())
         opts = self._barrier_options()
@@ -403,8 +321,10 @@ class TensorCollectives:
         if not lock.acquire(False):
             raise self._overlap("barrier")
         try:
-            group.barrier(opts).wait()
-        except RuntimeError as err:
+            work = group.barrier(opts)
+            if work is not None:
+                work.wait()
+        except LAUNCH_ERRORS as err:
             raise self._failure("barrier", err) from err
         finally:
             lock.release()

@@ -5,10 +5,15 @@ run them in one order on one rank and in another order on a peer; when the
 shapes agree the collectives pair up wrongly with no error. Waiting for the
 other thread would not help (the order would still differ across ranks), so
 a call that starts while another thread's call is in flight on the same
-communicator raises :class:`CommError` naming both threads, before anything
+process group raises :class:`CommError` naming both threads, before anything
 is sent; the call in flight goes on undisturbed. Calls that follow each other
 are fine from any thread: a pool of threads, a weight-updater thread, a
 gradient hook on autograd's threads.
+
+The claim belongs to the process group, not to the communicator: every
+communicator made on one group (the mode's, and the one a sequence-parallel op
+makes for the raw ``ProcessGroup`` of that mode) shares one lock, so an
+overlap is refused whichever of them the second call goes through.
 
 The claim on the hot path is one non-blocking acquire and one release of a
 re-entrant lock (``threading.RLock``, which knows its owning thread in C)::
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import re
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -33,6 +39,8 @@ from typing import Any
 from rlightning_comm.errors import CommError
 
 _OWNER = re.compile(r"owner=(\d+)")
+_CLAIMS: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()  # process group -> its claim
+_CLAIMS_LOCK = threading.Lock()
 
 
 class InFlight:
@@ -43,7 +51,15 @@ class InFlight:
     _lock: Any
 
     def _init_claim(self) -> None:
-        self._lock = threading.RLock()
+        """Take the claim of ``self._group``, shared with every other communicator on that group (made at bind time)."""
+        if self._group is None:  # a non-member claims nothing
+            self._lock = threading.RLock()
+            return
+        with _CLAIMS_LOCK:
+            lock = _CLAIMS.get(self._group)
+            if lock is None:
+                lock = _CLAIMS[self._group] = threading.RLock()
+        self._lock = lock
 
     @contextmanager
     def _exclusive(self, op: str) -> Iterator[None]:
@@ -73,6 +89,6 @@ class InFlight:
         other = f"thread {names[holder]!r}" if holder in names else "another thread"
         return CommError(
             f"{op} on mode {self._mode!r} from thread {threading.current_thread().name!r} overlaps a call that {other} has in flight there; "
-            "nothing was sent. Two threads' calls can pair up differently on different ranks, so one communicator takes one call at a time. "
+            "nothing was sent. Two threads' calls can pair up differently on different ranks, so a process group takes one call at a time. "
             "Hint: order the calls (one thread after the other), or bind one mode per thread (init_group)"
         )

@@ -11,7 +11,10 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from rlightning_comm.communicators._checks import InputChecks
+from rlightning_comm.communicators._contract import check_shapes
 from rlightning_comm.communicators._launch import DirectLaunch
+from rlightning_comm.communicators._p2p import PointToPoint
+from rlightning_comm.communicators._rooted import RootedCollectives
 from rlightning_comm.communicators._tensor_collectives import TensorCollectives
 from rlightning_comm.communicators._threads import InFlight
 from rlightning_comm.communicators._values import ValueCollectives
@@ -21,6 +24,7 @@ _SUM = ReduceOp.SUM
 
 COLLECTIVES = (
     "all_gather",
+    "all_gather_object",
     "all_reduce",
     "all_reduce_dict",
     "all_to_all_single",
@@ -28,13 +32,16 @@ COLLECTIVES = (
     "broadcast",
     "broadcast_object_list",
     "gather",
+    "recv",
+    "reduce",
     "reduce_scatter",
     "scatter",
+    "send",
 )
-"""Names of the :class:`Communicator` methods that run a collective (what debug mode checks and stats record)."""
+"""Names of the :class:`Communicator` methods that communicate (what debug mode checks and stats record), point-to-point included."""
 
 
-class Communicator(InputChecks, InFlight, DirectLaunch, TensorCollectives, ValueCollectives, ABC):
+class Communicator(InputChecks, InFlight, DirectLaunch, TensorCollectives, RootedCollectives, PointToPoint, ValueCollectives, ABC):
     """Collectives on one process group, bound to one mode by :class:`CommContext`.
 
     Every method takes and returns what the torch.distributed function of the
@@ -61,16 +68,35 @@ class Communicator(InputChecks, InFlight, DirectLaunch, TensorCollectives, Value
     raises :class:`CommError` naming both threads, before anything is sent
     (two threads' calls could pair up differently on different ranks).
 
-    Subclasses implement what differs between backends: :attr:`device`,
-    :meth:`_check_device` (and, for the checks' fast path, :meth:`_on_device`) and the class
-    attributes :attr:`backend` and :attr:`supported_reduce_ops`. Register a subclass with
-    :func:`register_communicator` to use it as ``init_group(..., backend=name)``.
+    Subclasses implement what differs between backends, the extension points:
+
+    * :attr:`device` (a property): where the backend stages its own buffers;
+    * :meth:`check_device` ``(self, tensor, name) -> None``: refuse a tensor
+      whose device the backend cannot use;
+    * :meth:`on_device` ``(a, b) -> bool`` (a ``@staticmethod``, optional):
+      the fast path's device test, true only where :meth:`check_device` would
+      accept both tensors;
+    * the class attributes :attr:`backend` and :attr:`supported_reduce_ops`
+      (and optionally :attr:`integer_avg_supported`, :attr:`supported_dtypes`,
+      :meth:`setup_process`, :meth:`bind_device`).
+
+    A subclass that defines one of them with another shape is a ``TypeError``
+    when the class is created; :func:`register_communicator` also refuses a
+    class that still lacks one, listing everything that is missing. Register a
+    subclass to use it as ``init_group(..., backend=name)``.
 
     Args:
         group: The torch process group, or ``None`` on a rank that is not a member.
         ranks: Global ranks of the group, in group-rank order.
         mode: Name of the mode this communicator is bound to (used in messages).
         timeout: The group's timeout in seconds (used in messages), if known.
+        bounded_wait: On NCCL, every blocking call (and every ``WorkHandle.wait``)
+            waits on the host for its work, within the group's timeout, so a
+            peer that never joins raises :class:`CommTimeoutError` instead of
+            torch's watchdog taking the process down; the group must have been
+            created with ``TORCH_NCCL_BLOCKING_WAIT=1`` (the context sets it for
+            ``init_distributed_env(bounded_wait=True)``). No effect on gloo,
+            whose calls always wait so.
     """
 
     backend: ClassVar[str]
@@ -82,9 +108,15 @@ class Communicator(InputChecks, InFlight, DirectLaunch, TensorCollectives, Value
     integer_avg_supported: ClassVar[bool] = True
     """Whether ``ReduceOp.AVG`` works on integer tensors with this backend."""
 
-    def __init__(self, group: dist.ProcessGroup | None, ranks: Sequence[int], mode: str, timeout: float | None = None) -> None:
+    supported_dtypes: ClassVar[frozenset[torch.dtype] | None] = None
+    """The dtypes this backend moves (complex ones as their real pairs), checked before any collective; ``None``: the backend's own check decides."""
+
+    def __init__(self, group: dist.ProcessGroup | None, ranks: Sequence[int], mode: str, timeout: float | None = None, *, bounded_wait: bool = False) -> None:
         self._group = group
         self._timeout = None if timeout is None else float(timeout)
+        # gloo's own wait already blocks the host within the group's timeout; NCCL's does only in blocking-wait mode,
+        # and only for a call that returns its work, so there blocking calls are launched as async ones and waited.
+        self._bounded_wait = bool(bounded_wait) and self.backend == "nccl"
         self._init_claim()
         self._ranks = tuple(int(r) for r in ranks)
         self._group_rank_of = {r: i for i, r in enumerate(self._ranks)}
@@ -103,6 +135,18 @@ class Communicator(InputChecks, InFlight, DirectLaunch, TensorCollectives, Value
         Called by :meth:`CommContext.init_distributed_env` before
         ``init_process_group``; the default does nothing.
         """
+
+    @classmethod
+    def bind_device(cls) -> torch.device | None:
+        """The accelerator this process's groups of this backend are bound to, or ``None`` (host backends: the default).
+
+        :meth:`CommContext.init_distributed_env` passes it to
+        ``init_process_group(device_id=...)`` (torch then connects eagerly and
+        splits later groups from the world's communicator), and
+        :meth:`CommContext.init_group` calls it before creating a group, so a
+        bad environment is refused before anything is created.
+        """
+        return None
 
     @property
     def mode(self) -> str:
@@ -130,6 +174,11 @@ class Communicator(InputChecks, InFlight, DirectLaunch, TensorCollectives, Value
         return self._timeout
 
     @property
+    def bounded_wait(self) -> bool:
+        """Whether blocking calls wait on the host within the group's timeout because of the ``bounded_wait`` option (NCCL only)."""
+        return self._bounded_wait
+
+    @property
     def is_member(self) -> bool:
         """Whether this process is a member of the group."""
         return self._group is not None
@@ -154,29 +203,47 @@ class Communicator(InputChecks, InFlight, DirectLaunch, TensorCollectives, Value
         return f"{type(self).__name__}(mode={self._mode!r}, ranks={list(self._ranks)}, member={self.is_member})"
 
     @abstractmethod
+    def check_device(self, tensor: torch.Tensor, name: str) -> None:
+        """Raise ``ValueError`` when this backend cannot use ``tensor``'s device (an extension point).
+
+        Called by the full checks on every tensor argument, after its type
+        and layout are checked and before its dtype is.
+
+        Args:
+            tensor: The tensor an op was given.
+            name: The argument's name, for the message (``"tensor"``, ``"gather_list[1]"``).
+        """
+
     def _check_device(self, tensor: torch.Tensor, name: str) -> None:
-        """Raise ``ValueError`` when this backend cannot use ``tensor``'s device."""
+        # The name this had before the extension points were public; callers that still use it get the same check.
+        self.check_device(tensor, name)
 
     @staticmethod
-    def _on_device(a: torch.Tensor, b: torch.Tensor) -> bool:
-        """Whether ``a`` and ``b`` are on one device, of a kind :meth:`_check_device` accepts: the collectives' fast path.
+    def on_device(a: torch.Tensor, b: torch.Tensor) -> bool:
+        """Whether ``a`` and ``b`` are on one device, of a kind :meth:`check_device` accepts: the collectives' fast path (an extension point).
 
-        Pass one tensor twice to test one. A few attribute reads, traceable
+        A ``@staticmethod`` of two tensors; an op passes one tensor twice to
+        test one. A few attribute reads, traceable
         by dynamo (no ``operator.attrgetter``); false sends the call to the
-        full checks, which call :meth:`_check_device`. The default is always
+        full checks, which call :meth:`check_device`. The default is always
         false: a subclass that does not override it gets the full checks on
-        every call, and so does a subclass that overrides :meth:`_check_device`
+        every call, and so does a subclass that overrides :meth:`check_device`
         without overriding this (it falls back to the default; see
         :meth:`__init_subclass__`).
         """
         return False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """A subclass that changes :meth:`_check_device` but not :meth:`_on_device` gets the always-false default.
+        """Check the extension points the subclass defines; one that changes :meth:`check_device` but not :meth:`on_device` gets the always-false default.
 
         Otherwise an inherited fast-path test (gloo's "both on the CPU") would
-        accept tensors the subclass's stricter :meth:`_check_device` refuses.
+        accept tensors the subclass's stricter :meth:`check_device` refuses.
+
+        Raises:
+            TypeError: an extension point has another shape than documented
+                (the message lists each, and what is expected).
         """
         super().__init_subclass__(**kwargs)
-        if "_check_device" in cls.__dict__ and "_on_device" not in cls.__dict__:
-            cls._on_device = Communicator.__dict__["_on_device"]  # type: ignore[method-assign]
+        check_shapes(cls)
+        if "check_device" in cls.__dict__ and "on_device" not in cls.__dict__:
+            cls.on_device = Communicator.__dict__["on_device"]  # type: ignore[method-assign]

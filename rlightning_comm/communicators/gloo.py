@@ -31,10 +31,10 @@ class GlooCommunicator(Communicator):
 
     @staticmethod
     @override
-    def _on_device(a: torch.Tensor, b: torch.Tensor) -> bool:
+    def on_device(a: torch.Tensor, b: torch.Tensor) -> bool:
         return a.is_cpu and b.is_cpu  # one host device
 
     @override
-    def _check_device(self, tensor: torch.Tensor, name: str) -> None:
+    def check_device(self, tensor: torch.Tensor, name: str) -> None:
         if not (tensor.is_cpu or tensor.is_cuda):  # not .device.type: that builds a torch.device per call
             raise ValueError(f"{name} is on {tensor.device}; GlooCommunicator (mode {self._mode!r}) expects a cpu or cuda tensor")

@@ -25,9 +25,11 @@ def register_communicator(name: str) -> Callable[[_C], _C]:
 
     Raises:
         TypeError: ``name`` is not a non-empty string, or the decorated object
-            is not a concrete ``Communicator`` subclass.
+            is not a ``Communicator`` subclass, or it lacks an extension point
+            or has one of another shape (the message lists each).
         ValueError: ``name`` is already registered to another class.
     """
+    from rlightning_comm.communicators._contract import check_complete
     from rlightning_comm.communicators.base import Communicator
 
     if not isinstance(name, str) or not name:
@@ -36,6 +38,7 @@ def register_communicator(name: str) -> Callable[[_C], _C]:
     def decorate(cls: _C) -> _C:
         if not (isinstance(cls, type) and issubclass(cls, Communicator)):
             raise TypeError(f"register_communicator({name!r}) expects a Communicator subclass; got {cls!r}")
+        check_complete(cls)
         existing = _REGISTRY.get(name)
         if existing is not None and existing is not cls:
             raise ValueError(f"communicator name {name!r} is already registered to {existing.__qualname__}; pick another name")

@@ -37,7 +37,21 @@ class _AllToAll(Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         group, send_dim, send_sizes, recv_dim, recv_sizes = ctx.args
-        return (None, None, None, None, None, *_AllToAll.apply(group, recv_dim, recv_sizes, send_dim, send_sizes, *grads))
+        return (None, None, None, None, None, *apply_all_to_all(group, recv_dim, recv_sizes, send_dim, send_sizes, *grads))
+
+
+def apply_all_to_all(
+    group: Group, send_dim: int, send_sizes: list[list[int]], recv_dim: int, recv_sizes: list[list[int]], *xs: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """:class:`_AllToAll` of ``xs``, or the plain collective when there is no graph to record (a backward without
+    ``create_graph``, inputs that need no gradient).
+
+    The plain call skips the Function's overhead, and it keeps dynamo off its path for a Function that records
+    nothing, which inlines ``forward`` and, counting ``*xs`` as one parameter, drops ``ctx`` for exactly two tensors.
+    """
+    if torch.is_grad_enabled() and any(x.requires_grad for x in xs):
+        return _AllToAll.apply(group, send_dim, send_sizes, recv_dim, recv_sizes, *xs)
+    return tuple(C.all_to_all(list(xs), send_dim, send_sizes, recv_dim, recv_sizes, group))
 
 
 class _Split(Function):

@@ -5,8 +5,16 @@ A :class:`Group` issues its collectives through the group's
 :class:`Communicator` methods, so debug mode and stats see them; a raw
 ``ProcessGroup`` gets a communicator of its backend's registered class, made
 once per group. A :class:`TracedGroup` holds only the group's name and two
-ints (nothing dynamo has to trace through, nothing that breaks a graph when an
-autograd ctx keeps it: pytorch#129942) and uses the functional collectives.
+ints (nothing that breaks a graph when an autograd ctx keeps it:
+pytorch#129942) and uses the functional collectives.
+
+Under torch.compile the resolution is traced, as the collective facades' mode
+lookup is: dynamo reads the context's binding of the mode and the
+communicator's group name, size and rank, and guards on each value it read. A
+binding that changes (``destroy()`` and a new declaration, the same group name
+with this rank elsewhere, or the name now another mode's) fails a guard and
+the function is traced again; an unbound mode raises while tracing. Nothing of
+this runs in the compiled steady state but the guards.
 """
 
 from __future__ import annotations
@@ -19,24 +27,46 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from rlightning_comm._compat import assume_constant_result
 from rlightning_comm.communicators.base import Communicator
 from rlightning_comm.communicators.registry import get_communicator_class
 from rlightning_comm.context import CommContext
-from rlightning_comm.errors import CommError
+from rlightning_comm.errors import CommError, CommMismatchError
+from rlightning_comm.sequence_parallel._sizes import forgotten_lengths_hint
 
 _WRAPPED: weakref.WeakKeyDictionary[Any, Communicator] = weakref.WeakKeyDictionary()
+_CONTEXT = CommContext()
 
 
 class Group:
     """A resolved group on the eager path: its communicator, size and this process's rank in it."""
 
-    __slots__ = ("comm", "rank", "world_size")
+    __slots__ = ("_assumed", "comm", "rank", "world_size")
 
     def __init__(self, comm: Communicator) -> None:
         self.comm = comm
         self.world_size = comm.world_size
         self.rank = comm.rank
+        self._assumed: tuple[str, int, int] | None = None
+
+    def assume_lengths(self, name: str, dim: int, length: int) -> None:
+        """Note that ``name`` was not given, so every rank's length along ``dim`` was taken as this rank's ``length``.
+
+        A debug-mode mismatch of the collective that follows then says so,
+        when the ranks' shapes show their lengths differ.
+        """
+        self._assumed = (name, dim, length)
+
+    def _explain(self, err: CommMismatchError, sent: str) -> None:
+        """Raise ``err`` with the hint naming the lengths argument when its shapes of the argument ``sent`` call for it; else return."""
+        shapes = getattr(err, "shapes", None)
+        if self._assumed is None or shapes is None:
+            return
+        wire = [shapes.get(r, {}).get(sent) for r in self.comm.ranks]
+        hint = None if None in wire else forgotten_lengths_hint(wire, self.rank, *self._assumed)
+        if hint is not None:
+            hinted = CommMismatchError(f"{err}. {hint}")
+            hinted.shapes = shapes  # type: ignore[attr-defined]
+            raise hinted from err
 
     @property
     def name(self) -> str:
@@ -46,13 +76,21 @@ class Group:
     def all_to_all(self, send: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None) -> torch.Tensor:
         """``all_to_all_single`` of the contiguous ``send`` (rows along dim 0) into a new tensor with the same row shape."""
         out = torch.empty_like(send) if out_splits is None else send.new_empty((sum(out_splits), *send.shape[1:]))
-        self.comm.all_to_all_single(out, send, out_splits, in_splits)
+        try:
+            self.comm.all_to_all_single(out, send, out_splits, in_splits)
+        except CommMismatchError as err:
+            self._explain(err, "input_")
+            raise
         return out
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's contiguous ``x`` (same shape everywhere), stacked: ``[world_size, *x.shape]``."""
         out = x.new_empty((self.world_size, *x.shape))
-        self.comm.all_gather(out, x)
+        try:
+            self.comm.all_gather(out, x)
+        except CommMismatchError as err:
+            self._explain(err, "input_tensor")
+            raise
         return out
 
     def reduce_scatter(self, send: torch.Tensor) -> torch.Tensor:
@@ -74,6 +112,9 @@ class TracedGroup(NamedTuple):
         """The group as error messages name it."""
         return f"process group {self.group_name!r}"
 
+    def assume_lengths(self, name: str, dim: int, length: int) -> None:
+        """As :meth:`Group.assume_lengths`; nothing to note: compiled code runs no debug mode."""
+
     def all_to_all(self, send: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None) -> torch.Tensor:
         """As :meth:`Group.all_to_all`, with the functional collective."""
         return funcol.wait_tensor(funcol.all_to_all_single(send, out_splits, in_splits, self.group_name))
@@ -91,7 +132,7 @@ def _communicator(group: Any) -> Communicator:
     if isinstance(group, Communicator):
         comm = group
     elif isinstance(group, str):
-        comm = CommContext().get_communicator(group)
+        comm = _CONTEXT.get_communicator(group)
     elif isinstance(group, dist.ProcessGroup):
         comm = _WRAPPED.get(group)
         if comm is None:
@@ -109,10 +150,27 @@ def _communicator(group: Any) -> Communicator:
     return comm
 
 
-@assume_constant_result
-def _traced_key(group: Any) -> tuple[str, int, int]:
-    comm = _communicator(group)
-    return (comm.group.group_name, comm.world_size, comm.rank)
+def _bound_to(pg: dist.ProcessGroup) -> Communicator | None:
+    """The context's communicator whose group is ``pg``, matched by group name (what dynamo guards on a group)."""
+    name = pg.group_name
+    for mode in _CONTEXT.bound_modes():
+        comm = _CONTEXT.get_communicator(mode)
+        if comm.group is not None and comm.group.group_name == name:
+            return comm
+    return None
+
+
+def _traced(group: Any) -> TracedGroup:
+    """Resolve under torch.compile, reading only values dynamo guards: a new binding retraces (see the module docstring)."""
+    if isinstance(group, dist.ProcessGroup):
+        # dynamo bakes pg.rank() and pg.size() without a guard (only the group's name is guarded), so a group
+        # the context binds is read through its communicator; any other group is the caller's to keep.
+        comm = _bound_to(group)
+        if comm is None:
+            return TracedGroup(group.group_name, group.size(), group.rank())
+    else:
+        comm = _communicator(group)
+    return TracedGroup(comm.group.group_name, comm.world_size, comm.rank)
 
 
 def resolve_group(group: Any) -> Group | TracedGroup:
@@ -124,9 +182,7 @@ def resolve_group(group: Any) -> Group | TracedGroup:
         CommError: this process is not a member of the group.
     """
     if torch.compiler.is_compiling():
-        if isinstance(group, dist.ProcessGroup):  # dynamo reads these off the group itself
-            return TracedGroup(group.group_name, group.size(), group.rank())
-        return TracedGroup(*_traced_key(group))
+        return _traced(group)
     return Group(_communicator(group))
 
 

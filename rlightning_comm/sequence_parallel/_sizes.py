@@ -61,8 +61,35 @@ def local_sizes(input_: torch.Tensor, dim: int, group: Any, sizes: Any, name: st
     this one (nothing is exchanged; debug mode checks it across ranks).
     """
     if sizes is None:
+        group.assume_lengths(name, dim, input_.shape[dim])
         return [input_.shape[dim]] * group.world_size
     out = _as_sizes(sizes, group, name)
     if out[group.rank] != input_.shape[dim]:
         raise ValueError(f"{name}[{group.rank}] must be this rank's input length along dim {dim}, {input_.shape[dim]}; got {out[group.rank]} ({group.name})")
     return out
+
+
+def forgotten_lengths_hint(wire: list[list[int]], rank: int, name: str, dim: int, length: int) -> str | None:
+    """The hint for a mismatch the equal-lengths rule made: ``name`` was not given and the ranks' lengths differ.
+
+    ``wire`` holds every rank's shape of the tensor sent (group rank order),
+    ``length`` this rank's length along ``dim``. ``None`` unless the shapes
+    differ in exactly one dim, the one that holds this rank's length.
+    """
+    mine = wire[rank]
+    if any(len(w) != len(mine) for w in wire):
+        return None
+    differ = [i for i in range(len(mine)) if any(w[i] != mine[i] for w in wire)]
+    if len(differ) != 1 or mine[differ[0]] != length:
+        return None
+    lengths = [w[differ[0]] for w in wire]
+    total, ws = sum(lengths), len(lengths)
+    if lengths == sequence_split_sizes(total, ws):
+        given = f"sequence_split_sizes({total}, {ws})"
+        why = f", as the default split of {total} over a group of {ws} leaves them"
+    else:
+        given, why = str(lengths), ""
+    return (
+        f"Hint: {name} was not given, so each rank took its own length along dim {dim} as every rank's, but the ranks hold "
+        f"{lengths} (in group rank order){why}: pass {name}={given} on every rank"
+    )

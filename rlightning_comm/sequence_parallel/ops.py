@@ -39,8 +39,7 @@ from typing import Any
 import torch
 
 from rlightning_comm.modes import CommMode
-from rlightning_comm.sequence_parallel import _collectives as C
-from rlightning_comm.sequence_parallel._functions import _AllGather, _AllToAll, _Gather, _GatherFirstGrad, _ReduceScatter, _ScatterFromFirst, _Split
+from rlightning_comm.sequence_parallel._functions import _AllGather, _Gather, _GatherFirstGrad, _ReduceScatter, _ScatterFromFirst, _Split, apply_all_to_all
 from rlightning_comm.sequence_parallel._resolve import check_flag, check_input, normalize_dim, resolve_group
 from rlightning_comm.sequence_parallel._sizes import local_sizes, split_sizes
 
@@ -108,9 +107,7 @@ def all_to_all(
     recv_sizes = local_sizes(input_, gather_dim, g, gather_sizes, "gather_sizes")
     if g.world_size == 1:
         return input_
-    if not (input_.requires_grad and torch.is_grad_enabled()):  # no graph to record: skip the Function's overhead
-        return C.all_to_all([input_], scatter_dim, [send_sizes], gather_dim, [recv_sizes], g)[0]
-    (out,) = _AllToAll.apply(g, scatter_dim, [send_sizes], gather_dim, [recv_sizes], input_)
+    (out,) = apply_all_to_all(g, scatter_dim, [send_sizes], gather_dim, [recv_sizes], input_)
     return out
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from rlightning_comm.modes import CommMode
-from rlightning_comm.sequence_parallel._functions import _AllToAll
+from rlightning_comm.sequence_parallel._functions import apply_all_to_all
 from rlightning_comm.sequence_parallel._resolve import Group, check_input, resolve_group
 from rlightning_comm.sequence_parallel._sizes import local_sizes
 
@@ -38,6 +38,21 @@ def _check(query: Any, key: Any, value: Any, g: Group) -> None:
         )
 
 
+def _distinct(tensors: tuple[torch.Tensor, ...]) -> tuple[list[torch.Tensor], list[int]]:
+    """The distinct tensors (by identity, in first-seen order) and, for each of ``tensors``, its index among them."""
+    distinct: list[torch.Tensor] = []
+    roles = []
+    for t in tensors:
+        for i, seen in enumerate(distinct):
+            if t is seen:
+                roles.append(i)
+                break
+        else:
+            roles.append(len(distinct))
+            distinct.append(t)
+    return distinct, roles
+
+
 def ulysses_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -51,7 +66,7 @@ def ulysses_attention(
     """Attention over the full sequence on sequence-sharded inputs (DeepSpeed Ulysses).
 
     ``query``, ``key`` and ``value`` go together through one all-to-all (as
-    :func:`all_to_all` does for one tensor) from ``[batch, seq/P, heads,
+    :func:`all_to_all` does for one tensor; one tensor passed in two roles goes once) from ``[batch, seq/P, heads,
     head_dim]`` (sequence-sharded, rank r holding chunk r of the sequence) to
     ``[batch, seq, heads/P, head_dim]`` (head-sharded); then ``attn_fn`` runs on
     the full sequence for this rank's heads, and one more all-to-all brings the
@@ -91,19 +106,22 @@ def ulysses_attention(
     if g.world_size == 1:
         return fn(query, key, value, **attn_kwargs)
     ws = g.world_size
-    qkv = (query, key, value)
-    even = [[t.shape[_HEADS] // ws] * ws for t in qkv]
-    if query.dtype == key.dtype == value.dtype and query.device == key.device == value.device:  # one buffer, one collective for all three
-        heads = _AllToAll.apply(g, _HEADS, even, _SEQ, [lens] * 3, *qkv)
+    # A tensor in two roles (self-attention's q, q, q; a shared key and value) travels once and its output serves
+    # every role, so autograd adds up its gradients (and dynamo, which refuses one tensor twice in an
+    # autograd.Function's inputs, compiles it).
+    sent, roles = _distinct((query, key, value))
+    even = [[t.shape[_HEADS] // ws] * ws for t in sent]
+    if query.dtype == key.dtype == value.dtype and query.device == key.device == value.device:  # one buffer, one collective for all
+        heads = apply_all_to_all(g, _HEADS, even, _SEQ, [lens] * len(sent), *sent)
     else:
-        heads = [_AllToAll.apply(g, _HEADS, [e], _SEQ, [lens], t)[0] for t, e in zip(qkv, even)]
-    out = fn(*heads, **attn_kwargs)
+        heads = [apply_all_to_all(g, _HEADS, [e], _SEQ, [lens], t)[0] for t, e in zip(sent, even)]
+    out = fn(*(heads[r] for r in roles), **attn_kwargs)
     expected = (query.shape[0], sum(lens), query.shape[_HEADS] // ws)
     if not isinstance(out, torch.Tensor) or out.dim() != 4 or tuple(out.shape[:3]) != expected:
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise ValueError(f"attn_fn must return [batch, seq, heads/P, head_dim_v] with leading dims {expected}; got {got}")
     # Every rank checked the same shapes, so all ranks raise alike and none is left in a collective.
-    (back,) = _AllToAll.apply(g, _SEQ, [lens], _HEADS, [[out.shape[_HEADS]] * ws], out)
+    (back,) = apply_all_to_all(g, _SEQ, [lens], _HEADS, [[out.shape[_HEADS]] * ws], out)
     return back
 
 

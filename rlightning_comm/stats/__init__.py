@@ -24,10 +24,13 @@ What is recorded, per mode and op:
 * Time on CPU tensors is wall time around the call. An async call
   (``async_op=True``) is timed from its launch to its completion, taken from a
   callback on the work's future, not to the return of the launch; until it
-  completes it counts as ``in_flight``. Failed calls (a bad argument) are not
-  recorded.
+  completes it counts as ``in_flight``. An async ``send`` / ``recv`` is timed
+  to the return of its handle's ``wait()`` instead (gloo's point-to-point work
+  may not be waited twice), and counts as in flight until then. Failed calls
+  (a bad argument) are not recorded.
 * On CUDA tensors time comes from CUDA events recorded on the current stream
-  before and after the call (for async calls the second event is recorded from
+  of the tensor's device (for dicts and objects, the communicator's bound
+  device; never the calling thread's current device) before and after the call (for async calls the second event is recorded from
   the work future's callback, on a stream ordered after the collective). No
   event is waited on when an op runs: events are resolved when stats are read
   (``stats()``/``stats_table()`` wait for outstanding ones), and already

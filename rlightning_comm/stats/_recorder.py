@@ -23,6 +23,9 @@ TRACKED_OPS = COLLECTIVES
 """The communicator methods that stats record: every collective."""
 
 _NOT_OURS = object()
+# gloo's send and recv works may be waited once only (a second waiter waits for a second message): no watcher thread
+# for them; they are timed to the return of the caller's wait() instead (on CUDA the end event then follows the transfer).
+_TIMED_AT_WAIT = frozenset({"send", "recv"})
 _FOLD_EVERY = 1024  # outstanding CUDA records before completed ones are folded in
 _perf_counter = time.perf_counter
 
@@ -59,6 +62,9 @@ _SIZES: dict[str, Callable[[Communicator, tuple[Any, ...], dict[str, Any]], tupl
     "scatter": _size_per_rank,
     "reduce_scatter": functools.partial(_size_second, name="input_"),
     "all_to_all_single": functools.partial(_size_second, name="input_"),
+    "reduce": functools.partial(_size_first, name="tensor"),
+    "send": functools.partial(_size_first, name="tensor"),
+    "recv": functools.partial(_size_first, name="tensor"),
 }
 
 
@@ -116,7 +122,9 @@ class _Recorder:
         n = comm.world_size
         factor = bus_factor(op, n)
         size_of = _SIZES.get(op)
-        on_cuda = comm.device.type == "cuda"  # where dict and object payloads are staged
+        waited = op in _TIMED_AT_WAIT
+        staged_on = comm.device  # where dict and object payloads are staged: the device bound to the communicator
+        staged = staged_on if staged_on.type == "cuda" else None
         local = self._local
         rec = self
 
@@ -128,12 +136,13 @@ class _Recorder:
                     local.inner_bytes += size_of(comm, args, kwargs)[0]
                 return result
             nbytes, probe = size_of(comm, args, kwargs) if size_of is not None else (0, None)
-            cuda = probe.is_cuda if isinstance(probe, torch.Tensor) else on_cuda
+            # CUDA events go on the current stream of the data's device, not the calling thread's current device.
+            cuda = (probe.device if probe.is_cuda else None) if isinstance(probe, torch.Tensor) else staged
             local.depth, local.inner_bytes = 1, 0
             try:
-                if cuda:
+                if cuda is not None:
                     start: Any = torch.cuda.Event(enable_timing=True)
-                    start.record()
+                    start.record(torch.cuda.current_stream(cuda))
                 else:
                     start = _perf_counter()
                 result = inner(*args, **kwargs)
@@ -142,6 +151,8 @@ class _Recorder:
             nbytes += local.inner_bytes
             if result is None or size_of is None:  # ops without async_op return data, not work
                 rec._finish(key, n, nbytes, factor, start, cuda, False)
+            elif waited:
+                return rec._track_waited(key, n, nbytes, factor, result, start, cuda)
             else:
                 rec._track_async(key, n, nbytes, factor, result, start, cuda)
             return result
@@ -149,11 +160,11 @@ class _Recorder:
         return record
 
     # ------------------------------------------------------------ recording
-    def _finish(self, key: tuple[str, str], n: int, nbytes: int, factor: float, start: Any, cuda: bool, was_async: bool) -> None:
-        """Record the end of a call: now, on the current stream if ``cuda``; may run on another thread."""
-        if cuda:
+    def _finish(self, key: tuple[str, str], n: int, nbytes: int, factor: float, start: Any, cuda: torch.device | None, was_async: bool) -> None:
+        """Record the end of a call: now, on the current stream of the CUDA device ``cuda`` if given; may run on another thread."""
+        if cuda:  # a torch.device, or None / False for a host call
             end = torch.cuda.Event(enable_timing=True)
-            end.record()
+            end.record(torch.cuda.current_stream(cuda))
             with self._lock:
                 self._done.append((key, n, nbytes, factor, (start, end), was_async))
                 self._cuda_backlog += 1
@@ -183,12 +194,16 @@ class _Recorder:
         if was_async and acc[6] > 0:
             acc[6] -= 1
 
-    def _track_async(self, key: tuple[str, str], n: int, nbytes: int, factor: float, work: Any, start: Any, cuda: bool) -> None:
+    def _in_flight(self, key: tuple[str, str], n: int) -> None:
+        """Count one more async call of ``key`` in flight (until its completion is folded in)."""
         with self._lock:
             acc = self._acc.get(key)
             if acc is None:
                 acc = self._acc[key] = [0, 0, 0.0, 0.0, 0.0, n, 0]
             acc[6] += 1
+
+    def _track_async(self, key: tuple[str, str], n: int, nbytes: int, factor: float, work: Any, start: Any, cuda: torch.device | None) -> None:
+        self._in_flight(key, n)
 
         def finished(_fut: Any = None) -> None:
             self._finish(key, n, nbytes, factor, start, cuda, True)
@@ -199,9 +214,14 @@ class _Recorder:
             self._watcher().put((work, finished))
             return
         if cuda:
-            future.then(finished)  # the callback's current stream is ordered after the collective
+            future.then(finished)  # the callback's current stream of the device is ordered after the collective
         else:
             future.add_done_callback(finished)
+
+    def _track_waited(self, key: tuple[str, str], n: int, nbytes: int, factor: float, work: Any, start: Any, cuda: torch.device | None) -> Any:
+        """An async point-to-point call: timed to the return of its ``wait()`` (its work may not be waited twice)."""
+        self._in_flight(key, n)
+        return _WaitTimed(work, lambda: self._finish(key, n, nbytes, factor, start, cuda, True))
 
     def _watcher(self) -> queue.SimpleQueue[tuple[Any, Callable[[], None]]]:
         with self._lock:
@@ -254,6 +274,24 @@ class _Recorder:
             self._done.clear()
             self._cuda_backlog = 0
             self._next_fold = _FOLD_EVERY
+
+
+class _WaitTimed:
+    """The handle of an async point-to-point call under stats: its first ``wait()`` records the call's end."""
+
+    def __init__(self, work: Any, finished: Callable[[], None]) -> None:
+        self._work = work
+        self._finished: Callable[[], None] | None = finished
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._work.wait(*args, **kwargs)
+        finished, self._finished = self._finished, None
+        if finished is not None:
+            finished()
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
 
 
 def _watch_works(works: queue.SimpleQueue[tuple[Any, Callable[[], None]]]) -> None:
