@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import multiprocessing.forkserver
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -34,6 +36,9 @@ def _report_then_fail_on_rank_one(out_dir: str) -> None:
 def test_local_ranks_get_the_callers_environment_and_torchruns_placement_and_a_failed_rank_stops_the_others(monkeypatch, tmp_path):
     for name in PLACEMENT:
         monkeypatch.delenv(name, raising=False)
+    launch._process_context()
+    if sys.platform.startswith("linux"):
+        multiprocessing.forkserver.ensure_running()  # the fork server exists before the variable: its ranks must get it anyway
     monkeypatch.setenv("RLC_CALLER_SET", "at run()")  # the ranks start with the caller's environment at the call
     with pytest.raises(RuntimeError, match=r"local ranks failed: exit codes \{.*'rank1': 1"):
         run(_report_then_fail_on_rank_one, 2, str(tmp_path), timeout=20)
