@@ -22,9 +22,11 @@ sync, or if the trainer world restarted.
 
 Everything stays on loopback (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` before
 ``ray.init``, every address ``127.0.0.1``, gloo pinned to ``lo``) and every
-wait is bounded. Needs the ``ray`` extra (``pip install ".[ray]"``)::
+wait is bounded. Needs the ``ray`` extra (``pip install ".[ray]"``); from the
+repository root (``--steps N`` sets the number of steps, 4 by default, and
+``--kill-step K`` the step whose sync engine 1 dies in, 2 by default)::
 
-    python examples/ray_engine_sync.py [--steps 4] [--kill-step 2]
+    python examples/ray_engine_sync.py
 """
 
 from __future__ import annotations

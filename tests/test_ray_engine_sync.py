@@ -5,12 +5,13 @@ from __future__ import annotations
 import re
 
 import pytest
+from example_commands import documented
 from test_ray_example import run_example
 
 
 def test_engine_killed_mid_run_is_restarted_and_the_next_sync_is_bit_identical() -> None:
     pytest.importorskip("ray", reason="the Ray example needs the ray extra: pip install '.[ray]'")
-    out = run_example("ray_engine_sync.py", "--steps", "4", "--kill-step", "2")
+    out = run_example(documented("ray_engine_sync.py", False, "--steps", "4", "--kill-step", "2"))
     lost = re.search(
         r"step 2: engine 1 \(pid (\d+)\) killed during the sync; PeerLostError on the trainer (\d+) ms and on engine 0 (\d+) ms after the kill", out
     )

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from example_commands import documented, environment
 
 ROOT = Path(__file__).resolve().parents[1]
 BOUND = 240  # seconds: the run takes ~25 s on 2 busy cores
@@ -83,21 +84,13 @@ def test_library_never_imports_ray() -> None:
     assert out.stdout.strip() == "[]"
 
 
-def run_example(script: str, *args: str, bound: float = BOUND) -> str:
-    """Run ``examples/<script> *args`` in a session of its own, bounded; its output once it exited 0 and listened on loopback only.
+def run_example(command: list[str], bound: float = BOUND) -> str:
+    """Run an example's ``command`` (:func:`documented`) in a session of its own, bounded; its output once it exited 0 and listened on loopback only.
 
     Fails the test when it runs past ``bound`` (its processes are killed by id), exits otherwise than 0 (idem, as a
     failed driver may leave Ray's processes behind), or any of its processes listened beyond loopback.
     """
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "examples" / script), *args],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    proc = subprocess.Popen(command, cwd=ROOT, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     wide: set[str] = set()
     deadline = time.monotonic() + bound
     try:
@@ -108,18 +101,18 @@ def run_example(script: str, *args: str, bound: float = BOUND) -> str:
     except subprocess.TimeoutExpired:
         _kill(_session(proc.pid))
         out, _ = proc.communicate()
-        pytest.fail(f"{script} did not finish within {bound} s; its processes were killed. Output:\n{out}")
+        pytest.fail(f"{command[1:]} did not finish within {bound} s; its processes were killed. Output:\n{out}")
     finally:
         if proc.returncode != 0:
             _kill(_session(proc.pid))
     assert proc.returncode == 0, out
-    assert not wide, f"processes of {script} listened beyond loopback: {sorted(wide)}"
+    assert not wide, f"processes of {command[1:]} listened beyond loopback: {sorted(wide)}"
     return out
 
 
 def test_ray_rl_loop_syncs_every_rollout_bit_for_bit() -> None:
     pytest.importorskip("ray", reason="the Ray example needs the ray extra: pip install '.[ray]'")
-    out = run_example("ray_rl_loop.py", "--steps", "3")
+    out = run_example(documented("ray_rl_loop.py", False, "--steps", "3"))
     steps = [line for line in out.splitlines() if line.startswith("step ")]
     assert len(steps) == 3 and all("weight sync" in line and "MiB per trainer" in line for line in steps), out
     assert "rank 3 receives in thread 'weight-updater'" in out
