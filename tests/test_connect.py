@@ -127,6 +127,7 @@ def test_preflight_names_every_member_that_differs():
         }
 
     assert compare([info(0), info(1), info(2)], 3) is None
+    assert compare([info(2, nccl="x"), info(0), info(1)], 3) == compare([info(0), info(1), info(2, nccl="x")], 3)  # the arrival order is not said
     problem = compare([info(0), info(1, nccl="2.21.5"), info(2, NCCL_CUMEM_ENABLE="0")], 3)
     assert "nccl differs: 2.27.3 on rank 0 (pid 0), rank 2 (pid 2); 2.21.5 on rank 1 (pid 1)" in problem
     assert "NCCL_CUMEM_ENABLE differs: None on rank 0 (pid 0), rank 1 (pid 1); 0 on rank 2 (pid 2)" in problem

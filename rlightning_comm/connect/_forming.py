@@ -96,6 +96,7 @@ def _who(info: dict[str, Any]) -> str:
 
 def compare(infos: list[dict[str, Any]], world_size: int) -> str | None:
     """What differs between the members (rank 0's ``world_size`` is the mode's), naming who; ``None`` when all match."""
+    infos = sorted(infos, key=lambda info: info["rank"])  # the messages in rank order, whatever order the members came in
     problems = []
     for field in _COMPARED:
         values: dict[str, list[str]] = {}
