@@ -100,6 +100,7 @@ class CommContext(ContextLookups, ContextLayouts, ContextConnect, ContextPolicie
         self._launched = False
         self._debug = False
         _objects.set_defaults(False, None)
+        _stats.disable()  # recording is per initialisation, as debug mode is; the figures stay until reset_stats()
 
     # ------------------------------------------------------------ initialising
     def init_distributed_env(
@@ -313,8 +314,8 @@ class CommContext(ContextLookups, ContextLayouts, ContextConnect, ContextPolicie
     def destroy(self) -> None:
         """Destroy every group this context created (and the world if it created it), and unbind every mode.
 
-        The context can be initialised again afterwards, with debug mode and
-        the object defaults back to off. Safe to call when nothing is
+        The context can be initialised again afterwards, with debug mode,
+        stats recording and the object defaults back to off. Safe to call when nothing is
         initialised, and after a peer died or a collective failed: it sends
         nothing to the peers (but tells a connected mode's members that this
         process leaves), never raises for a group it cannot tear down (it
