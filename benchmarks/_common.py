@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import statistics
 import sys
 import tempfile
 from collections.abc import Callable
@@ -19,12 +20,15 @@ class _Failed(str):
     """A rank's traceback, in place of its result."""
 
 
-def _worker(fn: Callable[..., Any], rank: int, nproc: int, url: str, args: tuple[Any, ...], results: Any, backend: str) -> None:
+def _worker(fn: Callable[..., Any], rank: int, nproc: int, url: str, args: tuple[Any, ...], results: Any, backend: str, own_worlds: bool) -> None:
     os.environ["LOCAL_RANK"] = str(rank)  # the nccl communicator picks its GPU from it
     from rlightning_comm import CommContext
 
     ctx = CommContext()
-    ctx.init_distributed_env(world_size=nproc, rank=rank, backend=backend, dist_url=url, timeout=300)
+    if own_worlds:  # a world of one per rank, each with its own store
+        ctx.init_distributed_env(world_size=1, rank=0, backend=backend, dist_url=f"{url}{rank}", timeout=300)
+    else:
+        ctx.init_distributed_env(world_size=nproc, rank=rank, backend=backend, dist_url=url, timeout=300)
     try:
         results.put((rank, fn(rank, nproc, *args)))
     except BaseException:  # noqa: BLE001 - send the traceback to the parent instead of leaving it waiting
@@ -35,12 +39,15 @@ def _worker(fn: Callable[..., Any], rank: int, nproc: int, url: str, args: tuple
         ctx.destroy()
 
 
-def run_ranks(fn: Callable[..., Any], nproc: int = 2, *args: Any, timeout: float = 600, backend: str = "gloo") -> list[Any]:
-    """Run ``fn(rank, nproc, *args)`` on ``nproc`` spawned ranks (gloo unless told); return the results in rank order."""
+def run_ranks(fn: Callable[..., Any], nproc: int = 2, *args: Any, timeout: float = 600, backend: str = "gloo", own_worlds: bool = False) -> list[Any]:
+    """Run ``fn(rank, nproc, *args)`` on ``nproc`` spawned ranks (gloo unless told); return the results in rank order.
+
+    With ``own_worlds`` each rank is in a world of its own (of size 1) instead of all in one world of ``nproc``.
+    """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     store = tempfile.mkdtemp(prefix="rlc-benchmark-")
-    procs = [ctx.Process(target=_worker, args=(fn, r, nproc, f"file://{store}/store", args, results, backend)) for r in range(nproc)]
+    procs = [ctx.Process(target=_worker, args=(fn, r, nproc, f"file://{store}/store", args, results, backend, own_worlds)) for r in range(nproc)]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
@@ -56,6 +63,16 @@ def run_ranks(fn: Callable[..., Any], nproc: int = 2, *args: Any, timeout: float
             if p.is_alive():
                 p.kill()
     return [out[r] for r in range(nproc)]
+
+
+def print_speed_table(times: dict[str, list[float]], identical: dict[str, bool]) -> None:
+    """A markdown table of each way's median and min time and its speed against the ``"limit"`` way (median of per-round ratios)."""
+    print("| way | median ms | min ms | speed vs limit (median of per-round ratios) | bit-identical |")
+    print("|---|---|---|---|---|")
+    for name, samples in times.items():
+        ratio = statistics.median(lim / t for lim, t in zip(times["limit"], samples))
+        same = "-" if name == "limit" else ("yes" if identical[name] else "NO")
+        print(f"| {name} | {statistics.median(samples) * 1e3:.1f} | {min(samples) * 1e3:.1f} | {ratio:.2f}x | {same} |")
 
 
 def machine() -> str:

@@ -35,7 +35,7 @@ import statistics
 import subprocess
 import time
 
-from _common import machine, run_ranks
+from _common import machine, print_speed_table, run_ranks
 
 NPROC = 3
 LAYERS = 60
@@ -55,6 +55,37 @@ def _model(seed: int) -> dict:
     return state
 
 
+def measure(ways: dict, rank: int, tensors: list, rounds: int, barrier, slowest) -> tuple[dict[str, list[float]], dict[str, bool]]:
+    """Whether each way but ``"limit"`` leaves ``tensors`` equal to the source's (each rank starting from its own seed),
+    then each way's time in interleaved rounds (the order rotates each round, after two warm-up rounds): the slowest
+    rank's, from ``barrier()`` to holding every tensor (``slowest(t)`` reduces a float64 tensor to its maximum in place).
+    """
+    import torch
+
+    reference = _model(seed=0)
+    identical = {}
+    for name, fn in ways.items():
+        if name == "limit":
+            continue
+        with torch.no_grad():
+            for t, r in zip(tensors, _model(seed=rank).values()):
+                t.copy_(r)  # destinations start different again
+        fn()
+        identical[name] = all(torch.equal(t.view(-1).view(torch.uint8), r.view(-1).view(torch.uint8)) for t, r in zip(tensors, reference.values()))
+    names = list(ways)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds + 2):  # two warm-up rounds
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            barrier()
+            t0 = time.perf_counter()
+            ways[name]()
+            elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            slowest(elapsed)
+            if r >= 2:
+                times[name].append(elapsed.item())
+    return times, identical
+
+
 def _task(rank: int, nproc: int, rounds: int, bucket_bytes: int, threads: int, only: list[str] | None) -> dict:
     import torch
 
@@ -69,7 +100,6 @@ def _task(rank: int, nproc: int, rounds: int, bucket_bytes: int, threads: int, o
     ctx.init_weight_transfer_group(src=0, dst_ranks=list(range(1, nproc)))
     group = ctx.get_group(ParallelMode.WEIGHT_TRANSFER)
     state = _model(seed=rank)
-    reference = _model(seed=0)
     tensors = list(state.values())
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
@@ -128,26 +158,11 @@ def _task(rank: int, nproc: int, rounds: int, bucket_bytes: int, threads: int, o
         "limit": limit,
     }
     ways = {name: fn for name, fn in ways.items() if only is None or name in only or name in ("library", "rlightning", "limit")}
-    identical = {}
-    for name, fn in ways.items():
-        if name == "limit":
-            continue
-        with torch.no_grad():
-            for t, r in zip(tensors, _model(seed=rank).values()):
-                t.copy_(r)  # destinations start different again
-        fn()
-        identical[name] = all(torch.equal(t.view(-1).view(torch.uint8), r.view(-1).view(torch.uint8)) for t, r in zip(tensors, reference.values()))
-    names = list(ways)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds + 2):  # two warm-up rounds
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            dist.barrier(group=group)
-            t0 = time.perf_counter()
-            ways[name]()
-            elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
-            if r >= 2:
-                times[name].append(elapsed.item())
+
+    def slowest(elapsed: torch.Tensor) -> None:
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+
+    times, identical = measure(ways, rank, tensors, rounds, lambda: dist.barrier(group=group), slowest)
     return {"times": times, "identical": identical, "bytes": total, "tensors": len(tensors)}
 
 
@@ -169,12 +184,7 @@ def main() -> None:
     threads = args.threads or "torch's default"
     print(f"{args.rounds} interleaved rounds, bucket {args.bucket_mib:g} MiB, intra-op threads per rank: {threads}; load before: {load}")
     print()
-    print("| way | median ms | min ms | speed vs limit (median of per-round ratios) | bit-identical |")
-    print("|---|---|---|---|---|")
-    for name, samples in times.items():
-        ratio = statistics.median(lim / t for lim, t in zip(times["limit"], samples))
-        same = "-" if name == "limit" else ("yes" if out["identical"][name] else "NO")
-        print(f"| {name} | {statistics.median(samples) * 1e3:.1f} | {min(samples) * 1e3:.1f} | {ratio:.2f}x | {same} |")
+    print_speed_table(times, out["identical"])
     vs = statistics.median(rl / lib for rl, lib in zip(times["rlightning"], times["library"]))
     print()
     print(f"library speed vs rlightning's (median of per-round ratios): {vs:.2f}x; wall {time.perf_counter() - started:.0f} s; load after: {os.getloadavg()}")

@@ -7,6 +7,7 @@ so a torch release that moves it fails in one place (and in
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -44,6 +45,23 @@ COALESCING`` costs one lookup. Inside the manager, torch's ``all_reduce``,
 ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` record their call and
 the manager issues them as one coalesced call when it exits.
 """
+
+
+BACKEND_METHODS = {"all_gather_single": "_allgather_base", "reduce_scatter_single": "_reduce_scatter_base", "all_to_all_single": "alltoall_base"}
+"""The methods of a backend object (``ProcessGroupGloo``, ``ProcessGroupNCCL``) that the communicators call by a ``ProcessGroup``'s name.
+
+A connected mode's group is a backend object built outside the world (no
+``ProcessGroup`` wraps it, which would take torch's private ``_register_backend``);
+it takes the same arguments under these names.
+"""
+
+
+def gloo_options(timeout: timedelta, host: str | None) -> Any:
+    """Options of a ``ProcessGroupGloo`` with ``timeout`` whose device listens on ``host`` (``None``: torch's default interface)."""
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host) if host else dist.ProcessGroupGloo.create_default_device()]
+    return opts
 
 
 def default_store() -> dist.Store:

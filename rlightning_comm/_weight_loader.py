@@ -78,13 +78,17 @@ class LoadPipeline(Transfer):
             pass
         self._tell_source()
 
+    def _arrive(self, entry: tuple[list[Any], int, int, Any]) -> None:
+        self._wait(entry[0])
+        self._received(entry[2])
+
     def _finish(self) -> None:
         self._start()
         manifest = self._plan.manifest
         while self._given < len(self._deliveries):
             delivery = self._deliveries[self._given]
             for _ in delivery.units:
-                self._wait(self._pending.popleft()[0])
+                self._arrive(self._pending.popleft())
             buffer = self._buffers[self._given % 2]
             if self._error is None:
                 named = []
@@ -101,7 +105,7 @@ class LoadPipeline(Transfer):
                 del named
             self._given += 1
             self._receive()
-        self._drain(lambda entry: self._wait(entry[0]))
+        self._drain(self._arrive)
         if self._error is not None:
             (err, bucket), self._error = self._error, None
             if hasattr(err, "add_note"):  # Python 3.11+

@@ -169,7 +169,8 @@ class Pipeline(Transfer):
 
     def _complete(self, entry: tuple[list[Any], int, int, torch.Tensor | None]) -> None:
         works, slot, unit, staged = entry
-        self._wait(works)
+        self._wait(works)  # on the source over gloo, a bucket's receipts come first: see _weight_transport
+        self._received(unit)
         if staged is not None and not self._is_source:
             self._written = True
             with self._writes():

@@ -23,6 +23,18 @@ less CPU and about 5% less time here (BENCHMARKS.md). Each rank then waits
 for its last unit first: a pair's messages complete in order, so the
 waiting thread wakes once rather than once per unit.
 
+Over gloo the source never waits for a send before the destination has said
+it received it: each destination sends a receipt (one small message) when a
+bucket's receive completes and once the whole transfer has arrived, and the
+source waits for the receipts before the sends (which have then completed).
+gloo does not fail a send whose receiver died after posting the receive:
+each such send waits out the group's timeout, one after the other, while a
+receive from a dead peer fails at once. So a destination's death fails the
+source's transfer within milliseconds, for two small messages per
+destination per transfer and one per bucket (an in-place piece the source
+itself had to stage, a strided or device tensor there, has no receipt: its
+sends are waited as they are).
+
 A transfer that fails midway raises the failure (``CommError`` or
 ``CommTimeoutError``) with what this rank knows about the weights it left:
 on a destination whether its tensors were partly written (and how many
@@ -85,11 +97,21 @@ class Transfer:
         src_rank = comm._group_rank_of[src]
         self._src_rank = src_rank
         self._peers = [r for r in range(comm.world_size) if r != src_rank]
-        # Over gloo: on the source, the receives of every destination's "posted" message; on a destination, its send (once made).
+        # Over gloo: on the source, the receives of every destination's "posted" message; on a destination, its sends of
+        # that message and of its receipts (once made).
         self._posted: list[Any] | None = None
         if self._sends and is_source:
-            tokens = torch.empty(len(self._peers), dtype=torch.uint8)
-            self._posted = self._point_to_point(lambda: [comm.group.recv([tokens[i : i + 1]], peer, _TAG) for i, peer in enumerate(self._peers)])
+            self._posted = self._tokens()
+
+    def _tokens(self) -> list[Any]:
+        """On the source over gloo: the receives of one small message from every destination (its "posted" message or a receipt)."""
+        group, tokens = self._comm.group, torch.empty(len(self._peers), dtype=torch.uint8)
+        return self._point_to_point(lambda: [group.recv([tokens[i : i + 1]], peer, _TAG) for i, peer in enumerate(self._peers)])
+
+    def _token(self) -> list[Any]:
+        """On a destination over gloo: the send of one small message to the source."""
+        group, src = self._comm.group, self._src_rank
+        return self._point_to_point(lambda: [group.send([torch.zeros(1, dtype=torch.uint8)], src, _TAG)])
 
     @property
     def done(self) -> bool:
@@ -125,7 +147,8 @@ class Transfer:
         except CommError as err:
             self._done = True
             self._slots[0] = self._slots[1] = None
-            raise type(err)(f"{err}\nbroadcast_state_dict failed midway: {self._account()}") from err
+            # The same type with the account added, its other arguments kept (PeerLostError's mode, generation, member).
+            raise type(err)(f"{err}\nbroadcast_state_dict failed midway: {self._account()}", *err.args[1:]) from err
 
     def _account(self) -> str:
         units = len(self._plan.units)
@@ -150,8 +173,12 @@ class Transfer:
     def _tell_source(self) -> None:
         """On a destination over gloo, once: tell the source every receive that needs no wait is posted."""
         if self._sends and not self._is_source and self._posted is None:
-            group, src = self._comm.group, self._src_rank
-            self._posted = self._point_to_point(lambda: [group.send([torch.zeros(1, dtype=torch.uint8)], src, _TAG)])
+            self._posted = self._token()
+
+    def _received(self, unit: int) -> None:
+        """On a destination over gloo, once unit ``unit`` has arrived: a bucket's receipt, so the source may reuse its buffer."""
+        if self._sends and not self._is_source and not self._plan.units[unit].direct:
+            self._posted = (self._posted or []) + self._token()
 
     def _move(self, data: torch.Tensor) -> list[Any]:
         """Start moving ``data`` from the source to every destination; the handles to wait for (on the source over gloo, one per destination, in order)."""
@@ -171,7 +198,10 @@ class Transfer:
         return [comm._handle(work, "broadcast_state_dict") for work in works]
 
     def _launch(self, data: torch.Tensor, slot: int, unit: int, staged: torch.Tensor | None) -> None:
-        self._pending.append((self._move(data), slot, unit, staged))
+        works = self._move(data)
+        if self._sends and self._is_source and not self._plan.units[unit].direct:
+            works = self._tokens() + works  # the destinations' receipts of this bucket, waited before its sends
+        self._pending.append((works, slot, unit, staged))
         self._launched += 1
 
     def _wait(self, works: list[Any]) -> None:
@@ -180,7 +210,7 @@ class Transfer:
                 work.wait()
             except CommError:
                 if self._sends and self._is_source:
-                    self._failed_peer = self._peers[k]
+                    self._failed_peer = self._peers[k % len(self._peers)]  # a bucket's receipts, then its sends: one per destination each
                 raise
 
     def _wait_source_posted(self) -> None:
@@ -195,8 +225,15 @@ class Transfer:
                     raise
 
     def _drain(self, complete: Any) -> None:
-        """Wait for every pending unit, the last one first, calling ``complete(entry)`` on each in order; then the "posted" messages."""
-        if self._pending:
+        """Wait for every pending unit, calling ``complete(entry)`` on each in order; then the "posted" messages and receipts.
+
+        On the source over gloo every destination's receipt of the whole
+        transfer comes first (every send has completed then); elsewhere the
+        last unit does.
+        """
+        if self._sends and self._is_source:
+            self._wait(self._tokens())
+        elif self._pending:
             # Wait for the last unit first: a pair's messages complete in order, so the others are done by then and
             # this thread wakes once, not once per unit (gloo's point-to-point work must be waited exactly once).
             works, *rest = self._pending[-1]
@@ -204,6 +241,8 @@ class Transfer:
             self._wait(works)
         while self._pending:
             complete(self._pending.popleft())
+        if self._sends and not self._is_source:
+            self._posted = (self._posted or []) + self._token()  # the receipt of the whole transfer
         posted, self._posted = self._posted or [], []
         for work in posted:
             work.wait()

@@ -13,6 +13,7 @@ from typing_extensions import Self
 
 from rlightning_comm import debug, rendezvous
 from rlightning_comm import stats as _stats
+from rlightning_comm._context_connect import ContextConnect
 from rlightning_comm._context_layouts import ContextLayouts
 from rlightning_comm._context_lookups import ContextLookups
 from rlightning_comm._context_policies import ContextPolicies
@@ -23,6 +24,7 @@ from rlightning_comm.communicators.base import Communicator
 from rlightning_comm.communicators.nccl import enable_blocking_wait
 from rlightning_comm.communicators.registry import get_communicator_class
 from rlightning_comm.config import DistributedConfig, GroupConfig
+from rlightning_comm.connect import Connections
 from rlightning_comm.errors import CommError, ModeNotBoundError
 from rlightning_comm.modes import CommMode, mode_name
 from rlightning_comm.topology import Partition
@@ -43,7 +45,7 @@ def initialize_distributed_env(
     return CommContext().init_distributed_env(world_size=world_size, rank=rank, backend=backend, dist_url=dist_url, timeout=timeout, bounded_wait=bounded_wait)
 
 
-class CommContext(ContextLookups, ContextLayouts, ContextPolicies):
+class CommContext(ContextLookups, ContextLayouts, ContextConnect, ContextPolicies):
     """The one process-wide registry that binds a :class:`Communicator` to each mode.
 
     ``CommContext()`` always returns the same object. Initialise the world
@@ -92,6 +94,7 @@ class CommContext(ContextLookups, ContextLayouts, ContextPolicies):
         self._comms = {}
         self._configs = {}
         self._transfer_sources: dict[str, int] = {}
+        self._connections = Connections()
         self._dist_config = None
         self._owns_world = False
         self._launched = False
@@ -276,6 +279,8 @@ class CommContext(ContextLookups, ContextLayouts, ContextPolicies):
         dist_config = self._require_world()
         if name == _GLOBAL:
             raise ValueError("mode 'GLOBAL' is bound by init_distributed_env; pick another mode for init_group")
+        if name in self._connections.modes():
+            raise CommError(f"mode {name!r} is a connected mode (bound by connect); pick another mode for init_group, or destroy() first")
         if use_cpu and (backend is None or get_communicator_class(backend).backend != "gloo"):
             backend = "gloo"  # as in the seed, use_cpu forces gloo whatever backend says (a gloo-based custom backend is kept)
         backend = backend or dist_config.backend
@@ -312,14 +317,17 @@ class CommContext(ContextLookups, ContextLayouts, ContextPolicies):
         The context can be initialised again afterwards, with debug mode,
         stats recording and the object defaults back to off. Safe to call when nothing is
         initialised, and after a peer died or a collective failed: it sends
-        nothing to the peers, never raises for a group it cannot tear down
-        (it warns) and always unbinds every mode.
+        nothing to the peers (but tells a connected mode's members that this
+        process leaves), never raises for a group it cannot tear down (it
+        warns) and always unbinds every mode.
         """
         with self._lock:
             try:
+                connected = self._connections.modes()
+                self._connections.close_all()  # tells their members, destroys nothing of torch's
                 if dist.is_initialized():
                     world = dist.group.WORLD
-                    groups = [comm.group for comm in self._comms.values() if comm.group is not None and comm.group is not world]
+                    groups = [comm.group for name, comm in self._comms.items() if comm.group is not None and comm.group is not world and name not in connected]
                     if self._owns_world:
                         groups.append(None)
                     for group in groups:

@@ -151,7 +151,11 @@ class _Checker:
     """
 
     def __init__(self, comm: Communicator, timeout: float) -> None:
-        self.store = dist.PrefixStore(f"rlightning_comm/debug/{_generation}/{comm.group.group_name}", rendezvous.world_store())
+        own = rendezvous.own_store(comm.group)  # a connected mode's: its group's name is unique to its generation there
+        world = f"rlightning_comm/debug/{_generation}/{comm.group.group_name}"
+        self.store = (
+            dist.PrefixStore(f"rlightning_comm/debug/{comm.group.group_name}", own) if own is not None else dist.PrefixStore(world, rendezvous.world_store())
+        )
         self.timeout = timeout
         self.mode = comm.mode
         self.ranks = comm.ranks

@@ -10,6 +10,7 @@ raise what :func:`comm_failure` builds from it, chained to the original.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -98,13 +99,14 @@ class WorkHandle:
     ``get_future()`` a completed future.
     """
 
-    __slots__ = ("_mode", "_op", "_timeout", "_work")
+    __slots__ = ("_failure", "_mode", "_op", "_timeout", "_work")
 
-    def __init__(self, work: Any, mode: str, op: str, timeout: float | None) -> None:
+    def __init__(self, work: Any, mode: str, op: str, timeout: float | None, failure: Callable[[str, BaseException], CommError] | None = None) -> None:
         self._work = work
         self._mode = mode
         self._op = op
         self._timeout = timeout
+        self._failure = failure  # the communicator's own translation (a connected mode names a lost member), else comm_failure
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
         """Block until the collective completes, as torch's ``Work.wait``.
@@ -119,7 +121,8 @@ class WorkHandle:
         try:
             return work.wait(*args, **kwargs)
         except LAUNCH_ERRORS as err:
-            raise comm_failure(err, self._mode, self._op, self._timeout) from err
+            failure = self._failure
+            raise (comm_failure(err, self._mode, self._op, self._timeout) if failure is None else failure(self._op, err)) from err
 
     def is_completed(self) -> bool:
         """Whether the collective has completed (torch's ``Work.is_completed``)."""

@@ -79,12 +79,15 @@ def init_process_group(backend: str, init_method: str, world_size: int, rank: in
     else:
         host, port = address
         if rank == 0:
-            family = socket.AF_INET6 if ":" in host else socket.AF_INET
-            try:
-                fd = socket.create_server((host, port), family=family, backlog=max(128, world_size)).detach()
-            except OSError as err:
-                raise CommError(f"rank 0 could not listen on {host}:{port} for the store of {init_method!r}: {err}") from err
-            store = dist.TCPStore(host, port, world_size, True, timeout, master_listen_fd=fd, use_libuv=True)
+            store = dist.TCPStore(
+                host,
+                port,
+                world_size,
+                True,
+                timeout,
+                master_listen_fd=listen_fd(host, port, world_size, f"the store of {init_method!r} (rank 0 hosts it)"),
+                use_libuv=True,
+            )
         else:
             store = dist.TCPStore(host, port, world_size, False, timeout, use_libuv=True)
     # The key layout torch gives the store it makes from a URL, so peers that let torch initialise interoperate.
@@ -93,8 +96,32 @@ def init_process_group(backend: str, init_method: str, world_size: int, rank: in
     _STORES[dist.group.WORLD] = store
 
 
-# World group -> its store; an entry goes with its group, so a destroyed world's store (and port) is not kept alive.
+def listen_fd(host: str, port: int, peers: int, what: str) -> int:
+    """A socket listening on ``host:port`` only (port 0: one the OS picks), as a file descriptor for ``TCPStore(master_listen_fd=...)``.
+
+    Raises:
+        CommError: the address cannot be listened on (the message names ``what`` it was for).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=max(128, peers)).detach()
+    except OSError as err:
+        raise CommError(f"could not listen on {host}:{port} for {what}: {err}") from err
+
+
+# Group -> the store its members share (the world's, a connected mode's); an entry goes with its group, so a destroyed
+# group's store (and port) is not kept alive.
 _STORES: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.Store] = weakref.WeakKeyDictionary()
+
+
+def register_store(group: object, store: dist.Store) -> None:
+    """Record ``store`` as the one every member of ``group`` reaches: a group outside the world, made with a store of its own."""
+    _STORES[group] = store
+
+
+def own_store(group: object) -> dist.Store | None:
+    """The store registered for ``group`` (:func:`register_store`), or ``None`` for a group of the world."""
+    return None if group is dist.group.WORLD else _STORES.get(group)
 
 
 def world_store() -> dist.Store:

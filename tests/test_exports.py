@@ -21,6 +21,7 @@ EXPECTED = {
     "ObjectRefusedError",
     "ParallelConfig",
     "ParallelMode",
+    "PeerLostError",
     "StateDictTransfer",
     "WorkHandle",
     "broadcast_state_dict",

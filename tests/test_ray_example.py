@@ -84,19 +84,15 @@ def test_library_never_imports_ray() -> None:
     assert out.stdout.strip() == "[]"
 
 
-def test_ray_rl_loop_syncs_every_rollout_bit_for_bit() -> None:
-    pytest.importorskip("ray", reason="the Ray example needs the ray extra: pip install '.[ray]'")
-    proc = subprocess.Popen(
-        documented("ray_rl_loop.py", False, "--steps", "3"),
-        cwd=ROOT,
-        env=environment(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+def run_example(command: list[str], bound: float = BOUND) -> str:
+    """Run an example's ``command`` (:func:`documented`) in a session of its own, bounded; its output once it exited 0 and listened on loopback only.
+
+    Fails the test when it runs past ``bound`` (its processes are killed by id), exits otherwise than 0 (idem, as a
+    failed driver may leave Ray's processes behind), or any of its processes listened beyond loopback.
+    """
+    proc = subprocess.Popen(command, cwd=ROOT, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     wide: set[str] = set()
-    deadline = time.monotonic() + BOUND
+    deadline = time.monotonic() + bound
     try:
         while proc.poll() is None and time.monotonic() < deadline:  # Ray must listen on loopback only, all the while
             wide |= _wide_listeners(_session(proc.pid))
@@ -105,12 +101,18 @@ def test_ray_rl_loop_syncs_every_rollout_bit_for_bit() -> None:
     except subprocess.TimeoutExpired:
         _kill(_session(proc.pid))
         out, _ = proc.communicate()
-        pytest.fail(f"the Ray example did not finish within {BOUND} s; its processes were killed. Output:\n{out}")
+        pytest.fail(f"{command[1:]} did not finish within {bound} s; its processes were killed. Output:\n{out}")
     finally:
         if proc.returncode != 0:
-            _kill(_session(proc.pid))  # a failed driver may leave Ray's processes behind
+            _kill(_session(proc.pid))
     assert proc.returncode == 0, out
-    assert not wide, f"processes of the Ray example listened beyond loopback: {sorted(wide)}"
+    assert not wide, f"processes of {command[1:]} listened beyond loopback: {sorted(wide)}"
+    return out
+
+
+def test_ray_rl_loop_syncs_every_rollout_bit_for_bit() -> None:
+    pytest.importorskip("ray", reason="the Ray example needs the ray extra: pip install '.[ray]'")
+    out = run_example(documented("ray_rl_loop.py", False, "--steps", "3"))
     steps = [line for line in out.splitlines() if line.startswith("step ")]
     assert len(steps) == 3 and all("weight sync" in line and "MiB per trainer" in line for line in steps), out
     assert "rank 3 receives in thread 'weight-updater'" in out

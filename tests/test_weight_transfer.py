@@ -131,15 +131,16 @@ def test_collectives_per_call_are_bounded_by_buckets_not_tensors(world2) -> None
     """24 tensors (3 of at least 256 KiB, 21 small): 3 pieces in place and 1 bucket, plus one exchange of the verdicts.
 
     Over gloo each unit is a send from the source and a receive on the destination; the exchange is a send of the
-    destination's words to group rank 0 and a send of the table back; and the destination tells the source with one
-    more message that its receives are posted. The first call and a call after the manifest changed also broadcast
-    the manifest (2 broadcasts: its size, then its bytes) and share each rank's verdict on it (a second exchange).
+    destination's words to group rank 0 and a send of the table back; the destination tells the source with one
+    more message that its receives are posted, and with two receipts (the bucket's, the whole transfer's) that it
+    received. The first call and a call after the manifest changed also broadcast the manifest (2 broadcasts: its
+    size, then its bytes) and share each rank's verdict on it (a second exchange).
     """
     results = world2.run(_count)
     assert results[1]["final"] == results[0]["final"]
     for rank, result in enumerate(results):
-        # 4 units from the source; 1 message of the exchange each way; 1 "posted" message to the source
-        moved = {"gloo:send": 4 + 1, "gloo:recv": 1 + 1} if rank == 0 else {"gloo:send": 1 + 1, "gloo:recv": 4 + 1}
+        # 4 units from the source; 1 message of the exchange each way; 1 "posted" message and 2 receipts to the source
+        moved = {"gloo:send": 4 + 1, "gloo:recv": 1 + 1 + 2} if rank == 0 else {"gloo:send": 1 + 1 + 2, "gloo:recv": 4 + 1}
         agreed = {"gloo:broadcast": 2, "gloo:send": moved["gloo:send"] + 1, "gloo:recv": moved["gloo:recv"] + 1}
         first, steady, changed = result["counts"]
         assert first == agreed

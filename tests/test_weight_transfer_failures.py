@@ -95,9 +95,7 @@ def _sync_group(rank: int, url: str):
     store.set(f"ready/{rank}", "1")
     store.wait([f"ready/{r}" for r in range(3)], timedelta(seconds=120))
     group = dist.ProcessGroupGloo(dist.PrefixStore("group", store), rank, 3, timedelta(seconds=GROUP_TIMEOUT))
-    comm = GlooCommunicator(group, range(3), "SYNC", timeout=GROUP_TIMEOUT)
-    comm._global_rank, comm._rank = rank, rank  # this process's rank in the group's own numbering
-    return comm
+    return GlooCommunicator(group, range(3), "SYNC", timeout=GROUP_TIMEOUT, rank=rank)  # rank: in the group's own numbering
 
 
 def _victim(url: str) -> None:

@@ -108,6 +108,7 @@ class DirectLaunch:
     _bounded_wait: bool
     _lock: Any
     _group_rank_of: dict[int, int]
+    _outside_world: bool
     supported_reduce_ops: Any
 
     def _init_launch(self) -> None:
@@ -141,7 +142,21 @@ class DirectLaunch:
             raise self._failure(op, err) from err
 
     def _handle(self, work: Any, op: str) -> WorkHandle:
-        return WorkHandle(work, self._mode, op, self._timeout)
+        return WorkHandle(work, self._mode, op, self._timeout, failure=self._failure)
+
+    def _traced_group(self, op: str) -> Any:
+        """The group for torch.distributed's own functions (the compiled and ``__torch_function__`` paths).
+
+        Raises:
+            CommError: the group is outside torch's world (a connected mode): those functions do not know it.
+        """
+        if self._outside_world:
+            raise CommError(
+                f"{op} on mode {self._mode!r} cannot run under torch.compile or through __torch_function__ (a tensor subclass or a "
+                "torch function mode): the mode is connected outside torch.distributed's world, whose functions do not know its group. "
+                "Hint: call it outside the compiled region, with a plain tensor"
+            )
+        return self._group
 
     def _coalesced(self, op: str) -> CommError:
         return CommError(

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions
 
 from rlightning_comm import _compat
 from rlightning_comm.errors import ObjectRefusedError
@@ -89,14 +90,16 @@ def all_gather_objects(
         device: Where the payload is staged.
         gather: ``gather(output, input)`` all-gathers flat tensors and returns
             when they have arrived (a communicator's own launch); ``None``
-            means torch's ``all_gather_single`` on ``group``.
+            means the group's own ``all_gather_single`` (which works on a group
+            outside torch's world too).
     """
     if gather is None:
+        opts = AllgatherOptions()
 
-        def gather(output: torch.Tensor, input_: torch.Tensor) -> None:
-            _compat.all_gather_single(output, input_, group=group)
+        def gather(output: torch.Tensor, input_: torch.Tensor) -> None:  # the group itself: a connected mode's is outside the world
+            group.all_gather_single(output, input_, opts).wait()
 
-    return [pickle.loads(p) for p in all_gather_payloads(pickle.dumps(obj), dist.get_world_size(group), device, gather)]
+    return [pickle.loads(p) for p in all_gather_payloads(pickle.dumps(obj), group.size(), device, gather)]
 
 
 def all_gather_payloads(payload: bytes, world: int, device: torch.device, gather: Callable[[torch.Tensor, torch.Tensor], None]) -> list[memoryview]:

@@ -30,7 +30,7 @@ class PointToPoint:
     _global_rank: int
     _group_rank_of: dict[int, int]
     _lock: Any
-    # Provided by the other mixins: on_device, _check_send, _check_recv, _coalesced, _overlap, _failure, _handle.
+    # Provided by the other mixins: on_device, _check_send, _check_recv, _coalesced, _overlap, _failure, _handle, _traced_group.
 
     def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False) -> Any | None:
         """Send ``tensor`` to global rank ``dst``, which receives it with :meth:`recv`.
@@ -67,6 +67,7 @@ class PointToPoint:
         if _coalescing and group in _coalescing:
             raise self._coalesced("send")
         if traced or has_torch_function_unary(tensor):
+            group = self._traced_group("send")
             return dist.isend(tensor, dst, group=group) if async_op else dist.send(tensor, dst, group=group)
         if not plain:
             tensor = as_real(tensor)
@@ -124,8 +125,8 @@ class PointToPoint:
             raise self._coalesced("recv")
         if traced or has_torch_function_unary(tensor):
             if async_op:
-                return dist.irecv(tensor, src, group=group)
-            dist.recv(tensor, src, group=group)
+                return dist.irecv(tensor, src, group=self._traced_group("recv"))
+            dist.recv(tensor, src, group=self._traced_group("recv"))
             return None
         if not plain:
             tensor = as_real(tensor)

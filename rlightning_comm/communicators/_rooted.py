@@ -36,7 +36,7 @@ class RootedCollectives:
     _lock: Any
     _sync: Any
     _async: Any
-    # Provided by the other mixins: on_device, the _check_<op> methods, _coalesced, _overlap, _failure, _handle, _reduce_options.
+    # Provided by the other mixins: on_device, the _check_<op> methods, _coalesced, _overlap, _failure, _handle, _reduce_options, _traced_group.
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Any | None:
         """Copy ``tensor`` from global rank ``src`` into ``tensor`` on every rank.
@@ -67,10 +67,10 @@ class RootedCollectives:
         if _coalescing and group in _coalescing:
             raise self._coalesced("broadcast")
         if traced:  # dynamo does not rewrite dist.broadcast: the functional one, copied back in place
-            tensor.copy_(funcol.wait_tensor(funcol.broadcast(tensor, self._group_rank_of[src], group)))
+            tensor.copy_(funcol.wait_tensor(funcol.broadcast(tensor, self._group_rank_of[src], self._traced_group("broadcast"))))
             return None
         if has_torch_function_unary(tensor):
-            return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+            return dist.broadcast(tensor, src=src, group=self._traced_group("broadcast"), async_op=async_op)
         if not plain:
             tensor = as_real(tensor)
         opts = self._async.broadcast[src] if async_op else self._sync.broadcast[src]
@@ -112,7 +112,7 @@ class RootedCollectives:
         if _coalescing and group in _coalescing:
             raise self._coalesced("gather")
         if compiling() or has_torch_function_unary(tensor):
-            return dist.gather(tensor, list(gather_list) if on_root else None, dst=dst, group=group, async_op=async_op)
+            return dist.gather(tensor, list(gather_list) if on_root else None, dst=dst, group=self._traced_group("gather"), async_op=async_op)
         tensor, outputs = rooted_args(tensor, gather_list, on_root)
         opts = self._async.gather[dst] if async_op else self._sync.gather[dst]
         lock = self._lock
@@ -153,7 +153,7 @@ class RootedCollectives:
         if _coalescing and group in _coalescing:
             raise self._coalesced("scatter")
         if compiling() or has_torch_function_unary(tensor):
-            return dist.scatter(tensor, list(scatter_list) if on_root else None, src=src, group=group, async_op=async_op)
+            return dist.scatter(tensor, list(scatter_list) if on_root else None, src=src, group=self._traced_group("scatter"), async_op=async_op)
         tensor, inputs = rooted_args(tensor, scatter_list, on_root)
         opts = self._async.scatter[src] if async_op else self._sync.scatter[src]
         lock = self._lock
@@ -209,7 +209,7 @@ class RootedCollectives:
         if _coalescing and group in _coalescing:
             raise self._coalesced("reduce")
         if traced or has_torch_function_unary(tensor):
-            return dist.reduce(tensor, dst, op=op, group=group, async_op=async_op)
+            return dist.reduce(tensor, dst, op=op, group=self._traced_group("reduce"), async_op=async_op)
         if plain:
             opts = self._async.reduce_sum[dst] if async_op else self._sync.reduce_sum[dst]
         else:

@@ -97,6 +97,13 @@ class Communicator(InputChecks, InFlight, DirectLaunch, TensorCollectives, Roote
             created with ``TORCH_NCCL_BLOCKING_WAIT=1`` (the context sets it for
             ``init_distributed_env(bounded_wait=True)``). No effect on gloo,
             whose calls always wait so.
+        rank: For a group outside torch.distributed's world (a connected mode, see
+            :meth:`CommContext.connect`): this process's rank in the numbering of
+            ``ranks``, whose ``src``/``dst`` then mean that numbering. ``None`` (a
+            group of the world) reads the world rank. A group outside the world is
+            a backend object that torch.distributed's functions do not know, so
+            its compiled and ``__torch_function__`` paths are refused
+            (:class:`CommError`); the eager path calls the group itself.
     """
 
     backend: ClassVar[str]
@@ -111,7 +118,16 @@ class Communicator(InputChecks, InFlight, DirectLaunch, TensorCollectives, Roote
     supported_dtypes: ClassVar[frozenset[torch.dtype] | None] = None
     """The dtypes this backend moves (complex ones as their real pairs), checked before any collective; ``None``: the backend's own check decides."""
 
-    def __init__(self, group: dist.ProcessGroup | None, ranks: Sequence[int], mode: str, timeout: float | None = None, *, bounded_wait: bool = False) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        ranks: Sequence[int],
+        mode: str,
+        timeout: float | None = None,
+        *,
+        bounded_wait: bool = False,
+        rank: int | None = None,
+    ) -> None:
         self._group = group
         self._timeout = None if timeout is None else float(timeout)
         # gloo's own wait already blocks the host within the group's timeout; NCCL's does only in blocking-wait mode,
@@ -122,7 +138,8 @@ class Communicator(InputChecks, InFlight, DirectLaunch, TensorCollectives, Roote
         self._group_rank_of = {r: i for i, r in enumerate(self._ranks)}
         self._mode = str(mode)
         self._world_size = len(self._ranks)
-        self._global_rank = dist.get_rank() if dist.is_initialized() else 0
+        self._outside_world = rank is not None
+        self._global_rank = int(rank) if rank is not None else dist.get_rank() if dist.is_initialized() else 0
         if group is not None and self._global_rank not in self._group_rank_of:
             raise ValueError(f"global rank {self._global_rank} has a group for mode {self._mode!r} but is not in its ranks {list(self._ranks)}")
         self._rank = self._ranks.index(self._global_rank) if group is not None else -1

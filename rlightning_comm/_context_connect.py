@@ -1,0 +1,134 @@
+"""CommContext's connected modes: groups of processes from different worlds (or none) that meet at an address.
+
+Kept apart from the registry in :mod:`rlightning_comm.context`, which binds
+what :mod:`rlightning_comm.connect` forms; :class:`CommContext` inherits them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+
+from rlightning_comm.communicators.base import Communicator
+from rlightning_comm.communicators.registry import get_communicator_class
+from rlightning_comm.config import GroupConfig
+from rlightning_comm.connect import Connections
+from rlightning_comm.errors import CommError
+from rlightning_comm.modes import CommMode, mode_name
+
+_GLOBAL = CommMode.GLOBAL.value
+
+
+class ContextConnect:
+    """Mixin of :class:`CommContext`: :meth:`listen` and :meth:`connect`."""
+
+    _configs: dict[str, GroupConfig]
+    _connections: Connections
+    _lock: threading.RLock
+    _bind: Callable[[str, Communicator], None]
+
+    def listen(self, address: str = "127.0.0.1:0") -> str:
+        """Host the store that connected modes meet at, in this process (their rank 0), listening on ``address``'s host only.
+
+        Needed before :meth:`connect` only to learn the port the OS picks for
+        port 0; :meth:`connect` on rank 0 listens on its address itself
+        otherwise. The store stays up until :meth:`destroy` (every generation of
+        every connected mode at this address meets there).
+
+        Args:
+            address: ``"host:port"``; port 0 lets the OS pick one.
+
+        Returns:
+            ``"host:port"`` with the real port: pass it to every member's :meth:`connect`.
+
+        Raises:
+            TypeError, ValueError: a bad address.
+            CommError: the address cannot be listened on.
+        """
+        with self._lock:
+            return self._connections.listen(address)
+
+    def connect(
+        self,
+        mode: CommMode | str,
+        *,
+        rank: int,
+        world_size: int,
+        address: str,
+        backend: str = "gloo",
+        timeout: float | timedelta = 1800,
+    ) -> Communicator:
+        """Bind ``mode`` to a group of ``world_size`` processes that meet at ``address``, whatever world each is in (or none).
+
+        Rank 0 hosts the group's store at ``address`` (see :meth:`listen`); the
+        others connect to it. Each call forms a new *generation*: the members
+        check that they match (world size, ranks, backend, torch version, and
+        NCCL's version and ``NCCL_CUMEM_ENABLE`` for NCCL) and build their own
+        group outside torch's world, which nothing of the world touches. The
+        mode is then a mode like any other (every collective,
+        ``broadcast_state_dict``, debug mode and stats), whose ranks (``src``,
+        ``dst``, the getters) are its own, 0 to ``world_size - 1``.
+
+        When a member dies or leaves, every other member's call in flight and
+        every later call on the mode raises :class:`PeerLostError` within
+        milliseconds. Re-form the mode by calling ``connect`` again on every
+        survivor and on the lost member's replacement (same arguments): that
+        forms the next generation. The communicator of an older generation
+        refuses every call. If rank 0 dies, re-form at an address the new rank 0
+        listens on.
+
+        Args:
+            mode: The mode to bind (not ``GLOBAL``, nor a mode bound by :meth:`init_group`).
+            rank: This process's rank in the mode, 0 to ``world_size - 1``; rank 0 hosts the store.
+            world_size: Number of members.
+            address: ``"host:port"`` where rank 0 listens (``"127.0.0.1:port"`` keeps everything on loopback).
+            backend: ``"gloo"``, ``"nccl"`` or a registered communicator built on one of them.
+            timeout: Of the forming and of every collective, in seconds or a ``timedelta``: a member that
+                does not arrive, or is alive but does not call, makes the others raise
+                :class:`CommTimeoutError` after it.
+
+        Returns:
+            The communicator bound to ``mode`` on this process.
+
+        Raises:
+            TypeError, ValueError, KeyError: a bad argument (before anything is sent).
+            RuntimeError: an NCCL backend without CUDA (before anything is sent).
+            CommMismatchError: the members do not match (raised on every member, naming who differs).
+            CommTimeoutError: a member did not arrive within ``timeout`` (named), or rank 0 could not be reached.
+            PeerLostError: a member died while the group was being built.
+        """
+        name = mode_name(mode)
+        with self._lock:
+            cls, config = self._plan_connect(name, rank, world_size, backend, timeout)
+            comm = self._connections.connect(name, cls, backend, rank, world_size, address, config.timeout)
+            self._configs[name] = config
+            self._bind(name, comm)
+            return comm
+
+    def _plan_connect(self, name: str, rank: object, world_size: object, backend: str, timeout: float | timedelta) -> tuple[type[Communicator], GroupConfig]:
+        """Validate a :meth:`connect` call; creates nothing."""
+        if name == _GLOBAL or (name in self._configs and name not in self._connections.modes()):
+            raise CommError(f"mode {name!r} is bound by {'init_distributed_env' if name == _GLOBAL else 'init_group'}; pick another mode to connect")
+        cls = get_communicator_class(backend)
+        if cls.backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend {backend!r} is built on {cls.backend!r}; a connected mode needs a backend built on 'gloo' or 'nccl'")
+        if cls.backend == "nccl" and not torch.cuda.is_available():
+            raise RuntimeError(f"backend {backend!r} needs CUDA, and torch.cuda.is_available() is False; connect with backend='gloo' on CPU")
+        for label, value in (("rank", rank), ("world_size", world_size)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{label} must be an int; got {type(value).__name__} {value!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in 0..world_size-1 = 0..{world_size - 1}; got rank={rank}, world_size={world_size}")
+        config = GroupConfig(partition=[list(range(world_size))], world_size=world_size, backend=backend, timeout=timeout)
+        return cls, config
+
+    def get_generation(self, mode: CommMode | str) -> int:
+        """The generation of the connected ``mode`` this process is in (0 for the first :meth:`connect` at an address, then 1, 2, ...).
+
+        Raises:
+            ModeNotBoundError: ``mode`` is not a connected mode bound on this process.
+        """
+        return self._connections.generation(mode_name(mode))
