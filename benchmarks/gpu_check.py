@@ -1,181 +1,312 @@
-"""GPU check, under 5 minutes on a CUDA machine; its CPU-only parts run anywhere.
+"""GPU check: one bounded command that verifies the NCCL paths on a CUDA machine and writes a JSON report of every cell.
 
-Steps (each PASS, FAIL or SKIP, with the reason):
+    python benchmarks/gpu_check.py --out gpu-out          # then read gpu-out/gpu_check.json
+    python benchmarks/gpu_check.py --cpu-only --out cpu-out
 
-1. ``nccl_bench``: ``rlightning-comm bench`` on NCCL, one rank per GPU (CUDA only).
-2. ``gloo_cuda_bench``: the bench on gloo with CUDA tensors, 4 ranks on one GPU (CUDA only).
-3. ``stats_cuda_gloo`` / ``stats_cuda_nccl``: communication stats on CUDA tensors (event timing,
-   sync and async calls), counts, bytes and results against what was sent (CUDA only; gloo with
-   2 ranks on one GPU, NCCL with one rank per GPU).
-4. ``sequence_parallel``: scatter_to_sequence_parallel_region, gather_from_sequence_parallel_region
-   and all_to_all on gloo, 4 ranks: forward against a single-process oracle on every device, and
-   outputs and input gradients on CUDA against the same on CPU (SKIP when the ops are not installed).
+Steps, each guarded (a failure, a hang or a crash is recorded and the next
+step still runs; every process has a deadline and is killed with its process
+group), all within ``--budget-s`` (a step that no longer fits is skipped with
+"no time left"):
 
-Writes ``gpu_check.json`` (and the benches' JSON) under ``--out``; exit status 1 if a step failed.
+1. ``nccl_world1`` (about 30 s): NCCL at world size 1: what every process-group
+   call returns with ``asyncOp=False``, then every op x dtype x sync/async x
+   plain/stats/debug mode against an oracle; then ``bounded_wait=True``.
+2. ``cuda_tests`` (1 to 3 min): the suite's CUDA tests (pytest, per-test outcomes).
+3. ``nccl_ranks`` (1 to 3 min): 2 NCCL ranks on the one GPU (a distinct
+   ``NCCL_HOSTID`` each, sockets on loopback): a 20 s raw smoke test first,
+   then the matrix with non-zero roots, gradients, groups, a call one rank
+   skips (default and ``bounded_wait=True``), a connected mode and a kill.
+4. ``cuda_branches`` (about 1 min): the NCCL-only Python branches on 4 gloo
+   ranks with CUDA tensors (a test-only communicator staging on ``cuda:0``).
+5. ``bench``: ``rlightning-comm bench`` with whatever time is left.
 
-    python benchmarks/gpu_check.py --out gpu-out            # everything the machine can run
-    python benchmarks/gpu_check.py --cpu-only --out cpu-out # what runs without CUDA
+Without CUDA (or with ``--cpu-only``) every CUDA step is skipped with the
+reason "no CUDA", and steps 1, 3 and 4 run their machinery on gloo with CPU
+tensors as a self-test. Exit status 1 when a step failed (a wrong result, an
+error, a crash or hang, a README claim contradicted), else 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
-import subprocess
+import platform
 import sys
 import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
 from typing import Any
 
-from _common import ROOT, machine, run_ranks
+from _gpu_launch import ROOT, Launch, run_command
 
-SP_NAMES = ("scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region", "all_to_all")
+STEPS = ("nccl_world1", "cuda_tests", "nccl_ranks", "cuda_branches", "bench")
+NEEDS = {
+    "nccl_world1": "CUDA torch with NCCL, one GPU",
+    "cuda_tests": "CUDA torch, pytest (pytest-xdist optional)",
+    "nccl_ranks": "CUDA torch with NCCL, one GPU; NCCL sockets on loopback",
+    "cuda_branches": "CUDA torch, one GPU (gloo moves CUDA tensors)",
+    "bench": "CUDA torch with NCCL, one GPU",
+}
+BOUNDED_OPS = ["all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all_single", "gather", "scatter", "reduce"]
+BOUNDED_OPS += ["barrier", "all_reduce_dict", "broadcast_object_list", "broadcast_state_dict"]
+_REPORT_RESERVE_S = 5.0
 
 
-def bench_commands(out: str, gpus: int) -> dict[str, tuple[list[str], dict[str, str]]]:
-    """The bench runs of steps 1 and 2: argv (after ``python -m rlightning_comm.bench``) and extra environment."""
+class Plan:
+    """What this run can use: CUDA or not, the GPU, the deadline, the output folder."""
+
+    def __init__(self, args: argparse.Namespace, cuda: bool) -> None:
+        self.args = args
+        self.out = Path(args.out).resolve()
+        self.cuda = cuda
+        self.end = time.time() + args.budget_s - _REPORT_RESERVE_S
+        self.gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
+        self.backend = "nccl" if cuda else "gloo"
+        self.device = "cuda" if cuda else "cpu"
+        self.probe_s = 15.0 if cuda else 2.0  # the timeout of the call a rank skips
+
+    def grant(self, want_s: float, min_s: float) -> float | None:
+        """Seconds for a part that wants ``want_s`` and needs ``min_s``; ``None`` when fewer than ``min_s`` are left."""
+        left = self.end - time.time()
+        return None if left < min_s else min(want_s, left)
+
+    def env(self, size: int, nccl_ranks: bool = False) -> Any:
+        """Each rank's environment: its GPU (all on one), ``LOCAL_RANK``, loopback sockets; for NCCL ranks on one GPU a host id each."""
+        from rlightning_comm.rendezvous import loopback_interface
+
+        lo = loopback_interface() or "lo"
+
+        def env(rank: int) -> dict[str, str]:
+            e = {"LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(size), "GLOO_SOCKET_IFNAME": lo, "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN")}
+            if self.cuda:
+                e["CUDA_VISIBLE_DEVICES"] = self.gpu
+            if nccl_ranks and self.cuda:
+                e.update(NCCL_HOSTID=f"rlc-gpu-check-host-{rank}", NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1", NCCL_IB_DISABLE="1", NCCL_SOCKET_IFNAME=lo)
+            return e
+
+        return env
+
+    def launch(self, name: str, run: str, size: int, want_s: float, min_s: float, **spec: Any) -> Launch | dict[str, Any]:
+        """A started run of the rank program, or the SKIP record of one that no longer fits."""
+        granted = self.grant(want_s, min_s)
+        if granted is None:
+            return {"run": name, "status": "skipped", "reason": "no time left"}
+        spec = {"run": run, "backend": self.backend, "device": self.device, "timeout": 60, "inject_wrong": self.args.inject_wrong, **spec}
+        return Launch(name, spec, size, self.out, granted, self.plan_env(run, size)).start()
+
+    def plan_env(self, run: str, size: int) -> Any:
+        return self.env(size, nccl_ranks=size > 1 and run != "branches")
+
+
+def _finish(launch: Launch | dict[str, Any]) -> dict[str, Any]:
+    return launch if isinstance(launch, dict) else launch.wait()
+
+
+def _verdict(runs: dict[str, dict[str, Any]], note: str = "") -> dict[str, Any]:
+    bad = [n for n, r in runs.items() if r["status"] not in ("ok", "skipped") or r.get("failing")]
+    status = "FAIL" if bad else ("SKIP" if all(r["status"] == "skipped" for r in runs.values()) else "PASS")
+    out: dict[str, Any] = {"status": status, "runs": runs}
+    if bad:
+        out["failed_runs"] = bad
+    if note:
+        out["note"] = note
+    return out
+
+
+def _self_test_note(plan: Plan) -> str:
+    return "" if plan.cuda else "no CUDA: the NCCL and CUDA cells did not run; this ran the step's machinery on gloo with CPU tensors as a self-test"
+
+
+def step_nccl_world1(plan: Plan) -> dict[str, Any]:
+    runs = {"world1": _finish(plan.launch("world1", "world1", 1, 90, 20))}
+    matrix = {"ops": BOUNDED_OPS, "dtypes": ["float32", "bfloat16"], "modes": ["plain", "stats"]}
+    runs["bounded"] = _finish(plan.launch("bounded", "bounded", 1, 45, 15, bounded=True, matrix=matrix))
+    return _verdict(runs, _self_test_note(plan))
+
+
+def _junit(path: Path) -> dict[str, dict[str, str]]:
+    """Per-test outcome from pytest's JUnit XML (absent when pytest was killed)."""
+    tests: dict[str, dict[str, str]] = {}
+    if not path.exists():
+        return tests
+    for case in ET.parse(path).getroot().iter("testcase"):
+        outcome, message = "passed", ""
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                outcome, message = {"failure": "failed"}.get(child.tag, child.tag), (child.get("message") or "")[:500]
+        tests[f"{case.get('classname')}::{case.get('name')}"] = {"outcome": outcome, "message": message}
+    return tests
+
+
+def step_cuda_tests(plan: Plan) -> dict[str, Any]:
+    if not plan.cuda:
+        return {"status": "SKIP", "reason": "no CUDA"}
+    if importlib.util.find_spec("pytest") is None:
+        return {"status": "SKIP", "reason": "pytest is not installed"}
+    granted = plan.grant(200, 40)
+    if granted is None:
+        return {"status": "SKIP", "reason": "no time left"}
+    out = plan.out / "cuda_tests"
+    out.mkdir(parents=True, exist_ok=True)
+    xml, selected = out / "junit.xml", out / "selected.txt"
+    argv = [sys.executable, "-m", "pytest", "tests", "-p", "_gpu_pytest_plugin", "-p", "no:cacheprovider", "-v", "-rA", f"--junitxml={xml}"]
+    if importlib.util.find_spec("xdist") is not None:
+        argv += ["-n", "3"]  # a worker that NCCL's watchdog ends is replaced; the other tests still run
+    result = run_command("pytest", argv, out, granted, {"GPU_CHECK_SELECTED": str(selected), "CUDA_VISIBLE_DEVICES": plan.gpu})
+    tests = _junit(xml)
+    ids = selected.read_text().split() if selected.exists() else []
+    outcomes = [t["outcome"] for t in tests.values()]
+    status = "PASS" if result["exit"] == 0 and not result["killed_at_deadline"] else "FAIL"
+    summary = {o: outcomes.count(o) for o in sorted(set(outcomes))}
+    return {"status": status, "selected": ids, "summary": summary, "tests": tests, **result}
+
+
+def _death(run: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Default-mode probe: how rank 0's process ended, seconds after its call, against the README (the watchdog ends it)."""
+    calls = [n["t0"] for n in run.get("notes", []) if n.get("rank") == 0 and n.get("probe") == "call"]
+    rank0 = next((r for r in run.get("ranks", []) if r["rank"] == 0), None)
+    if not calls or rank0 is None:
+        return {"cell": "process ended", "rank": 0, "status": "error", "detail": "the probe's call was not reached"}
+    after = rank0["ended_at"] - calls[0]
+    how = f"exit {rank0['exit']} ({rank0['signal'] or 'no signal'})" + (", killed by the check at its deadline" if rank0["killed_at_deadline"] else "")
+    ended = rank0["exit"] != 0 and not rank0["killed_at_deadline"]
+    status = "ok" if ended and after >= 0.8 * timeout else "differs"
+    return {"cell": "process ended", "rank": 0, "status": status, "detail": f"{how}, {after:.1f} s after the call (timeout {timeout:g} s)", "seconds": round(after, 2)}
+
+
+def step_nccl_ranks(plan: Plan) -> dict[str, Any]:
+    runs = {"smoke": _finish(plan.launch("smoke", "smoke", 2, 45, 20, timeout=20))}
+    smoke = runs["smoke"]
+    if smoke["status"] != "ok" or any(c["status"] != "ok" for c in smoke.get("cells", [])):
+        why = smoke.get("reason") or "; ".join(smoke.get("failing", [])) or f"run {smoke['status']}"
+        out = _verdict(runs, _self_test_note(plan))
+        out.update(status="SKIP" if smoke["status"] == "skipped" else "FAIL", reason=f"the 2-rank smoke test did not pass ({why}); the rest of the step was not run")
+        return out
+    runs["pairs"] = _finish(plan.launch("pairs", "pairs", 2, 150, 30))
+    probe = {"timeout": plan.probe_s, "hold_s": plan.probe_s + 75 if plan.cuda else plan.probe_s + 8}
+    want = plan.probe_s + (80 if plan.cuda else 40)
+    started = {"skip_bounded": plan.launch("skip_bounded", "skip_call", 2, want, plan.probe_s + 10, bounded=True, **probe)}
+    if plan.cuda:  # gloo has no default/bounded difference: one probe is enough there
+        started["skip_default"] = plan.launch("skip_default", "skip_call", 2, want, plan.probe_s + 10, **probe)
+    runs["connect"] = _finish(plan.launch("connect", "connect", 2, 60, 25, timeout=30))  # while the probes wait out their timeouts
+    for name, launch in started.items():
+        runs[name] = _finish(launch)
+    if "skip_default" in runs and runs["skip_default"]["status"] != "skipped":
+        death = _death(runs["skip_default"], plan.probe_s)
+        runs["skip_default"]["cells"].append(death)
+        runs["skip_default"]["status"] = "ok"  # rank 0's death is the expected outcome; the cell judges it
+        if death["status"] != "ok":
+            runs["skip_default"].setdefault("failing", []).append(f"rank 0: {death['cell']}: {death['status']}: {death['detail']}")
+    return _verdict(runs, _self_test_note(plan))
+
+
+def step_cuda_branches(plan: Plan) -> dict[str, Any]:
+    return _verdict({"branches": _finish(plan.launch("branches", "branches", 4, 120, 30))}, _self_test_note(plan))
+
+
+def bench_commands(out: Path, gpu: str) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """The bench runs of the last step: argv after ``python -m rlightning_comm.bench``, and their environment."""
+    common = ["--factor", "16", "--iters", "10", "--warmup", "3", "--timeout", "60"]
     return {
-        "nccl_bench": (["--backend", "nccl", "--nproc", str(gpus), "--sizes", "1K:64M", "--factor", "16", "--json", os.path.join(out, "nccl.json")], {}),
-        "gloo_cuda_bench": (
-            ["--backend", "gloo", "--device", "cuda", "--nproc", "4", "--sizes", "1K:4M", "--factor", "16", "--json", os.path.join(out, "gloo_cuda.json")],
-            {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]},
+        "nccl": (["--backend", "nccl", "--nproc", "1", "--sizes", "1K:64M", *common, "--json", str(out / "bench_nccl.json")], {"CUDA_VISIBLE_DEVICES": gpu}),
+        "gloo_cuda": (
+            ["--backend", "gloo", "--device", "cuda", "--nproc", "4", "--sizes", "1K:4M", *common, "--json", str(out / "bench_gloo_cuda.json")],
+            {"CUDA_VISIBLE_DEVICES": gpu},  # all 4 ranks on one GPU
         ),
     }
 
 
-def run_bench(argv: list[str], env: dict[str, str], timeout: float = 150) -> dict[str, Any]:
-    """Run the bench in a subprocess; PASS when it exits 0 (every result right)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "rlightning_comm.bench", *argv],
-        cwd=ROOT,
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    print(proc.stdout, end="", flush=True)
-    status = "PASS" if proc.returncode == 0 else "FAIL"
-    return {"status": status, "exit": proc.returncode, "stderr_tail": proc.stderr[-2000:] if status == "FAIL" else ""}
+def step_bench(plan: Plan) -> dict[str, Any]:
+    if not plan.cuda:
+        return {"status": "SKIP", "reason": "no CUDA"}
+    runs: dict[str, dict[str, Any]] = {}
+    commands = bench_commands(plan.out, plan.gpu)
+    for i, (name, (argv, env)) in enumerate(commands.items()):
+        left = plan.end - time.time()
+        granted = plan.grant(min(150.0, left / (len(commands) - i)), 30)
+        if granted is None:
+            runs[name] = {"status": "skipped", "reason": "no time left"}
+            continue
+        result = run_command(f"bench_{name}", [sys.executable, "-m", "rlightning_comm.bench", *argv], plan.out, granted, env)
+        runs[name] = {"status": "ok" if result["exit"] == 0 else ("timeout" if result["killed_at_deadline"] else "crashed"), **result}
+    return _verdict(runs)
 
 
-def load_sp_ops() -> dict[str, Any] | str:
-    """The sequence-parallel ops, or why they cannot be imported."""
-    try:
-        import rlightning_comm.sequence_parallel as sp
-
-        return {name: getattr(sp, name) for name in SP_NAMES}
-    except (ImportError, AttributeError) as err:
-        return f"sequence-parallel ops not available: {err}"
+RUNNERS = {"nccl_world1": step_nccl_world1, "cuda_tests": step_cuda_tests, "nccl_ranks": step_nccl_ranks, "cuda_branches": step_cuda_branches, "bench": step_bench}
 
 
-def _grad_out(shape: tuple[int, ...], rank: int) -> Any:
+def environment(cuda: bool) -> dict[str, Any]:
     import torch
 
-    gen = torch.Generator().manual_seed(4242 + rank)
-    return torch.randn(shape, generator=gen, dtype=torch.float64)
+    info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(), "cuda_available": torch.cuda.is_available()}
+    if cuda:
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        info["cuda"] = torch.version.cuda
+        try:
+            info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception as err:  # noqa: BLE001 - informative only
+            info["nccl"] = repr(err)
+    return info
 
 
-def sp_check(rank: int, nproc: int, devices: list[str], ops: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Step 4 on one rank of an initialised world: forward vs oracle per device, CUDA vs CPU outputs and grads.
-
-    ``ops`` maps the names of :data:`SP_NAMES` to callables with the seed's
-    signatures; ``None`` imports them from ``rlightning_comm.sequence_parallel``.
-    """
-    import torch
-
-    from rlightning_comm import CommContext, CommMode
-
-    ops = load_sp_ops() if ops is None else ops
-    if isinstance(ops, str):
-        return {"status": "SKIP", "reason": ops}
-    CommContext().init_group(list(range(nproc)), CommMode.SEQUENCE_PARALLEL)
-    b, s_local, h, d = 2, 3, 2 * nproc, 4
-    seq = s_local * nproc
-    gen = torch.Generator().manual_seed(7)
-    full = torch.randn(b, seq, h, d, generator=gen, dtype=torch.float64)  # the same on every rank
-    local = full[:, rank * s_local : (rank + 1) * s_local]  # this rank's sequence shard
-    calls = {
-        "scatter": (lambda x: ops["scatter_to_sequence_parallel_region"](x, False), full, local),
-        "gather": (lambda x: ops["gather_from_sequence_parallel_region"](x, False), local, full),
-        "all_to_all": (lambda x: ops["all_to_all"](x, 1, 2, CommMode.SEQUENCE_PARALLEL), local, full[:, :, rank * 2 : (rank + 1) * 2]),
-    }
-    results: dict[str, dict[str, Any]] = {}
-    for name, (fn, x, oracle) in calls.items():
-        per_device = {}
-        for device in devices:
-            xin = x.detach().to(device).requires_grad_(True)
-            y = fn(xin)
-            y.backward(_grad_out(tuple(y.shape), rank).to(device))
-            per_device[device] = (y.detach().cpu(), xin.grad.detach().cpu())
-        res: dict[str, Any] = {dev: bool(torch.equal(out, oracle)) for dev, (out, _) in per_device.items()}
-        if "cuda" in per_device:
-            (cpu_out, cpu_grad), (gpu_out, gpu_grad) = per_device["cpu"], per_device["cuda"]
-            res["cuda_vs_cpu_out"] = float((cpu_out - gpu_out).abs().max())
-            res["cuda_vs_cpu_grad"] = float((cpu_grad - gpu_grad).abs().max())
-        results[name] = res
-    ok = all(all(v for k, v in r.items() if k in devices) and r.get("cuda_vs_cpu_out", 0) == 0 and r.get("cuda_vs_cpu_grad", 0) == 0 for r in results.values())
-    return {"status": "PASS" if ok else "FAIL", "devices": devices, "ops": results}
-
-
-def stats_check(rank: int, nproc: int) -> dict[str, Any]:
-    """Step 3 on one rank: stats on CUDA tensors (event timing), sync and async, vs what was sent."""
-    import torch
-
-    from rlightning_comm import CommContext, CommMode, collective
-
-    if CommContext().get_communicator().backend == "gloo":
-        torch.cuda.set_device(0)
-    ctx = CommContext()
-    ctx.reset_stats()
-    ctx.enable_stats()
-    t = torch.ones(1024, device=torch.device("cuda", torch.cuda.current_device()))  # 4 KiB
-    for _ in range(3):
-        collective.all_reduce(t, CommMode.GLOBAL)
-    collective.all_reduce(t, CommMode.GLOBAL, async_op=True).wait()
-    s = ctx.stats()["GLOBAL"]["all_reduce"]
-    ctx.disable_stats()
-    ok = s["count"] == 4 and s["bytes"] == 4 * 4096 and 0 < s["max_time_s"] <= s["total_time_s"] and s["in_flight"] == 0 and float(t[0]) == nproc**4
-    return {"status": "PASS" if ok else "FAIL", "stats": s}
-
-
-def _ranks_step(fn: Any, nproc: int, *args: Any, backend: str = "gloo") -> dict[str, Any]:
-    try:
-        results = run_ranks(fn, nproc, *args, timeout=120, backend=backend)
-    except Exception as err:  # noqa: BLE001 - a failed step is reported, the others still run
-        return {"status": "FAIL", "error": str(err)[-2000:]}
-    worst = "FAIL" if any(r["status"] == "FAIL" for r in results) else results[0]["status"]
-    return {**results[0], "status": worst, "ranks": results}
+def summary_lines(doc: dict[str, Any]) -> list[str]:
+    """The short summary printed at the end: one line per step, then what failed."""
+    lines = []
+    for name, step in doc["steps"].items():
+        runs = step.get("runs", {})
+        cells = {k: v for r in runs.values() for k, v in r.get("counts", {}).items()} if runs else {}
+        totals: dict[str, int] = {}
+        for r in runs.values():
+            for k, v in r.get("counts", {}).items():
+                totals[k] = totals.get(k, 0) + v
+        detail = step.get("reason") or ", ".join(f"{k} {v}" for k, v in sorted(totals.items())) or ", ".join(f"{k} {v}" for k, v in step.get("summary", {}).items())
+        lines.append(f"{name:<14} {step['status']:<5} {step.get('seconds', 0):6.1f} s  {detail if cells or detail else ''}")
+        for run in runs.values():
+            lines += [f"    {run['run'] if 'run' in run else ''} {line}" for line in run.get("failing", [])[:10]]
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="GPU check for rlightning_comm (CPU-only parts run anywhere)")
-    p.add_argument("--out", default="gpu-check-out", help="folder for gpu_check.json and the benches' JSON")
-    p.add_argument("--cpu-only", action="store_true", help="run only what needs no CUDA")
+    p = argparse.ArgumentParser(description="GPU check for rlightning_comm: verify the NCCL paths on one GPU in minutes, with a JSON report of every cell")
+    p.add_argument("--out", default="gpu-check-out", help="folder for gpu_check.json, every run's cells and logs (default gpu-check-out)")
+    p.add_argument("--cpu-only", action="store_true", help="skip every CUDA step (automatic without CUDA); the CPU self-tests still run")
+    p.add_argument("--budget-s", type=float, default=520.0, help="the whole check's deadline in seconds; steps that no longer fit are skipped (default 520)")
+    p.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated subset of {','.join(STEPS)} (default all)")
+    p.add_argument("--inject-wrong", action="store_true", help=argparse.SUPPRESS)  # test hook: a world whose all_reduce is wrong
     args = p.parse_args(argv)
     import torch
 
-    os.makedirs(args.out, exist_ok=True)
+    chosen = [s.strip() for s in args.steps.split(",") if s.strip()]
+    unknown = sorted(set(chosen) - set(STEPS))
+    if unknown:
+        p.error(f"unknown steps {unknown}; choose from {list(STEPS)}")
     cuda = torch.cuda.is_available() and not args.cpu_only
-    gpus = torch.cuda.device_count() if cuda else 0
-    steps: dict[str, dict[str, Any]] = {}
-    started = time.monotonic()
-    for name, (bench_argv, env) in bench_commands(args.out, gpus).items():
-        steps[name] = run_bench(bench_argv, env) if cuda else {"status": "SKIP", "reason": "no CUDA"}
-    steps["stats_cuda_gloo"] = _ranks_step(stats_check, 2) if cuda else {"status": "SKIP", "reason": "no CUDA"}
-    steps["stats_cuda_nccl"] = _ranks_step(stats_check, gpus, backend="nccl") if cuda else {"status": "SKIP", "reason": "no CUDA"}
-    missing = load_sp_ops()
-    if isinstance(missing, str):
-        steps["sequence_parallel"] = {"status": "SKIP", "reason": missing}
-    else:
-        steps["sequence_parallel"] = _ranks_step(sp_check, 4, ["cpu", "cuda"] if cuda else ["cpu"])
-    doc = {"machine": machine(), "gpus": [torch.cuda.get_device_name(i) for i in range(gpus)], "seconds": time.monotonic() - started, "steps": steps}
-    with open(os.path.join(args.out, "gpu_check.json"), "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=1, default=str)
-    for name, step in steps.items():
-        print(f"{name:<18} {step['status']}  {step.get('reason', '')}{step.get('error', '')}")
-    print(f"# {doc['seconds']:.0f} s; {doc['machine']}; GPUs: {doc['gpus'] or 'none'}")
-    return 1 if any(s["status"] == "FAIL" for s in steps.values()) else 0
+    plan = Plan(args, cuda)
+    plan.out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    doc: dict[str, Any] = {"command": [sys.executable, *sys.argv] if argv is None else ["gpu_check.py", *argv], "root": str(ROOT), "budget_s": args.budget_s}
+    doc.update(cuda=cuda, environment=environment(cuda), steps={})
+    report = plan.out / "gpu_check.json"
+    for name in STEPS:
+        t0 = time.time()
+        if name not in chosen:
+            step: dict[str, Any] = {"status": "SKIP", "reason": "not selected (--steps)"}
+        else:
+            try:
+                step = RUNNERS[name](plan)
+            except Exception as err:  # noqa: BLE001 - a step's own failure is recorded; the next step still runs
+                import traceback
+
+                step = {"status": "FAIL", "reason": f"the step itself raised {type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
+        doc["steps"][name] = {"needs": NEEDS[name], **step, "seconds": round(time.time() - t0, 1)}
+        doc["seconds"] = round(time.time() - started, 1)
+        report.write_text(json.dumps(doc, indent=1, default=str))  # after every step: a killed check keeps what it did
+        print(summary_lines({"steps": {name: doc["steps"][name]}})[0], flush=True)
+    print("\n".join(summary_lines(doc)))
+    print(f"# {doc['seconds']:.0f} s of {args.budget_s:.0f}; {'CUDA: ' + ', '.join(doc['environment'].get('gpus', [])) if cuda else 'no CUDA'}; report {report}")
+    return 1 if any(s["status"] == "FAIL" for s in doc["steps"].values()) else 0
 
 
 if __name__ == "__main__":
