@@ -24,7 +24,7 @@ from torch.distributed import ReduceOp
 from torch.distributed.distributed_c10d import AllgatherOptions
 from typing_extensions import override
 
-from rlightning_comm import CommContext, GlooCommunicator, NcclCommunicator, collective
+from rlightning_comm import CommContext, CommMismatchError, GlooCommunicator, NcclCommunicator, collective
 from rlightning_comm.communicators import nccl
 from rlightning_comm.communicators.registry import register_communicator
 
@@ -203,9 +203,16 @@ def groups(rec: Recorder, device: torch.device) -> None:
 
 
 def refusal_travels(rec: Recorder, mode: str, device: torch.device) -> None:
-    """Debug mode: group rank 1 alone passes a dtype the backend cannot move; every rank must raise its ValueError, naming it."""
+    """Debug mode: group rank 1 alone passes uint16; every rank must raise, naming it.
+
+    Where the backend cannot move uint16 (NCCL's dtype table) that is rank 1's
+    refusal, a ``ValueError`` on every rank; where it can (gloo), a
+    ``CommMismatchError`` naming both dtypes.
+    """
     ctx = CommContext()
     comm = ctx.get_communicator(mode)
+    refuses = comm.supported_dtypes is not None and torch.uint16 not in comm.supported_dtypes
+    expected = ValueError if refuses else CommMismatchError
 
     def run() -> tuple[str, str] | None:
         if comm.world_size < 2:
@@ -215,22 +222,29 @@ def refusal_travels(rec: Recorder, mode: str, device: torch.device) -> None:
         ctx.set_debug(True)
         try:
             collective.all_reduce(torch.zeros(4, dtype=dtype, device=device), mode)
-        except ValueError as err:
-            return None if f"rank {refuser}" in str(err) else ("wrong", f"the error does not name rank {refuser}: {err}")
+        except expected as err:
+            named = f"rank {refuser}" in str(err) if refuses else "uint16" in str(err)
+            return None if named else ("wrong", f"the {expected.__name__} does not name rank {refuser}'s uint16: {err}")
         finally:
             ctx.set_debug(False)
-        return "wrong", "no rank raised"
+        return "wrong", f"no {expected.__name__} on this rank"
 
-    rec.run(f"{mode}: debug mode tells every rank of one rank's uint16", run)
+    rec.run(f"{mode}: debug mode tells every rank of one rank's uint16 ({expected.__name__})", run)
 
 
 def skip_call(rec: Recorder, device: torch.device, store_dir: str, timeout: float, hold_s: float) -> None:
-    """Group rank 0 calls all_reduce that rank 1 skips: what the caller gets, and after how long (the parent sees a death)."""
+    """Rank 0 calls an all_reduce that rank 1 skips, on a group of 2 with a ``timeout`` of its own: what the caller gets, and after how long.
+
+    Rank 1 holds on (alive, not calling) for up to ``hold_s`` seconds. A
+    death of rank 0 is what the parent sees (its exit and when).
+    """
     ctx = CommContext()
-    comm = ctx.get_communicator()
+    rec.run(f"init_group([0, 1], timeout={timeout:g})", lambda: ctx.init_group([0, 1], "PROBE", timeout=timeout) and None)
+    comm = ctx.get_communicator("PROBE")
     done = os.path.join(store_dir, "skip-probe-done")
     warm = torch.ones(4, device=device)
-    rec.run("warm-up all_reduce", lambda: collective.all_reduce(warm, "GLOBAL") or (None if warm.cpu().tolist() == [2.0] * 4 else ("wrong", str(warm))))
+    rec.run("warm-up all_reduce", lambda: collective.all_reduce(warm, "PROBE") or (None if warm.cpu().tolist() == [2.0] * 4 else ("wrong", str(warm))))
+    rec.lockstep = None  # the ranks part ways on purpose from here
     if comm.rank != 0:
         rec.note(probe="skipping the call", hold_s=hold_s)
         until = time.time() + hold_s
@@ -245,7 +259,7 @@ def skip_call(rec: Recorder, device: torch.device, store_dir: str, timeout: floa
 
     def blocking() -> tuple[str, str]:
         try:
-            collective.all_reduce(t, "GLOBAL")
+            collective.all_reduce(t, "PROBE")
         except Exception as err:  # noqa: BLE001 - what the user gets is the measurement
             outcome["raised"] = type(err).__name__
             return "observed", f"{type(err).__name__} after {time.time() - started:.1f} s: {str(err)[:300]}"

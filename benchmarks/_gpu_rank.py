@@ -70,9 +70,8 @@ def branches(rec: Recorder, spec: dict[str, Any], rank: int) -> None:
 
 
 def skip_call(rec: Recorder, spec: dict[str, Any], rank: int) -> None:
-    """Step 3's probe: a call that one rank skips (no lockstep: the ranks part ways on purpose)."""
-    rec.lockstep = None
-    probes.skip_call(rec, _device(spec), spec["store"], spec["timeout"], spec.get("hold_s", 60))
+    """Step 3's probe: a call that one rank skips."""
+    probes.skip_call(rec, _device(spec), spec["store"], spec["probe_timeout"], spec.get("hold_s", 60))
 
 
 def smoke(rec: Recorder, spec: dict[str, Any], rank: int) -> None:
@@ -83,13 +82,13 @@ def connect(rec: Recorder, spec: dict[str, Any], rank: int) -> None:
     probes.connect(rec, spec["backend"], _device(spec), rank, spec["nproc"], spec["store"], spec["timeout"])
 
 
-# name -> (function, whether this program initialises the world first)
+# name -> (function, whether this program initialises the world first and destroys it after)
 RUNS: dict[str, tuple[Callable[[Recorder, dict[str, Any], int], None], bool]] = {
     "world1": (world1, True),
     "bounded": (bounded, True),
     "pairs": (pairs, True),
     "branches": (branches, True),
-    "skip_call": (skip_call, True),
+    "skip_call": (skip_call, True),  # rank 0 destroys its context in the probe; the skipping rank just leaves
     "smoke": (smoke, False),
     "connect": (connect, False),
 }
@@ -127,7 +126,7 @@ def main(spec: dict[str, Any], rank: int) -> None:
         if rec.run("init_distributed_env", init, backend=backend)["status"] != "ok":
             return
     run(rec, spec, rank)
-    if owns_world and ctx.is_initialized():
+    if owns_world and ctx.is_initialized() and spec["run"] != "skip_call":
         rec.lockstep = None  # teardown is local
         rec.run("destroy", ctx.destroy, min_s=0)
     rec.note(end=True)

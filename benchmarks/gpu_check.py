@@ -51,6 +51,8 @@ NEEDS = {
 }
 BOUNDED_OPS = ["all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all_single", "gather", "scatter", "reduce"]
 BOUNDED_OPS += ["barrier", "all_reduce_dict", "broadcast_object_list", "broadcast_state_dict"]
+QUICK = {"ops": ["all_reduce", "broadcast", "all_gather_object"], "dtypes": ["float32", "int64"], "modes": ["plain", "debug"]}
+"""Step 1's matrix under ``--quick`` (the check's own test)."""
 _REPORT_RESERVE_S = 5.0
 
 
@@ -120,6 +122,9 @@ def _self_test_note(plan: Plan) -> str:
 
 
 def step_nccl_world1(plan: Plan) -> dict[str, Any]:
+    if plan.args.quick:
+        runs = {"world1": _finish(plan.launch("world1", "world1", 1, 180, 20, matrix=QUICK)), "bounded": {"run": "bounded", "status": "skipped", "reason": "--quick"}}
+        return _verdict(runs, _self_test_note(plan))
     runs = {"world1": _finish(plan.launch("world1", "world1", 1, 90, 20))}
     matrix = {"ops": BOUNDED_OPS, "dtypes": ["float32", "bfloat16"], "modes": ["plain", "stats"]}
     runs["bounded"] = _finish(plan.launch("bounded", "bounded", 1, 45, 15, bounded=True, matrix=matrix))
@@ -185,7 +190,7 @@ def step_nccl_ranks(plan: Plan) -> dict[str, Any]:
         out.update(status="SKIP" if smoke["status"] == "skipped" else "FAIL", reason=f"the 2-rank smoke test did not pass ({why}); the rest of the step was not run")
         return out
     runs["pairs"] = _finish(plan.launch("pairs", "pairs", 2, 150, 30))
-    probe = {"timeout": plan.probe_s, "hold_s": plan.probe_s + 75 if plan.cuda else plan.probe_s + 8}
+    probe = {"probe_timeout": plan.probe_s, "hold_s": plan.probe_s + 75 if plan.cuda else plan.probe_s + 8}
     want = plan.probe_s + (80 if plan.cuda else 40)
     started = {"skip_bounded": plan.launch("skip_bounded", "skip_call", 2, want, plan.probe_s + 10, bounded=True, **probe)}
     if plan.cuda:  # gloo has no default/bounded difference: one probe is enough there
@@ -252,19 +257,23 @@ def environment(cuda: bool) -> dict[str, Any]:
 
 
 def summary_lines(doc: dict[str, Any]) -> list[str]:
-    """The short summary printed at the end: one line per step, then what failed."""
+    """The short summary: one line per step (its cells' statuses, or why it was skipped), then what failed."""
     lines = []
     for name, step in doc["steps"].items():
         runs = step.get("runs", {})
-        cells = {k: v for r in runs.values() for k, v in r.get("counts", {}).items()} if runs else {}
         totals: dict[str, int] = {}
-        for r in runs.values():
-            for k, v in r.get("counts", {}).items():
-                totals[k] = totals.get(k, 0) + v
-        detail = step.get("reason") or ", ".join(f"{k} {v}" for k, v in sorted(totals.items())) or ", ".join(f"{k} {v}" for k, v in step.get("summary", {}).items())
-        lines.append(f"{name:<14} {step['status']:<5} {step.get('seconds', 0):6.1f} s  {detail if cells or detail else ''}")
         for run in runs.values():
-            lines += [f"    {run['run'] if 'run' in run else ''} {line}" for line in run.get("failing", [])[:10]]
+            for status, n in run.get("counts", {}).items():
+                totals[status] = totals.get(status, 0) + n
+        detail = ", ".join(f"{k} {v}" for k, v in sorted((totals or step.get("summary", {})).items()))
+        if step.get("reason"):
+            detail = step["reason"] + (f" ({detail})" if detail else "")
+        lines.append(f"{name:<14} {step['status']:<5} {step.get('seconds', 0):6.1f} s  {detail}")
+        for run_name, run in runs.items():
+            if run["status"] not in ("ok", "skipped"):
+                stuck = [f"rank {r['rank']} in {r['unfinished_cell']!r}" for r in run.get("ranks", []) if r.get("unfinished_cell")]
+                lines.append(f"    {run_name}: {run['status']}" + (f" ({', '.join(stuck)})" if stuck else ""))
+            lines += [f"    {run_name}: {line}" for line in run.get("failing", [])[:8]]
     return lines
 
 
@@ -275,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=520.0, help="the whole check's deadline in seconds; steps that no longer fit are skipped (default 520)")
     p.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated subset of {','.join(STEPS)} (default all)")
     p.add_argument("--inject-wrong", action="store_true", help=argparse.SUPPRESS)  # test hook: a world whose all_reduce is wrong
+    p.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)  # test hook: step 1's first run only, on a few cells
     args = p.parse_args(argv)
     import torch
 
