@@ -103,8 +103,8 @@ class Recorder:
     def time_left(self) -> float:
         return float("inf") if self.deadline is None else self.deadline - time.time()
 
-    def run(self, name: str, fn: Callable[[], tuple[str, str] | None], min_s: float = 1.0, **fields: Any) -> dict[str, Any]:
-        """Run one cell: ``fn()`` returns ``(status, detail)`` (``None``: ok); an exception is classified.
+    def run(self, name: str, fn: Callable[[], Any], min_s: float = 1.0, **fields: Any) -> dict[str, Any]:
+        """Run one cell: ``fn()`` returns ``(status, detail)``, or anything else for ok; an exception is classified.
 
         Skipped without calling ``fn`` when the run stopped or less than
         ``min_s`` seconds are left. With a lockstep, every rank then learns
@@ -117,7 +117,8 @@ class Recorder:
         self._write({"event": "start", "rank": self.rank, "t": time.time(), "cell": name})
         started = time.perf_counter()
         try:
-            status, detail = fn() or ("ok", "")
+            out = fn()
+            status, detail = out if isinstance(out, tuple) else ("ok", "")
             raised = ""
         except Exception as err:  # noqa: BLE001 - every outcome of a cell is recorded, the next cell still runs
             status, detail = classify(err)
@@ -168,7 +169,7 @@ class Lockstep:
         self.store.set(keys[self.rank], raised or "-")
         try:
             self.store.wait(keys, timedelta(seconds=self.timeout))
-        except Exception as err:  # noqa: BLE001 - the store's timeout type differs across torch releases
+        except Exception as err:
             raise OutOfStep(f"a peer did not report cell {name!r} within {self.timeout:g} s ({type(err).__name__}); the rest of the run is skipped") from err
         outcomes = [self.store.get(k).decode() for k in keys]
         if len(set(outcomes)) > 1 and any(o.startswith("!") for o in outcomes):

@@ -35,6 +35,16 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+LIVE: set[subprocess.Popen] = set()
+"""Every process started here and not yet reaped: :func:`kill_all` ends them if the check itself is stopped."""
+
+
+def kill_all() -> None:
+    """Kill every process group still running (the check was interrupted): nothing is left holding the GPU."""
+    for proc in list(LIVE):
+        _kill(proc)
+
+
 def _kill(proc: subprocess.Popen) -> None:
     """SIGKILL ``proc``'s process group (it leads its own session: its own children too), then reap it.
 
@@ -47,6 +57,7 @@ def _kill(proc: subprocess.Popen) -> None:
         pass
     try:
         proc.wait(timeout=15)
+        LIVE.discard(proc)
     except subprocess.TimeoutExpired:
         pass
 
@@ -116,9 +127,12 @@ class Launch:
             log = open(self.dir / f"rank{rank}.log", "wb")  # noqa: SIM115 - the child writes it; closed once the child is started
             env = child_env({"GPU_CHECK_RANK": str(rank), **self.env(rank)})
             self.procs.append(
-                subprocess.Popen([sys.executable, RANK_PROGRAM, json.dumps(spec), str(rank)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                subprocess.Popen(
+                    [sys.executable, RANK_PROGRAM, json.dumps(spec), str(rank)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
             )
             log.close()
+            LIVE.add(self.procs[-1])
         return self
 
     def wait(self) -> dict[str, Any]:
@@ -189,10 +203,18 @@ def run_command(name: str, argv: list[str], out: Path, timeout: float, env: dict
     started = time.time()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, cwd=ROOT, env=child_env(env), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        LIVE.add(proc)
         try:
             proc.wait(timeout=timeout)
             killed = False
         except subprocess.TimeoutExpired:
             killed = True
         _kill(proc)  # at the deadline, or what a finished command left behind (a hung spawned rank)
-    return {"argv": argv, "exit": proc.returncode, "killed_at_deadline": killed, "seconds": round(time.time() - started, 2), "log": str(log_path), "log_tail": _tail(log_path)}
+    return {
+        "argv": argv,
+        "exit": proc.returncode,
+        "killed_at_deadline": killed,
+        "seconds": round(time.time() - started, 2),
+        "log": str(log_path),
+        "log_tail": _tail(log_path),
+    }

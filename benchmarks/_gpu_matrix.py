@@ -293,10 +293,10 @@ def _sp(name: str) -> Callable[[Case], list[Check]]:
         full = _sp_full(c)
         if name == "all_to_all":
             x, want = _local(c, full), full[:, :, 2 * c.me : 2 * c.me + 2]
-            fn = lambda t: sp.all_to_all(t, 1, 2, SP_MODE)  # noqa: E731
+            fn = lambda t: sp.all_to_all(t, 1, 2, SP_MODE)
         elif name == "scatter_to_sequence_parallel_region":
             x, want = full, _local(c, full)
-            fn = lambda t: sp.scatter_to_sequence_parallel_region(t, False)  # noqa: E731
+            fn = lambda t: sp.scatter_to_sequence_parallel_region(t, False)
         elif name == "reduce_scatter_to_sequence_parallel_region":
             x, want = c.value(c.glob, full.numel()).reshape(full.shape), _local(c, combine([c.value(j, full.numel()).reshape(full.shape) for j in c.ranks]))
             fn = sp.reduce_scatter_to_sequence_parallel_region
@@ -309,7 +309,9 @@ def _sp(name: str) -> Callable[[Case], list[Check]]:
         if x.requires_grad:
             y.backward(torch.ones_like(y))
             grad = x.grad
-            checks.append(("grad", grad is not None and grad.shape == x.shape and grad.device == x.device, f"grad: {None if grad is None else (grad.shape, grad.device)}"))
+            checks.append(
+                ("grad", grad is not None and grad.shape == x.shape and grad.device == x.device, f"grad: {None if grad is None else (grad.shape, grad.device)}")
+            )
             if name == "all_to_all":  # the inverse all-to-all of ones is ones
                 checks.append(("grad values", grad, torch.ones(x.shape, dtype=c.dtype)))
         return checks
@@ -429,7 +431,9 @@ def run_matrix(
         for dtype_name in (dtypes or DTYPES) if typed else ("-",):
             for call in calls if has_async else ("sync",):
                 for in_mode in modes:
-                    case = functools.partial(Case, mode, device, DTYPES.get(dtype_name, torch.float32), root, call)  # built inside the cell: its errors are the cell's
+                    case = functools.partial(
+                        Case, mode, device, DTYPES.get(dtype_name, torch.float32), root, call
+                    )  # built inside the cell: its errors are the cell's
                     fields = {"op": op, "dtype": dtype_name, "call": call, "mode": in_mode}
                     rec.run(f"{prefix}{op}|{dtype_name}|{call}|{in_mode}", functools.partial(_cell, case, fn, in_mode, counted), **fields)
 

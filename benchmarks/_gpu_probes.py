@@ -120,7 +120,7 @@ def pg_returns(rec: Recorder, device: torch.device) -> None:
     on_nccl = _is_nccl(pg)
     for name, call in calls.items():
 
-        def probe(call: Any = call) -> tuple[str, str]:
+        def probe(call: Any = call, name: str = name) -> tuple[str, str]:
             work = call()
             kind = "None" if work is None else type(work).__name__
             if work is not None:
@@ -178,8 +178,20 @@ def groups(rec: Recorder, device: torch.device) -> None:
         rec.record("groups", "n/a", "needs 2 ranks")
         return
     reverse = list(reversed(range(n)))
-    rec.run(f"init_group({reverse})", lambda: ctx.init_group(reverse, "REVERSED") and None)
-    ops = ["all_reduce", "all_gather", "broadcast", "reduce", "gather", "scatter", "send", "recv", "all_to_all_single[uneven]", "broadcast_object_list", "broadcast_state_dict"]
+    rec.run(f"init_group({reverse})", lambda: ctx.init_group(reverse, "REVERSED"))
+    ops = [
+        "all_reduce",
+        "all_gather",
+        "broadcast",
+        "reduce",
+        "gather",
+        "scatter",
+        "send",
+        "recv",
+        "all_to_all_single[uneven]",
+        "broadcast_object_list",
+        "broadcast_state_dict",
+    ]
     # Root global rank 0 is the group's last rank: every rooted op takes a non-zero group root here.
     matrix.run_matrix(rec, "REVERSED", device, 0, ops=ops, dtypes=["float32"], modes=["plain"], prefix="REVERSED:")
 
@@ -196,9 +208,9 @@ def groups(rec: Recorder, device: torch.device) -> None:
             problems.append(f"world's all_reduce after it gave {world.cpu().tolist()}")
         return ("wrong", "; ".join(problems)) if problems else None
 
-    rec.run("init_group([0], use_cpu=True)", lambda: ctx.init_group([0], "HOST", use_cpu=True) and None)
+    rec.run("init_group([0], use_cpu=True)", lambda: ctx.init_group([0], "HOST", use_cpu=True))
     rec.run("HOST all_reduce (rank 1.. non-members)", lambda: member_only("HOST", [0], torch.ones(2)))
-    rec.run(f"init_group([{n - 1}]) on the world's backend", lambda: ctx.init_group([n - 1], "SOLO") and None)
+    rec.run(f"init_group([{n - 1}]) on the world's backend", lambda: ctx.init_group([n - 1], "SOLO"))
     rec.run("SOLO all_reduce (rank 0.. non-members)", lambda: member_only("SOLO", [n - 1], torch.ones(2, device=device)))
 
 
@@ -239,7 +251,7 @@ def skip_call(rec: Recorder, device: torch.device, store_dir: str, timeout: floa
     death of rank 0 is what the parent sees (its exit and when).
     """
     ctx = CommContext()
-    rec.run(f"init_group([0, 1], timeout={timeout:g})", lambda: ctx.init_group([0, 1], "PROBE", timeout=timeout) and None)
+    rec.run(f"init_group([0, 1], timeout={timeout:g})", lambda: ctx.init_group([0, 1], "PROBE", timeout=timeout))
     comm = ctx.get_communicator("PROBE")
     done = os.path.join(store_dir, "skip-probe-done")
     warm = torch.ones(4, device=device)
@@ -274,7 +286,10 @@ def skip_call(rec: Recorder, device: torch.device, store_dir: str, timeout: floa
         ok = outcome.get("raised") == "CommTimeoutError" and 0.5 * timeout <= time.time() - started <= 4 * timeout + 10
         verdict = ("ok" if ok else "differs", f"README: CommTimeoutError after the group's timeout ({timeout:g} s), the process lives; got {outcome}")
     else:
-        verdict = ("differs", f"README: the process is ended by the watchdog after the timeout; it is still running after {time.time() - started:.1f} s: {outcome}")
+        verdict = (
+            "differs",
+            f"README: the process is ended by the watchdog after the timeout; it is still running after {time.time() - started:.1f} s: {outcome}",
+        )
     rec.run("against the README's failure table", lambda: verdict, min_s=0)
     rec.run("destroy() after the failure", lambda: ctx.destroy(), min_s=0)
     Path(done).touch()
@@ -289,7 +304,10 @@ def connect(rec: Recorder, backend: str, device: torch.device, rank: int, size: 
     from rlightning_comm.errors import PeerLostError
 
     address_file, dying = os.path.join(store_dir, "connect-address"), os.path.join(store_dir, "connect-dying")
-    rec.run("own world", lambda: ctx.init_distributed_env(world_size=1, rank=0, backend=backend, dist_url=f"file://{store_dir}/own-world-{rank}", timeout=timeout) and None)
+    rec.run(
+        "own world",
+        lambda: ctx.init_distributed_env(world_size=1, rank=0, backend=backend, dist_url=f"file://{store_dir}/own-world-{rank}", timeout=timeout),
+    )
 
     def join() -> None:
         if rank == 0:

@@ -11,6 +11,7 @@ atexit hooks on a broken NCCL group) can hang it.
 from __future__ import annotations
 
 import faulthandler
+import functools
 import json
 import os
 import sys
@@ -64,7 +65,7 @@ def branches(rec: Recorder, spec: dict[str, Any], rank: int) -> None:
     device = _device(spec)
     probes.set_cuda_gloo_device(device)
     n = dist.get_world_size()
-    rec.run("init_group(CUDA_GLOO)", lambda: CommContext().init_group(list(range(n)), "CUDA_GLOO", backend=probes.CUDA_GLOO) and None)
+    rec.run("init_group(CUDA_GLOO)", lambda: CommContext().init_group(list(range(n)), "CUDA_GLOO", backend=probes.CUDA_GLOO))
     matrix.run_matrix(rec, "CUDA_GLOO", device, n - 1, **_matrix(spec))
     probes.refusal_travels(rec, "CUDA_GLOO", device)
 
@@ -122,7 +123,10 @@ def main(spec: dict[str, Any], rank: int) -> None:
     if owns_world:
         backend = probes.WRONG_GLOO if spec.get("inject_wrong") else spec["backend"]
         url = f"file://{spec['store']}/world"
-        init = lambda: ctx.init_distributed_env(world_size=size, rank=rank, backend=backend, dist_url=url, timeout=spec["timeout"], bounded_wait=spec.get("bounded", False)) and None  # noqa: E731
+        bounded = spec.get("bounded", False)
+        init = functools.partial(
+            ctx.init_distributed_env, world_size=size, rank=rank, backend=backend, dist_url=url, timeout=spec["timeout"], bounded_wait=bounded
+        )
         if rec.run("init_distributed_env", init, backend=backend)["status"] != "ok":
             return
     run(rec, spec, rank)

@@ -33,13 +33,14 @@ import importlib.util
 import json
 import os
 import platform
+import signal
 import sys
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
-from _gpu_launch import ROOT, Launch, run_command
+from _gpu_launch import ROOT, Launch, kill_all, run_command
 
 STEPS = ("nccl_world1", "cuda_tests", "nccl_ranks", "cuda_branches", "bench")
 NEEDS = {
@@ -123,7 +124,10 @@ def _self_test_note(plan: Plan) -> str:
 
 def step_nccl_world1(plan: Plan) -> dict[str, Any]:
     if plan.args.quick:
-        runs = {"world1": _finish(plan.launch("world1", "world1", 1, 180, 20, matrix=QUICK)), "bounded": {"run": "bounded", "status": "skipped", "reason": "--quick"}}
+        runs = {
+            "world1": _finish(plan.launch("world1", "world1", 1, 180, 20, matrix=QUICK)),
+            "bounded": {"run": "bounded", "status": "skipped", "reason": "--quick"},
+        }
         return _verdict(runs, _self_test_note(plan))
     runs = {"world1": _finish(plan.launch("world1", "world1", 1, 90, 20))}
     matrix = {"ops": BOUNDED_OPS, "dtypes": ["float32", "bfloat16"], "modes": ["plain", "stats"]}
@@ -178,7 +182,13 @@ def _death(run: dict[str, Any], timeout: float) -> dict[str, Any]:
     how = f"exit {rank0['exit']} ({rank0['signal'] or 'no signal'})" + (", killed by the check at its deadline" if rank0["killed_at_deadline"] else "")
     ended = rank0["exit"] != 0 and not rank0["killed_at_deadline"]
     status = "ok" if ended and after >= 0.8 * timeout else "differs"
-    return {"cell": "process ended", "rank": 0, "status": status, "detail": f"{how}, {after:.1f} s after the call (timeout {timeout:g} s)", "seconds": round(after, 2)}
+    return {
+        "cell": "process ended",
+        "rank": 0,
+        "status": status,
+        "detail": f"{how}, {after:.1f} s after the call (timeout {timeout:g} s)",
+        "seconds": round(after, 2),
+    }
 
 
 def step_nccl_ranks(plan: Plan) -> dict[str, Any]:
@@ -187,15 +197,18 @@ def step_nccl_ranks(plan: Plan) -> dict[str, Any]:
     if smoke["status"] != "ok" or any(c["status"] != "ok" for c in smoke.get("cells", [])):
         why = smoke.get("reason") or "; ".join(smoke.get("failing", [])) or f"run {smoke['status']}"
         out = _verdict(runs, _self_test_note(plan))
-        out.update(status="SKIP" if smoke["status"] == "skipped" else "FAIL", reason=f"the 2-rank smoke test did not pass ({why}); the rest of the step was not run")
+        out.update(
+            status="SKIP" if smoke["status"] == "skipped" else "FAIL", reason=f"the 2-rank smoke test did not pass ({why}); the rest of the step was not run"
+        )
         return out
-    runs["pairs"] = _finish(plan.launch("pairs", "pairs", 2, 150, 30))
+    # The probes mostly wait out their timeouts: they run while the pairs and the connected mode do.
     probe = {"probe_timeout": plan.probe_s, "hold_s": plan.probe_s + 75 if plan.cuda else plan.probe_s + 8}
     want = plan.probe_s + (80 if plan.cuda else 40)
     started = {"skip_bounded": plan.launch("skip_bounded", "skip_call", 2, want, plan.probe_s + 10, bounded=True, **probe)}
     if plan.cuda:  # gloo has no default/bounded difference: one probe is enough there
         started["skip_default"] = plan.launch("skip_default", "skip_call", 2, want, plan.probe_s + 10, **probe)
-    runs["connect"] = _finish(plan.launch("connect", "connect", 2, 60, 25, timeout=30))  # while the probes wait out their timeouts
+    runs["pairs"] = _finish(plan.launch("pairs", "pairs", 2, 150, 30, timeout=30))
+    runs["connect"] = _finish(plan.launch("connect", "connect", 2, 60, 25, timeout=30))
     for name, launch in started.items():
         runs[name] = _finish(launch)
     if "skip_default" in runs and runs["skip_default"]["status"] != "skipped":
@@ -208,7 +221,7 @@ def step_nccl_ranks(plan: Plan) -> dict[str, Any]:
 
 
 def step_cuda_branches(plan: Plan) -> dict[str, Any]:
-    return _verdict({"branches": _finish(plan.launch("branches", "branches", 4, 120, 30))}, _self_test_note(plan))
+    return _verdict({"branches": _finish(plan.launch("branches", "branches", 4, 120, 30, timeout=30))}, _self_test_note(plan))
 
 
 def bench_commands(out: Path, gpu: str) -> dict[str, tuple[list[str], dict[str, str]]]:
@@ -239,13 +252,24 @@ def step_bench(plan: Plan) -> dict[str, Any]:
     return _verdict(runs)
 
 
-RUNNERS = {"nccl_world1": step_nccl_world1, "cuda_tests": step_cuda_tests, "nccl_ranks": step_nccl_ranks, "cuda_branches": step_cuda_branches, "bench": step_bench}
+RUNNERS = {
+    "nccl_world1": step_nccl_world1,
+    "cuda_tests": step_cuda_tests,
+    "nccl_ranks": step_nccl_ranks,
+    "cuda_branches": step_cuda_branches,
+    "bench": step_bench,
+}
 
 
 def environment(cuda: bool) -> dict[str, Any]:
     import torch
 
-    info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(), "cuda_available": torch.cuda.is_available()}
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "cuda_available": torch.cuda.is_available(),
+    }
     if cuda:
         info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         info["cuda"] = torch.version.cuda
@@ -299,6 +323,20 @@ def main(argv: list[str] | None = None) -> int:
     doc: dict[str, Any] = {"command": [sys.executable, *sys.argv] if argv is None else ["gpu_check.py", *argv], "root": str(ROOT), "budget_s": args.budget_s}
     doc.update(cuda=cuda, environment=environment(cuda), steps={})
     report = plan.out / "gpu_check.json"
+    previous = signal.signal(signal.SIGTERM, _stopped)
+    try:
+        return _run_steps(plan, chosen, doc, report, started)
+    finally:
+        kill_all()  # an interrupted check leaves no rank holding the GPU
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _stopped(signum: int, frame: Any) -> None:
+    raise SystemExit(f"gpu_check stopped by signal {signum}; the report holds the steps that finished")
+
+
+def _run_steps(plan: Plan, chosen: list[str], doc: dict[str, Any], report: Path, started: float) -> int:
+    args = plan.args
     for name in STEPS:
         t0 = time.time()
         if name not in chosen:
@@ -315,7 +353,9 @@ def main(argv: list[str] | None = None) -> int:
         report.write_text(json.dumps(doc, indent=1, default=str))  # after every step: a killed check keeps what it did
         print(summary_lines({"steps": {name: doc["steps"][name]}})[0], flush=True)
     print("\n".join(summary_lines(doc)))
-    print(f"# {doc['seconds']:.0f} s of {args.budget_s:.0f}; {'CUDA: ' + ', '.join(doc['environment'].get('gpus', [])) if cuda else 'no CUDA'}; report {report}")
+    print(
+        f"# {doc['seconds']:.0f} s of {args.budget_s:.0f}; {'CUDA: ' + ', '.join(doc['environment'].get('gpus', [])) if plan.cuda else 'no CUDA'}; report {report}"
+    )
     return 1 if any(s["status"] == "FAIL" for s in doc["steps"].values()) else 0
 
 

@@ -169,7 +169,7 @@ def test_a_hung_command_is_killed_with_its_children(tmp_path):
     assert result["killed_at_deadline"] and result["seconds"] < 15
     pid = int(child.read_text())
     for _ in range(40):  # the orphaned child is reaped by init soon after the kill
-        if not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z":
+        if not os.path.exists(f"/proc/{pid}") or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
             break
         time.sleep(0.05)
     else:
