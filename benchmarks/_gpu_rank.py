@@ -42,6 +42,11 @@ def world1(rec: Recorder, spec: dict[str, Any], rank: int) -> None:
     matrix.run_matrix(rec, "GLOBAL", _device(spec), spec.get("root", 0), **_matrix(spec))
 
 
+def matrix_only(rec: Recorder, spec: dict[str, Any], rank: int) -> None:
+    """Part of the matrix on the world, the last rank as root."""
+    matrix.run_matrix(rec, "GLOBAL", _device(spec), dist.get_world_size() - 1, **_matrix(spec))
+
+
 def bounded(rec: Recorder, spec: dict[str, Any], rank: int) -> None:
     """Step 1, ``bounded_wait=True``: the flag reached the communicator, then a few ops."""
     comm = CommContext().get_communicator()
@@ -86,6 +91,7 @@ def connect(rec: Recorder, spec: dict[str, Any], rank: int) -> None:
 # name -> (function, whether this program initialises the world first and destroys it after)
 RUNS: dict[str, tuple[Callable[[Recorder, dict[str, Any], int], None], bool]] = {
     "world1": (world1, True),
+    "matrix": (matrix_only, True),
     "bounded": (bounded, True),
     "pairs": (pairs, True),
     "branches": (branches, True),

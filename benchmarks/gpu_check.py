@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from _gpu_launch import ROOT, Launch, kill_all, run_command
+from _gpu_matrix import OPS
 
 STEPS = ("nccl_world1", "cuda_tests", "nccl_ranks", "cuda_branches", "bench")
 NEEDS = {
@@ -97,10 +98,7 @@ class Plan:
         if granted is None:
             return {"run": name, "status": "skipped", "reason": "no time left"}
         spec = {"run": run, "backend": self.backend, "device": self.device, "timeout": 60, "inject_wrong": self.args.inject_wrong, **spec}
-        return Launch(name, spec, size, self.out, granted, self.plan_env(run, size)).start()
-
-    def plan_env(self, run: str, size: int) -> Any:
-        return self.env(size, nccl_ranks=size > 1 and run != "branches")
+        return Launch(name, spec, size, self.out, granted, self.env(size, nccl_ranks=size > 1 and spec["backend"] == "nccl")).start()
 
 
 def _finish(launch: Launch | dict[str, Any]) -> dict[str, Any]:
@@ -221,7 +219,12 @@ def step_nccl_ranks(plan: Plan) -> dict[str, Any]:
 
 
 def step_cuda_branches(plan: Plan) -> dict[str, Any]:
-    return _verdict({"branches": _finish(plan.launch("branches", "branches", 4, 120, 30, timeout=30))}, _self_test_note(plan))
+    everything_but_p2p = [op for op in OPS if op not in ("send", "recv")]
+    branches = plan.launch("branches", "branches", 4, 120, 30, backend="gloo", timeout=30, matrix={"ops": everything_but_p2p})
+    # gloo's send and recv hand the tensor's address to its TCP transport, which reads host memory: a CUDA tensor may
+    # crash the process, so they run apart, where a crash ends only this run.
+    p2p = plan.launch("gloo_p2p", "matrix", 2, 60, 20, backend="gloo", timeout=20, matrix={"ops": ["send", "recv"], "dtypes": ["float32"], "modes": ["plain"]})
+    return _verdict({"branches": _finish(branches), "gloo_p2p": _finish(p2p)}, _self_test_note(plan))
 
 
 def bench_commands(out: Path, gpu: str) -> dict[str, tuple[list[str], dict[str, str]]]:
