@@ -5,6 +5,8 @@
 (512 x 512) and their 60 fp32 biases. Ways, all on the same group:
 
 * library: ``broadcast_state_dict(state, src=0)`` (steady state: the manifest is cached);
+* library load: the same, the destinations passing a ``load`` callable (vLLM's ``load_weights``
+  shape) that copies each named tensor into its own with ``copy_``;
 * rlightning: RLightning's "full" strategy: per dtype, flatten the source's tensors
   (``parameters_to_vector``), one async broadcast per dtype, wait, and the receivers copy
   the flat vector back into their tensors (its metadata list goes over Ray, not counted here);
@@ -19,7 +21,10 @@ the slowest rank's, from a barrier to that rank holding every tensor. Medians
 over rounds, and the medians of the per-round ratios to the limit's speed.
 Every way's destinations are checked bit-identical to the source first.
 
-    python benchmarks/bench_weight_transfer.py [--rounds 20] [--bucket-mib 64]
+    python benchmarks/bench_weight_transfer.py [--rounds 20] [--bucket-mib 64] [--threads 0] [--ways library_load,...]
+
+A ``load`` callable's ``copy_`` runs on torch's intra-op threads: with several ranks on few cores (torch's default
+is one thread per core in every rank) that is several times a plain copy; ``--threads 1`` is what torchrun sets.
 """
 
 from __future__ import annotations
@@ -50,8 +55,11 @@ def _model(seed: int) -> dict:
     return state
 
 
-def _task(rank: int, nproc: int, rounds: int, bucket_bytes: int) -> dict:
+def _task(rank: int, nproc: int, rounds: int, bucket_bytes: int, threads: int, only: list[str] | None) -> dict:
     import torch
+
+    if threads:
+        torch.set_num_threads(threads)
     import torch.distributed as dist
     from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
@@ -71,6 +79,13 @@ def _task(rank: int, nproc: int, rounds: int, bucket_bytes: int) -> dict:
 
     def library() -> None:
         broadcast_state_dict(state, src=0, bucket_bytes=bucket_bytes)
+
+    def load(named) -> None:
+        for name, t in named:
+            state[name].copy_(t)
+
+    def library_load() -> None:
+        broadcast_state_dict(state if rank == 0 else load, src=0, bucket_bytes=bucket_bytes)
 
     def rlightning() -> None:
         works, vectors = [], {}
@@ -104,7 +119,15 @@ def _task(rank: int, nproc: int, rounds: int, bucket_bytes: int) -> dict:
     def limit() -> None:
         dist.broadcast(flat, src=0, group=group)
 
-    ways = {"library": library, "rlightning": rlightning, "per_tensor": per_tensor, "sends_per_tensor": sends_per_tensor, "limit": limit}
+    ways = {
+        "library": library,
+        "library_load": library_load,
+        "rlightning": rlightning,
+        "per_tensor": per_tensor,
+        "sends_per_tensor": sends_per_tensor,
+        "limit": limit,
+    }
+    ways = {name: fn for name, fn in ways.items() if only is None or name in only or name in ("library", "rlightning", "limit")}
     identical = {}
     for name, fn in ways.items():
         if name == "limit":
@@ -132,13 +155,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--bucket-mib", type=float, default=64.0, help="the library's bucket_bytes, in MiB")
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch's intra-op threads per rank (0: torch's default; torchrun sets OMP_NUM_THREADS=1 for several ranks)"
+    )
+    parser.add_argument("--ways", help="comma-separated ways to run (library, rlightning and limit always run); default: all")
     args = parser.parse_args()
+    only = args.ways.split(",") if args.ways else None
     load = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
     started = time.perf_counter()
-    out = run_ranks(_task, NPROC, args.rounds, int(args.bucket_mib * 2**20))[0]
+    out = run_ranks(_task, NPROC, args.rounds, int(args.bucket_mib * 2**20), args.threads, only)[0]
     times = out["times"]
     print(f"{machine()}; {NPROC} gloo ranks (1 source, {NPROC - 1} destinations); {out['tensors']} tensors, {out['bytes'] / 2**20:.1f} MiB")
-    print(f"{args.rounds} interleaved rounds, bucket {args.bucket_mib:g} MiB; load before: {load}")
+    threads = args.threads or "torch's default"
+    print(f"{args.rounds} interleaved rounds, bucket {args.bucket_mib:g} MiB, intra-op threads per rank: {threads}; load before: {load}")
     print()
     print("| way | median ms | min ms | speed vs limit (median of per-round ratios) | bit-identical |")
     print("|---|---|---|---|---|")

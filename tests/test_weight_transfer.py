@@ -13,8 +13,12 @@ BIG = (300, 300)  # 360 KB of float32: at least 256 KiB, so it travels in place 
 
 
 def digests(named) -> dict[str, str]:
-    """sha256 of each tensor's raw bytes in logical order: equal digests mean bit-identical tensors."""
-    return {name: hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest() for name, t in named}
+    """sha256 of each tensor's logical values (conjugate and negative views resolved), in logical order: equal digests mean bit-identical values."""
+    out = {}
+    for name, t in named:
+        values = t.detach().cpu().resolve_conj().resolve_neg().reshape(-1).clone(memory_format=torch.contiguous_format)
+        out[name] = hashlib.sha256(values.view(torch.uint8).numpy().tobytes()).hexdigest()
+    return out
 
 
 def _random(shape, dtype, gen) -> torch.Tensor:
@@ -47,6 +51,17 @@ def _state(rank: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     state["embed"] = tied
     # Tied on the source (sent once); rank 3 holds its own copy, which must get the same bytes.
     state["lm_head"] = tied if rank != 3 else _random((3, 4), torch.float32, gen)
+    # Conjugate and negative views: read through their logical values on the source; a destination's own such views get
+    # the source's logical values. "w_conj" is "w"'s storage on the source, but not the same tensor (not tied).
+    w = _random((4, 3), torch.complex64, gen)
+    state["w"], state["w_conj"] = (w, w.conj()) if rank == 0 else (w, _random((4, 3), torch.complex64, gen))
+    state["c_conj"] = _random((5, 7), torch.complex64, gen).conj()
+    state["c_big_conj"] = _random(BIG, torch.complex64, gen).conj()  # in place if it were plain
+    state["neg"] = torch._neg_view(_random((6,), torch.float32, gen))
+    state["neg_big"] = torch._neg_view(_random(BIG, torch.float32, gen))
+    if rank == 1:  # plain destinations for the source's views
+        for name in ("c_conj", "c_big_conj", "neg", "neg_big"):
+            state[name] = state[name].resolve_conj().resolve_neg().clone()
     if rank == 2:  # contiguity differs per rank: this destination holds transposed storage where the source is contiguous
         # Random, not empty: a reused process may hand empty() the very bytes an earlier transfer left there.
         state["big"] = _random((BIG[1], BIG[0]), torch.float32, gen).t()
@@ -72,7 +87,17 @@ def test_every_dtype_and_layout_arrives_bit_identical(world4, bucket_bytes: int)
     source = results[0]["before"]
     assert results[0]["after"] == source  # the source is only read
     for r, result in enumerate(results[1:], start=1):
-        assert {k for k in source if result["before"][k] != source[k]} >= {"float32", "big", "big_t", "q", "lm_head", "scalar"}, r
+        assert {k for k in source if result["before"][k] != source[k]} >= {
+            "float32",
+            "big",
+            "big_t",
+            "q",
+            "lm_head",
+            "scalar",
+            "w_conj",
+            "c_big_conj",
+            "neg_big",
+        }, r
         assert result["after"] == source, r
         assert result["views_share_base"]
     assert [r["tied"] for r in results] == [True, True, True, False]  # storage sharing is each rank's own
@@ -108,17 +133,18 @@ def test_collectives_per_call_are_bounded_by_buckets_not_tensors(world2) -> None
     Over gloo each unit is a send from the source and a receive on the destination; the exchange is a send of the
     destination's words to group rank 0 and a send of the table back; and the destination tells the source with one
     more message that its receives are posted. The first call and a call after the manifest changed also broadcast
-    the manifest (2 broadcasts: sizes, then bytes).
+    the manifest (2 broadcasts: its size, then its bytes) and share each rank's verdict on it (a second exchange).
     """
     results = world2.run(_count)
     assert results[1]["final"] == results[0]["final"]
     for rank, result in enumerate(results):
         # 4 units from the source; 1 message of the exchange each way; 1 "posted" message to the source
         moved = {"gloo:send": 4 + 1, "gloo:recv": 1 + 1} if rank == 0 else {"gloo:send": 1 + 1, "gloo:recv": 4 + 1}
+        agreed = {"gloo:broadcast": 2, "gloo:send": moved["gloo:send"] + 1, "gloo:recv": moved["gloo:recv"] + 1}
         first, steady, changed = result["counts"]
-        assert first == {"gloo:broadcast": 2, **moved}
+        assert first == agreed
         assert steady == moved
-        assert changed == {"gloo:broadcast": 2, **moved}
+        assert changed == agreed
 
 
 def _transfer_cuda_over_gloo(rank: int, size: int, url: str) -> dict:
@@ -150,6 +176,10 @@ def _instrumented(rank: int, size: int, url: str) -> dict:
     ctx.init_weight_transfer_group(src=0, dst_ranks=[1])
     gen = torch.Generator().manual_seed(rank)
     state = {"big": torch.randn(*BIG, generator=gen), "small": torch.randn(10, generator=gen), "ids": torch.arange(7) * rank}
+    # Conjugate views on the source into plain destination tensors: a broadcast of the view's bytes refused it, a copy of
+    # its memory sent the conjugate.
+    small, big = torch.randn(4, generator=gen, dtype=torch.complex64), torch.randn(*BIG, generator=gen, dtype=torch.complex64)
+    state["cz"], state["cz_big"] = (small.conj(), big.conj()) if rank == 0 else (small, big)
     out = {"sent": digests(state.items())}
     if rank == 0:  # stats on the source only: every member must still choose the same way to move the units
         ctx.enable_stats()
@@ -176,10 +206,12 @@ def test_stats_on_one_rank_and_debug_mode_see_every_unit(world2) -> None:
     source, dst = world2.run(_instrumented)
     assert dst["sent"] != source["sent"] and dst["after_stats"] == source["sent"]
     assert dst["sent_debug"] != source["sent_debug"] and dst["after_debug"] == source["sent_debug"]
-    # Two units, each a counted broadcast: "big" in place, and one bucket of "small" and "ids" (aligned to 16 bytes).
+    # Three units, each a counted broadcast: "big" in place, "cz_big" staged (a conjugate view), and one bucket of
+    # "small", "ids" and "cz" (aligned to 16 bytes).
     stats = source["stats"]
-    assert stats["broadcast"]["count"] == 2, stats
-    assert 300 * 300 * 4 + 10 * 4 + 7 * 8 <= stats["broadcast"]["bytes"] <= 300 * 300 * 4 + 10 * 4 + 7 * 8 + 16, stats
+    assert stats["broadcast"]["count"] == 3, stats
+    large, small = 300 * 300 * (4 + 8), 10 * 4 + 7 * 8 + 4 * 8
+    assert large + small <= stats["broadcast"]["bytes"] <= large + small + 32, stats
 
 
 def _async_and_threads(rank: int, size: int, url: str) -> dict:
@@ -280,14 +312,22 @@ def test_named_tensor_list_and_non_member(world4) -> None:
 
 
 def _one_bad_rank(rank: int, size: int, url: str, case: str) -> dict:
+    import warnings
+
     from rlightning_comm import broadcast_state_dict
 
     ctx = init_world(rank, size, url)
     ctx.init_weight_transfer_group(src=0, dst_ranks=[1, 2, 3])
-    state = {"a": torch.full((3,), float(rank)), "b": torch.full((2,), rank, dtype=torch.int64)}
+    state = {
+        "a": torch.full((3,), float(rank)),
+        "b": torch.full((2,), rank, dtype=torch.int64),
+        "m": torch.full((2, 3), float(rank)),
+        "c": torch.full((3,), -float(rank)),
+    }
     broadcast_state_dict(state)  # a good call first: the plan is kept, the bad call must not ride on it
     with torch.no_grad():
-        state["a"].fill_(float(rank))
+        for t in state.values():
+            t.fill_(rank)
     kwargs: dict = {}
     if case == "shape" and rank == 2:
         state["a"] = torch.zeros(4)
@@ -305,17 +345,38 @@ def _one_bad_rank(rank: int, size: int, url: str, case: str) -> dict:
         kwargs["src"] = 1
     if case == "not_a_state_dict" and rank == 3:
         state = "weights.pt"
+    if case == "expanded" and rank == 2:  # copy_ into it raised mid-transfer
+        state["a"] = torch.zeros(1).expand(3)
+    if case == "zero_stride" and rank == 1:
+        state["m"] = torch.zeros(3).as_strided((2, 3), (0, 1))
+    if case in ("nested_dst", "nested_src") and rank == (3 if case == "nested_dst" else 0):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # nested tensors are a prototype
+            state["a"] = torch.nested.nested_tensor([torch.zeros(1), torch.zeros(2)])
+    if case == "meta_src" and rank == 0:
+        state["m"] = torch.empty(2, 3, device="meta")
+    if case == "overlap" and rank == 1:  # two tensors over the same memory, separate on the source
+        base = torch.zeros(7)
+        state["m"], state["a"] = base[:6].view(2, 3), base[4:]
+    if case == "tied_here" and rank == 2:  # one tensor under two names, two tensors on the source
+        state["c"] = state["a"]
+    if case == "source_load" and rank == 0:
+        state = lambda named: None
     tensors = state.items() if isinstance(state, dict) else ()
-    before = digests((k, v) for k, v in tensors if isinstance(v, torch.Tensor))
+    readable = [(k, v) for k, v in tensors if isinstance(v, torch.Tensor) and not v.is_nested and not v.is_meta]
+    before = digests(readable)
     try:
         broadcast_state_dict(state, **kwargs)
         error = None
     except (TypeError, ValueError) as err:
         error = (type(err).__name__, str(err))
-    untouched = digests((k, v) for k, v in tensors if isinstance(v, torch.Tensor)) == before
+    untouched = digests(readable) == before
     good = {"a": torch.full((3,), float(rank))}
     broadcast_state_dict(good)  # the group is still in step
     return {"error": error, "untouched": untouched, "after": good["a"].tolist()}
+
+
+NOT_A_STATE_DICT = "a Mapping of names to tensors, an nn.Module, a list of (name, tensor) or (on a destination) a load callable; got str"
 
 
 @pytest.mark.parametrize(
@@ -328,7 +389,15 @@ def _one_bad_rank(rank: int, size: int, url: str, case: str) -> dict:
         ("bucket_zero", "ValueError", "rank 2: bucket_bytes must be a positive int; got 0"),
         ("src_outside", "ValueError", "rank 3: src=7 is not a global rank of mode 'WEIGHT_TRANSFER'; expected one of [0, 1, 2, 3]"),
         ("src_differs", "ValueError", "the ranks name different sources (rank 0: 0, rank 1: 1, rank 2: 0, rank 3: 0)"),
-        ("not_a_state_dict", "TypeError", "rank 3: state_dict must be a Mapping of names to tensors, an nn.Module or a list of (name, tensor); got str"),
+        ("not_a_state_dict", "TypeError", f"rank 3: state_dict must be {NOT_A_STATE_DICT}"),
+        ("expanded", "ValueError", "rank 2: 'a' (shape [3], strides [0]) has elements that share memory (an expanded or zero-stride view)"),
+        ("zero_stride", "ValueError", "rank 1: 'm' (shape [2, 3], strides [0, 1]) has elements that share memory"),
+        ("nested_dst", "ValueError", "rank 3: 'a' must be a dense tensor; got a nested tensor"),
+        ("nested_src", "ValueError", "rank 0: 'a' must be a dense tensor; got a nested tensor"),
+        ("meta_src", "ValueError", "rank 0: 'm' is a meta tensor: it has no data to send"),
+        ("overlap", "ValueError", "rank 1: 'm' and 'a' share memory here, but on the source they are not one tied tensor"),
+        ("tied_here", "ValueError", "rank 2: 'a' and 'c' are one tensor here, but on the source they are not one tied tensor"),
+        ("source_load", "TypeError", "rank 0: the source passed a callable: a load callable is for destinations"),
     ],
 )
 def test_one_rank_bad_raises_on_every_member_before_any_data_moves(world4, case: str, kind: str, text: str) -> None:

@@ -1,0 +1,274 @@
+"""The handshake of :func:`broadcast_state_dict`: every member ends with the same plan, or raises the same error.
+
+One exchange of a few integers per rank: each rank's verdict on its own
+arguments and tensors (:mod:`._weight_inputs`), the source it names, a hash
+of its tensors' names, dtypes and shapes, the plan it kept from its last
+call, whether stats or debug mode instruments its broadcasts, and whether it
+passed a ``load`` callable. When every rank holds the plan of the source's
+current manifest (the steady state of a training loop), that is all;
+otherwise (and whenever a destination holds tensors that share memory in a way
+its kept plan does not cover) the source broadcasts its manifest (JSON, two
+small broadcasts), every rank builds the plan and checks its tensors against
+it, and a second round of one word each shares those verdicts. A problem on
+any rank is then exchanged as text (two more rounds), so every member raises
+the same error before any weight moves, and the group stays in step.
+
+Everything here calls the mode's own process group directly (not the
+communicator's methods, which stats or debug mode may wrap), so it works on a
+group outside torch's world and uses no store.
+Over gloo with host tensors a round is two hops of point-to-point messages
+through group rank 0, run in the calling threads; a gloo all-gather hands its
+work to a worker thread and runs a ring, which took about twice as long on 3
+ranks here. Other backends all-gather; on CUDA on a stream of the handshake's
+own, read back through pinned memory, so the host waits for the handshake's
+few bytes only and never for the work the caller queued on its stream.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions
+
+from rlightning_comm._weight_inputs import Problem, describe, mismatch, named_tensors, overlapping, uncovered
+from rlightning_comm._weight_loader import LoadPipeline
+from rlightning_comm._weight_pipeline import Pipeline
+from rlightning_comm._weight_plan import Delivery, Entry, Plan, build_plan, deliveries
+from rlightning_comm._weight_transport import Transfer, point_to_point
+from rlightning_comm.failures import LAUNCH_ERRORS
+
+HANDSHAKE_TAG = 0x5755  # the point-to-point tag of the exchange over gloo (the data's is the next-lower one)
+_ERRORS: dict[str, type[Exception]] = {cls.__name__: cls for cls in (TypeError, ValueError, RuntimeError, NotImplementedError)}
+
+
+class Kept:
+    """What a communicator keeps between calls: per source, the last agreed plan; the staging buffers; this rank's last manifest and its hashes."""
+
+    def __init__(self) -> None:
+        # source -> (the source's plan key, its plan, the plan's deliveries for a load callable or None)
+        self.plans: dict[int, tuple[tuple[int, int], Plan, tuple[Delivery, ...] | None]] = {}
+        self.slots: list[torch.Tensor | None] = [None, None]
+        self.mirrors: list[Any] = [None, None]
+        self.unfinished: Transfer | None = None  # an async transfer not yet waited: it holds the slots
+        # (manifest, bucket_bytes, hash of its sorted names/dtypes/shapes, hash of (manifest, bucket_bytes) or None)
+        self.hashed: tuple[list[Entry], int, tuple[int, int], tuple[int, int] | None] | None = None
+        self.stream: Any = None  # the handshake's own CUDA stream
+
+    def hashes(self, manifest: list[Entry], bucket_bytes: int, is_source: bool) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The hash of ``manifest``'s sorted names, dtypes and shapes, and (on the source) of the plan's inputs; recomputed only when they changed since the last call."""
+        kept = self.hashed
+        if kept is None or kept[0] != manifest:
+            kept = (manifest, bucket_bytes, _hash(sorted(e[:3] for e in manifest)), None)
+        if is_source and (kept[3] is None or kept[1] != bucket_bytes):
+            kept = (manifest, bucket_bytes, kept[2], _hash((manifest, bucket_bytes)))
+        self.hashed = kept
+        return kept[2], kept[3] if is_source and kept[3] is not None else (0, 0)
+
+
+# Dies with its communicator (a destroyed context frees the buffers).
+_kept: weakref.WeakKeyDictionary[Any, Kept] = weakref.WeakKeyDictionary()
+
+
+def kept(comm: Any) -> Kept:
+    """What ``comm`` kept from its last transfer."""
+    return _kept.setdefault(comm, Kept())
+
+
+def _hash(obj: Any) -> tuple[int, int]:
+    digest = hashlib.blake2b(repr(obj).encode(), digest_size=16).digest()
+    return int.from_bytes(digest[:8], "little", signed=True), int.from_bytes(digest[8:], "little", signed=True)
+
+
+def _on_device(comm: Any, memory: Kept, run: Any) -> torch.Tensor:
+    """``run(device)``, a collective that returns a tensor on ``comm``'s device, and that tensor on the host.
+
+    On CUDA on the handshake's own stream: the collective then waits for
+    nothing the caller queued, and the host waits for its result only.
+    """
+    device = comm.device
+    if device.type == "cpu":
+        return run(device)
+    if device.type != "cuda":
+        return run(device).cpu()
+    if memory.stream is None:
+        memory.stream = torch.cuda.Stream(device=device)
+    with torch.cuda.stream(memory.stream):
+        out = run(device)
+        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        host.copy_(out, non_blocking=True)
+        memory.stream.synchronize()
+    return host
+
+
+def exchange(comm: Any, words: list[int], memory: Kept) -> list[list[int]]:
+    """Every member's ``words`` (the same count on each), in group-rank order, on every member: one round of the handshake."""
+    n = len(words)
+    mine = torch.tensor(words, dtype=torch.int64)
+    if not point_to_point(comm):
+
+        def gather(device: torch.device) -> torch.Tensor:
+            rows = torch.empty(comm.world_size, n, dtype=torch.int64, device=device)
+            comm._run("broadcast_state_dict", lambda: comm.group.allgather([list(rows.unbind())], [mine.to(device)], AllgatherOptions()))
+            return rows
+
+        return _on_device(comm, memory, gather).tolist()
+    rows = torch.empty(comm.world_size, n, dtype=torch.int64)
+    group, peers = comm.group, range(1, comm.world_size)
+    try:
+        if comm.rank == 0:
+            rows[0] = mine
+            for work in [group.recv([rows[peer]], peer, HANDSHAKE_TAG) for peer in peers]:
+                work.wait()
+            works = [group.send([rows], peer, HANDSHAKE_TAG) for peer in peers]
+        else:
+            works = [group.send([mine], 0, HANDSHAKE_TAG), group.recv([rows], 0, HANDSHAKE_TAG)]
+        for work in works:
+            work.wait()
+    except LAUNCH_ERRORS as err:
+        raise comm._failure("broadcast_state_dict", err) from err
+    return rows.tolist()
+
+
+def _exchange_texts(comm: Any, text: str | None, memory: Kept) -> list[str | None]:
+    """Every member's ``text`` (``None``: none), in group-rank order: two rounds (the lengths, then the padded bytes)."""
+    data = b"" if text is None else text.encode()
+    lengths = [row[0] for row in exchange(comm, [len(data) if text is not None else -1], memory)]
+    width = -(-max(max(lengths), 0) // 8)
+    if width == 0:
+        return ["" if n == 0 else None for n in lengths]
+    rows = exchange(comm, list(struct.unpack(f"<{width}q", data.ljust(8 * width, b"\0"))), memory)
+    return [None if n < 0 else struct.pack(f"<{width}q", *row)[:n].decode() for row, n in zip(rows, lengths)]
+
+
+def raise_shared(comm: Any, problem: Problem, memory: Kept) -> None:
+    """Exchange every member's problem and raise the first one's type, naming every rank that has one (call on every member, after a round showed one)."""
+    texts = _exchange_texts(comm, None if problem is None else f"{problem[0].__name__}\0{problem[1]}", memory)
+    found = [(rank, *text.split("\0", 1)) for rank, text in zip(comm.ranks, texts) if text is not None]
+    detail = "; ".join(f"rank {rank}: {msg}" for rank, _, msg in found)
+    raise _ERRORS.get(found[0][1], RuntimeError)(f"broadcast_state_dict: nothing was transferred; {detail}")
+
+
+def broadcast_manifest(comm: Any, offer: tuple[list[Entry], int] | None, src: int, memory: Kept) -> tuple[list[Entry], int]:
+    """The source's ``(manifest, bucket_bytes)`` on every member (two broadcasts: the size, then the JSON bytes)."""
+    payload = json.dumps(offer).encode() if offer is not None else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    opts = dist.BroadcastOptions()
+    opts.rootRank = comm._group_rank_of[src]
+
+    def bcast(t: torch.Tensor) -> Any:
+        def run(device: torch.device) -> torch.Tensor:
+            on = t.to(device)
+            comm._run("broadcast_state_dict", lambda: comm.group.broadcast([on], opts))
+            return on
+
+        return run
+
+    n = int(_on_device(comm, memory, bcast(size))[0])
+    buffer = bytearray(payload) if offer is not None else bytearray(n)
+    data = torch.frombuffer(buffer, dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+    received = _on_device(comm, memory, bcast(data))
+    if offer is not None:
+        return offer
+    if received.data_ptr() != data.data_ptr():
+        data.copy_(received)
+    try:
+        entries, bucket_bytes = json.loads(bytes(buffer))
+        return [(str(name), str(dtype), tuple(int(n) for n in shape), int(alias)) for name, dtype, shape, alias in entries], int(bucket_bytes)
+    except (ValueError, TypeError) as err:  # another version's manifest, or bytes the transport garbled
+        raise ValueError(f"the source's manifest ({n} bytes) could not be read: {err}") from err
+
+
+def _check_arguments(comm: Any, src: Any, bucket_bytes: Any, declared: int | None) -> tuple[int | None, Problem]:
+    """The source's rank (``None`` when it cannot be told), and what is wrong with the arguments."""
+    wrong = []
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        wrong.append(f"bucket_bytes must be a positive int; got {bucket_bytes!r}")
+    if src is None:
+        src = declared
+        if src is None:
+            wrong.append(f"src is required: mode {comm.mode!r} was not bound by init_weight_transfer_group, so it has no declared source")
+    elif isinstance(src, bool) or not isinstance(src, int) or src not in comm.ranks:
+        wrong.append(f"src={src!r} is not a global rank of mode {comm.mode!r}; expected one of {list(comm.ranks)}")
+        src = None
+    return src, (ValueError, "; ".join(wrong)) if wrong else None
+
+
+def _inspect(state_dict: Any, is_source: bool, comm: Any) -> tuple[list[tuple[str, torch.Tensor]] | None, Any, list[Entry], list[Any], Problem]:
+    """This rank's tensors (or ``load`` callable), its manifest, its tensors that share memory (a destination's), and its verdict; never raises."""
+    items, problem = named_tensors(state_dict, is_source)
+    if problem is not None or not isinstance(items, list):
+        return None, items, [], [], problem
+    try:
+        problem, entries, spans = describe(items, is_source, comm.device.type)
+        if problem is not None:
+            return None, None, [], [], problem
+        return items, None, entries, overlapping(spans), None
+    except Exception as err:  # noqa: BLE001 - whatever a tensor raises here is this rank's verdict, shared like any other
+        return None, None, [], [], (type(err) if type(err) in _ERRORS.values() else RuntimeError, f"its tensors could not be read: {err}")
+
+
+def agree(comm: Any, state_dict: Any, src: Any, bucket_bytes: Any, declared: int | None) -> Transfer:
+    """The handshake: every member ends with the same plan and a transfer ready to start, or raises the same error.
+
+    ``declared`` is the mode's declared source (``src=None`` means it).
+    """
+    memory = kept(comm)
+    if memory.unfinished is not None:  # every rank has it, in the same program order: complete it first
+        memory.unfinished.finish()
+        memory.unfinished = None
+    src, problem = _check_arguments(comm, src, bucket_bytes, declared)
+    is_source = src == comm._global_rank
+    items, load, mine, shared, bad = _inspect(state_dict, is_source, comm)
+    problem = problem or bad
+    kept_plan = memory.plans.get(src) if src is not None else None
+    # With a problem anywhere every member raises before the keys are read.
+    tensors_key, plan_key = memory.hashes(mine, bucket_bytes, is_source) if problem is None and items is not None else ((0, 0), (0, 0))
+    kept_key = kept_plan[0] if kept_plan else (0, 0)
+    if shared and (kept_plan is None or uncovered(shared, kept_plan[1]) is not None):
+        kept_key = (0, 0)  # tensors that share memory are checked against the source's manifest: have it sent
+    words = [int(problem is not None), -1 if src is None else src, *tensors_key, *plan_key, *kept_key, int(_instrumented(comm)), int(load is not None)]
+    rows = exchange(comm, words, memory)
+    if any(row[0] for row in rows):
+        raise_shared(comm, problem, memory)
+    if len({row[1] for row in rows}) > 1:
+        named = ", ".join(f"rank {rank}: {row[1]}" for rank, row in zip(comm.ranks, rows))
+        raise ValueError(f"broadcast_state_dict: nothing was transferred; the ranks name different sources ({named}); expected one src on every rank")
+    src = rows[0][1]  # every rank reported a valid input and this src
+    source = rows[comm.ranks.index(src)]
+    same_tensors = all(row[9] or row[2:4] == source[2:4] for row in rows)  # a load callable takes any manifest
+    if not (same_tensors and kept_plan is not None and all(row[6:8] == source[4:6] for row in rows)):
+        # The source's manifest, then a second round: each rank's verdict on it and on its tensors against it.
+        try:
+            kept_plan = ((source[4], source[5]), build_plan(*broadcast_manifest(comm, (mine, bucket_bytes) if is_source else None, src, memory)), None)
+            problem = None
+        except ValueError as err:
+            kept_plan, problem = None, (ValueError, str(err))
+        if kept_plan is not None and items is not None and not is_source:
+            differ = mismatch(kept_plan[1].manifest, mine)
+            problem = (ValueError, f"these tensors do not match the source's ({differ})") if differ else uncovered(shared, kept_plan[1])
+        if any(row[0] for row in exchange(comm, [int(problem is not None)], memory)):
+            raise_shared(comm, problem, memory)
+        memory.plans[src] = kept_plan
+    plan = kept_plan[1]
+    sends = point_to_point(comm) and not any(row[8] for row in rows)  # the same choice on every member
+    if load is not None:
+        if kept_plan[2] is None:
+            kept_plan = memory.plans[src] = (*kept_plan[:2], deliveries(plan))
+        memory.unfinished = LoadPipeline(comm, plan, load, src, memory.slots, sends, kept_plan[2])
+        return memory.unfinished
+    by_name = dict(items)
+    tensors = [by_name[name] for name in plan.names]
+    tensors = [t.detach() if t.requires_grad else t for t in tensors]  # the pipeline writes them in place
+    memory.unfinished = Pipeline(comm, plan, tensors, src, is_source, memory.slots, sends, memory.mirrors)
+    return memory.unfinished
+
+
+def _instrumented(comm: Any) -> bool:
+    """Whether stats or debug mode wraps this communicator's ``broadcast`` (an instance attribute over the class's method)."""
+    return "broadcast" in vars(comm)

@@ -1,0 +1,193 @@
+"""What one weight transfer moves: the plan every member builds from the source's manifest.
+
+A tensor is cut along its leading dimensions into pieces of at most one
+bucket. A piece of at least ``min(bucket_bytes, DIRECT_BYTES)`` is a unit of
+its own, moved straight from and into the tensor where it is contiguous; the
+smaller pieces of whole tensors are coalesced into buckets. A tensor cut in
+several pieces has every piece in a unit of its own, one after the other, so
+a destination that receives into buffers (a ``load`` callable) finds it whole
+in one place. Tensors the source holds more than once (tied weights) travel
+once.
+
+For a ``load`` destination the units are grouped into deliveries: runs of
+consecutive units that fill one buffer of at most one bucket (a tensor larger
+than a bucket alone, in a buffer of its own size), each handed to ``load``
+whole.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import torch
+
+DIRECT_BYTES = 256 * 2**10
+"""Pieces of at least this many bytes (or of a whole bucket, if smaller) travel in place; the rest are coalesced."""
+
+_ALIGN = 16  # every piece starts on a multiple of the largest element size, so a bucket slice views as any dtype
+
+# One manifest entry: name, dtype name, shape, and the index of an earlier entry that is the very same tensor on the source (-1: none).
+Entry = tuple[str, str, tuple[int, ...], int]
+
+
+class Piece(NamedTuple):
+    """``tensors[index][where]`` (``where == ()``: the whole tensor), at byte ``at`` of its unit."""
+
+    index: int
+    where: tuple[Any, ...]
+    at: int
+    nbytes: int
+
+
+class Unit(NamedTuple):
+    """One transfer (a broadcast, or a send to each destination over gloo): a single piece that may travel in place (``direct``), or a bucket of coalesced pieces."""
+
+    pieces: tuple[Piece, ...]
+    nbytes: int
+    direct: bool
+
+
+class Plan(NamedTuple):
+    """Every unit of one transfer, in order, and what to copy afterwards on a destination."""
+
+    manifest: tuple[Entry, ...]  # the source's, in its order: the plan's tensors are indexed by it
+    units: tuple[Unit, ...]
+    aliases: tuple[tuple[int, int], ...]  # (index, index of the source tensor it is)
+    slot_bytes: int  # the largest bucket: the size of a staging buffer (grown for a staged in-place piece)
+    total_bytes: int
+    bucket_bytes: int
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The tensors' names, in the plan's order."""
+        return tuple(e[0] for e in self.manifest)
+
+
+class Delivery(NamedTuple):
+    """What one ``load`` call gets: the consecutive units ``units`` received into one buffer, and the tensors they hold."""
+
+    units: range
+    offsets: tuple[int, ...]  # where each unit's bytes land in the buffer
+    tensors: tuple[tuple[int, int], ...]  # (manifest index, byte offset) of each whole tensor, aliases and empty ones included
+    nbytes: int
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """The dtype a manifest names (``"torch.float32"``)."""
+    return getattr(torch, name.removeprefix("torch."))
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _pieces(shape: tuple[int, ...], limit: int, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], int]]:
+    """``(index, numel)`` of views that cover a tensor of ``shape`` in order, each of at most ``limit`` elements (or one element)."""
+    numel = math.prod(shape)
+    if numel <= limit:
+        yield prefix, numel
+        return
+    row = math.prod(shape[1:])
+    if row <= limit:
+        step = limit // row
+        for lo in range(0, shape[0], step):
+            hi = min(lo + step, shape[0])
+            yield (*prefix, slice(lo, hi)), (hi - lo) * row
+    else:
+        for i in range(shape[0]):
+            yield from _pieces(shape[1:], limit, (*prefix, i))
+
+
+def build_plan(manifest: list[Entry], bucket_bytes: int) -> Plan:
+    """The units that move every tensor of ``manifest`` (the source's order), with buckets of at most ``bucket_bytes``."""
+    direct_bytes = min(bucket_bytes, DIRECT_BYTES)
+    units: list[Unit] = []
+    open_: list[Piece] = []
+    fill = 0
+    aliases = []
+    for index, (_, dtype, shape, alias) in enumerate(manifest):
+        if alias >= 0:
+            aliases.append((index, alias))
+            continue
+        size = dtype_of(dtype).itemsize
+        pieces = list(_pieces(shape, max(1, bucket_bytes // size)))
+        for where, numel in pieces:
+            nbytes = numel * size
+            if nbytes == 0:
+                continue
+            if nbytes >= direct_bytes or len(pieces) > 1:
+                units.append(Unit((Piece(index, where, 0, nbytes),), nbytes, nbytes >= direct_bytes))
+                continue
+            at = _align(fill)
+            if at + nbytes > bucket_bytes:
+                units.append(Unit(tuple(open_), fill, False))
+                open_, at = [], 0
+            open_.append(Piece(index, where, at, nbytes))
+            fill = at + nbytes
+    if open_:
+        units.append(Unit(tuple(open_), fill, False))
+    slot = max((u.nbytes for u in units if not u.direct), default=0)
+    total = sum(p.nbytes for u in units for p in u.pieces)
+    return Plan(tuple(manifest), tuple(units), tuple(aliases), slot, total, bucket_bytes)
+
+
+def deliveries(plan: Plan) -> tuple[Delivery, ...]:
+    """The plan's units grouped for a ``load`` destination: buffers of at most one bucket, a tensor larger than that alone.
+
+    Tensors of no elements and the aliases of tied tensors go with the
+    delivery of their first tensor (with the first one for an empty tensor).
+    """
+    units = plan.units
+    # Atoms: a unit of whole tensors, or every unit of one tensor cut in several pieces (back to back).
+    atoms: list[tuple[int, int, int, list[tuple[int, int]], list[int]]] = []
+    i = 0
+    while i < len(units):
+        first = units[i].pieces[0]
+        if first.where == () or len(units[i].pieces) > 1:
+            atoms.append((i, i + 1, units[i].nbytes, [(p.index, p.at) for p in units[i].pieces], [0]))
+            i += 1
+            continue
+        j, at, offsets = i, 0, []
+        while j < len(units) and len(units[j].pieces) == 1 and units[j].pieces[0].index == first.index:
+            offsets.append(at)
+            at += units[j].nbytes
+            j += 1
+        atoms.append((i, j, at, [(first.index, 0)], offsets))
+        i = j
+    out: list[Delivery] = []
+    where: dict[int, int] = {}  # tensor index -> its delivery
+    run: list[Any] = []
+    fill = 0
+
+    def close() -> None:
+        lo, hi = run[0][0][0], run[-1][0][1]
+        offsets = tuple(o for _, base, atom in run for o in (base + rel for rel in atom[4]))
+        tensors = tuple((index, base + rel) for _, base, atom in run for index, rel in atom[3])
+        where.update((index, len(out)) for index, _ in tensors)
+        out.append(Delivery(range(lo, hi), offsets, tensors, fill))
+
+    for atom in atoms:
+        at = _align(fill)
+        if run and at + atom[2] > plan.bucket_bytes:
+            close()
+            run, at = [], 0
+        run.append(((atom[0], atom[1]), at, atom))
+        fill = at + atom[2]
+    if run:
+        close()
+    if not out and plan.manifest:
+        out.append(Delivery(range(0), (), (), 0))
+    extra: dict[int, list[tuple[int, int]]] = {}
+    offset_of = {index: off for d in out for index, off in d.tensors}
+    aliased = dict(plan.aliases)
+    for index, entry in enumerate(plan.manifest):
+        if index in where:
+            continue
+        target = aliased.get(index)
+        if target is not None and target in where:
+            extra.setdefault(where[target], []).append((index, offset_of[target]))
+        else:  # no element: a view of nothing, with the first delivery
+            extra.setdefault(0, []).append((index, 0))
+    return tuple(d._replace(tensors=d.tensors + tuple(extra.get(k, ()))) for k, d in enumerate(out))

@@ -1,0 +1,209 @@
+"""How one rank moves the units of a weight-transfer plan, and what it says when a transfer fails midway.
+
+How a unit moves depends on the backend. Over gloo the source sends it to
+each destination point to point (``ProcessGroup.send`` / ``recv``, one tag
+for the whole transfer, matched in order per pair): a gloo broadcast hands
+every call to a worker thread and costs about 0.3 ms of CPU per call on each
+rank, which dominated the transfer of a model of many tensors, while a send
+starts in the calling thread. A 3-rank broadcast of a model of 121 tensors
+took 0.5x the speed of one broadcast of the same bytes as broadcasts, about
+0.8x as sends (``benchmarks/bench_weight_transfer.py``). Any other backend
+broadcasts each unit (NCCL's broadcast is pipelined on the device), and so
+does gloo when stats or debug mode instruments the communicator's
+``broadcast`` on any member (the handshake tells every rank): then every unit
+is counted and fingerprinted like any broadcast.
+
+Over gloo each destination also tells the source, with one small message,
+once it has posted every receive it can without waiting, and a blocking
+transfer's source sends nothing before every destination has. gloo writes a
+message from the sender's calling thread when the receive is already
+posted, and otherwise from its event-loop thread once told of it, a hand-off
+per message: with the receives posted first the same sends took 4 to 8%
+less CPU and about 5% less time here (BENCHMARKS.md). Each rank then waits
+for its last unit first: a pair's messages complete in order, so the
+waiting thread wakes once rather than once per unit.
+
+A transfer that fails midway raises the failure (``CommError`` or
+``CommTimeoutError``) with what this rank knows about the weights it left:
+on a destination whether its tensors were partly written (and how many
+buckets a ``load`` callable had been given), on the source which
+destinations may hold partial weights.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import torch
+
+from rlightning_comm._weight_plan import Plan
+from rlightning_comm.errors import CommError
+from rlightning_comm.failures import LAUNCH_ERRORS
+
+_TAG = 0x5754  # the point-to-point tag of every unit ("WT"); other traffic on the group is told apart by its own tags
+
+
+def point_to_point(comm: Any) -> bool:
+    """Whether a transfer on ``comm`` moves its data (and its handshake) point to point: gloo on host tensors (gloo's send reads host memory only)."""
+    return comm.backend == "gloo" and comm.device.type == "cpu"
+
+
+class Transfer:
+    """Moves the units of a :class:`Plan` on one rank; what a destination does with them is the subclass's.
+
+    :meth:`start` launches what needs no wait, :meth:`finish` the rest; a
+    failure in either raises the backend's error with this rank's account of
+    the weights it left (see the module docstring), and ends the transfer.
+
+    Args:
+        comm: The communicator: its ``broadcast``, or its process group's
+            ``send``/``recv`` (``sends``), carries every unit.
+        plan: The transfer's plan (the same on every rank).
+        src: Rank of the source, in the mode's numbering.
+        is_source: Whether this rank sends.
+        slots: The two staging buffers, kept across calls (fresh pages cost
+            more to fault in than the copy into them); grown when too small,
+            dropped after a failure (a receive still posted may write them).
+        sends: Move the units point to point (gloo on host memory, the same on
+            every member) rather than by the communicator's ``broadcast``.
+    """
+
+    def __init__(self, comm: Any, plan: Plan, src: int, is_source: bool, slots: list[torch.Tensor | None], sends: bool) -> None:
+        self._comm = comm
+        self._plan = plan
+        self._src = src
+        self._is_source = is_source
+        self._device = comm.device
+        self._slots = slots
+        self._sends = sends
+        self._done = False
+        self._launched = 0  # units launched on this rank
+        self._failed_peer: int | None = None  # on the source: the destination whose transfer raised, where known
+        # (works, slot or -1, unit index, the staging bytes or None) in launch order.
+        self._pending: deque[tuple[list[Any], int, int, torch.Tensor | None]] = deque()
+        src_rank = comm._group_rank_of[src]
+        self._src_rank = src_rank
+        self._peers = [r for r in range(comm.world_size) if r != src_rank]
+        # Over gloo: on the source, the receives of every destination's "posted" message; on a destination, its send (once made).
+        self._posted: list[Any] | None = None
+        if self._sends and is_source:
+            tokens = torch.empty(len(self._peers), dtype=torch.uint8)
+            self._posted = self._point_to_point(lambda: [comm.group.recv([tokens[i : i + 1]], peer, _TAG) for i, peer in enumerate(self._peers)])
+
+    @property
+    def done(self) -> bool:
+        """Whether :meth:`finish` has returned or raised."""
+        return self._done
+
+    def start(self) -> None:
+        """Launch every unit that needs no wait."""
+        self._guarded(self._start)
+
+    def finish(self) -> None:
+        """Launch the rest and wait for everything; then nothing (a second call returns at once, even after an error)."""
+        if self._done:
+            return
+        try:
+            self._guarded(self._finish)
+        finally:
+            self._done = True
+
+    def _start(self) -> None:
+        raise NotImplementedError
+
+    def _finish(self) -> None:
+        raise NotImplementedError
+
+    def _left(self) -> str:
+        """On a destination: what a failure leaves in its tensors (one sentence)."""
+        raise NotImplementedError
+
+    def _guarded(self, run: Any) -> None:
+        try:
+            run()
+        except CommError as err:
+            self._done = True
+            self._slots[0] = self._slots[1] = None
+            raise type(err)(f"{err}\nbroadcast_state_dict failed midway: {self._account()}") from err
+
+    def _account(self) -> str:
+        units = len(self._plan.units)
+        if not self._is_source:
+            return self._left()
+        ranks = self._comm.ranks
+        where = "" if self._failed_peer is None else f"the transfer to rank {ranks[self._failed_peer]} failed; "
+        if not self._launched:
+            return f"{where}the source had sent nothing (0 of {units} units): no destination was written"
+        dsts = [ranks[r] for r in self._peers]
+        return f"{where}the source had launched {self._launched} of {units} units: destinations at ranks {dsts} may hold partial weights"
+
+    def _point_to_point(self, post: Any) -> list[Any]:
+        """The library's handles of the sends or receives ``post()`` makes on the group."""
+        comm = self._comm
+        try:
+            works = post()
+        except LAUNCH_ERRORS as err:
+            raise comm._failure("broadcast_state_dict", err) from err
+        return [comm._handle(work, "broadcast_state_dict") for work in works]
+
+    def _tell_source(self) -> None:
+        """On a destination over gloo, once: tell the source every receive that needs no wait is posted."""
+        if self._sends and not self._is_source and self._posted is None:
+            group, src = self._comm.group, self._src_rank
+            self._posted = self._point_to_point(lambda: [group.send([torch.zeros(1, dtype=torch.uint8)], src, _TAG)])
+
+    def _move(self, data: torch.Tensor) -> list[Any]:
+        """Start moving ``data`` from the source to every destination; the handles to wait for (on the source over gloo, one per destination, in order)."""
+        comm = self._comm
+        if not self._sends:
+            return [comm.broadcast(data, src=self._src, async_op=True)]
+        group = comm.group
+        if not self._is_source:
+            return self._point_to_point(lambda: [group.recv([data], self._src_rank, _TAG)])
+        works = []
+        for peer in self._peers:
+            try:
+                works.append(group.send([data], peer, _TAG))
+            except LAUNCH_ERRORS as err:  # a pair already closed: that destination is gone
+                self._failed_peer = peer
+                raise comm._failure("broadcast_state_dict", err) from err
+        return [comm._handle(work, "broadcast_state_dict") for work in works]
+
+    def _launch(self, data: torch.Tensor, slot: int, unit: int, staged: torch.Tensor | None) -> None:
+        self._pending.append((self._move(data), slot, unit, staged))
+        self._launched += 1
+
+    def _wait(self, works: list[Any]) -> None:
+        for k, work in enumerate(works):
+            try:
+                work.wait()
+            except CommError:
+                if self._sends and self._is_source:
+                    self._failed_peer = self._peers[k]
+                raise
+
+    def _wait_source_posted(self) -> None:
+        """On the source over gloo: wait until every destination's receives are posted (gloo then writes each send from this thread)."""
+        if self._is_source and self._posted:
+            posted, self._posted = self._posted, []  # each gloo point-to-point work is waited once, even if one raises
+            for k, work in enumerate(posted):
+                try:
+                    work.wait()
+                except CommError:
+                    self._failed_peer = self._peers[k]
+                    raise
+
+    def _drain(self, complete: Any) -> None:
+        """Wait for every pending unit, the last one first, calling ``complete(entry)`` on each in order; then the "posted" messages."""
+        if self._pending:
+            # Wait for the last unit first: a pair's messages complete in order, so the others are done by then and
+            # this thread wakes once, not once per unit (gloo's point-to-point work must be waited exactly once).
+            works, *rest = self._pending[-1]
+            self._pending[-1] = ([], *rest)
+            self._wait(works)
+        while self._pending:
+            complete(self._pending.popleft())
+        posted, self._posted = self._posted or [], []
+        for work in posted:
+            work.wait()
