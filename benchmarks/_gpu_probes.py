@@ -1,10 +1,4 @@
-"""The GPU check's probes: what the process group returns, raw NCCL on one GPU, groups, a skipped call, connected modes.
-
-Also the two test-only communicators the check binds: gloo's transport with
-NCCL's device rules on a CUDA device (the NCCL-only Python branches with
-several ranks on one GPU), and a deliberately wrong ``all_reduce`` (the
-check's own test: the matrix must report it).
-"""
+"""The GPU check's probes: what the process group returns, raw NCCL on one GPU, groups, a skipped call, connected modes."""
 
 from __future__ import annotations
 
@@ -20,65 +14,11 @@ import _gpu_matrix as matrix
 import torch
 import torch.distributed as dist
 from _gpu_cells import NotApplicable, Recorder
-from torch.distributed import ReduceOp
 from torch.distributed.distributed_c10d import AllgatherOptions
-from typing_extensions import override
 
-from rlightning_comm import CommContext, CommMismatchError, GlooCommunicator, NcclCommunicator, collective
-from rlightning_comm.communicators import nccl
-from rlightning_comm.communicators.registry import register_communicator
+from rlightning_comm import CommContext, CommMismatchError, collective
 
 TESTS = str(Path(__file__).resolve().parents[1] / "tests")
-CUDA_GLOO = "gpu_check_cuda_gloo"
-WRONG_GLOO = "gpu_check_wrong_gloo"
-_CUDA_GLOO_DEVICE = [torch.device("cpu")]  # set by the rank program: cuda:0 on a GPU machine
-
-
-def set_cuda_gloo_device(device: torch.device) -> None:
-    _CUDA_GLOO_DEVICE[0] = torch.device(device)
-
-
-@register_communicator(CUDA_GLOO)
-class CudaGlooCommunicator(GlooCommunicator):
-    """Test only: a gloo group whose communicator stages on a CUDA device and refuses what NCCL refuses.
-
-    gloo runs 4 ranks with CUDA tensors on one GPU, where NCCL refuses two. The
-    library's branches that depend on the communicator's device (weight
-    transfer's broadcast path and GPU buckets, the object collectives' and
-    ``all_reduce_dict``'s staging, stats' CUDA events) then run with
-    cross-rank effects; NCCL's dtype table runs in the local checks (and in
-    debug mode's verdicts).
-    """
-
-    supported_dtypes = NcclCommunicator.supported_dtypes
-
-    @property
-    @override
-    def device(self) -> torch.device:
-        return _CUDA_GLOO_DEVICE[0]
-
-    @override
-    def check_device(self, tensor: torch.Tensor, name: str) -> None:
-        if tensor.device.type != self.device.type:
-            raise ValueError(f"{name} is on {tensor.device}; {type(self).__name__} (mode {self._mode!r}) expects a {self.device.type} tensor")
-
-    @override
-    def _unreducible_dtypes(self) -> frozenset[torch.dtype]:
-        return nccl._unreducible()
-
-
-@register_communicator(WRONG_GLOO)
-class WrongAllReduceCommunicator(GlooCommunicator):
-    """Test only: gloo with an ``all_reduce`` whose result has its first byte's low bit flipped."""
-
-    @override
-    def all_reduce(self, tensor: torch.Tensor, op: Any = ReduceOp.SUM, async_op: bool = False) -> Any | None:
-        work = super().all_reduce(tensor, op, async_op)
-        if work is not None:
-            work.wait()
-        first = tensor.reshape(-1)[:1].view(torch.uint8)
-        first[0] = first[0] ^ 1
-        return work
 
 
 def _is_nccl(group: Any) -> bool:
@@ -191,6 +131,7 @@ def groups(rec: Recorder, device: torch.device) -> None:
         "all_to_all_single[uneven]",
         "broadcast_object_list",
         "broadcast_state_dict",
+        "broadcast_state_dict[load]",
     ]
     # Root global rank 0 is the group's last rank: every rooted op takes a non-zero group root here.
     matrix.run_matrix(rec, "REVERSED", device, 0, ops=ops, dtypes=["float32"], modes=["plain"], prefix="REVERSED:")
@@ -324,7 +265,7 @@ def connect(rec: Recorder, backend: str, device: torch.device, rank: int, size: 
         ctx.connect("CROSS", rank=rank, world_size=size, address=address, backend=backend, timeout=timeout)
 
     rec.run("connect", join)
-    ops = ["all_reduce", "broadcast", "all_gather", "broadcast_object_list", "broadcast_state_dict"]
+    ops = ["all_reduce", "broadcast", "all_gather", "broadcast_object_list", "broadcast_state_dict", "broadcast_state_dict[load]"]
     matrix.run_matrix(rec, "CROSS", device, size - 1, ops=ops, dtypes=["float32", "bfloat16"], modes=["plain"], prefix="CROSS:")
     if rec.stopped:
         return

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import _gpu_comms as comms
 import _gpu_matrix as matrix
 import _gpu_probes as probes
 import torch
@@ -68,9 +69,9 @@ def pairs(rec: Recorder, spec: dict[str, Any], rank: int) -> None:
 def branches(rec: Recorder, spec: dict[str, Any], rank: int) -> None:
     """Step 4: the matrix through the test-only communicator on a gloo group, staging on the device."""
     device = _device(spec)
-    probes.set_cuda_gloo_device(device)
+    comms.set_cuda_gloo_device(device)
     n = dist.get_world_size()
-    rec.run("init_group(CUDA_GLOO)", lambda: CommContext().init_group(list(range(n)), "CUDA_GLOO", backend=probes.CUDA_GLOO))
+    rec.run("init_group(CUDA_GLOO)", lambda: CommContext().init_group(list(range(n)), "CUDA_GLOO", backend=comms.CUDA_GLOO))
     matrix.run_matrix(rec, "CUDA_GLOO", device, n - 1, **_matrix(spec))
     probes.refusal_travels(rec, "CUDA_GLOO", device)
 
@@ -127,7 +128,7 @@ def main(spec: dict[str, Any], rank: int) -> None:
     run, owns_world = RUNS[spec["run"]]
     ctx = CommContext()
     if owns_world:
-        backend = probes.WRONG_GLOO if spec.get("inject_wrong") else spec["backend"]
+        backend = comms.WRONG_GLOO if spec.get("inject_wrong") else spec["backend"]
         url = f"file://{spec['store']}/world"
         bounded = spec.get("bounded", False)
         init = functools.partial(

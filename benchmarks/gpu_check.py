@@ -52,7 +52,7 @@ NEEDS = {
     "bench": "CUDA torch with NCCL, one GPU",
 }
 BOUNDED_OPS = ["all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all_single", "gather", "scatter", "reduce"]
-BOUNDED_OPS += ["barrier", "all_reduce_dict", "broadcast_object_list", "broadcast_state_dict"]
+BOUNDED_OPS += ["barrier", "all_reduce_dict", "broadcast_object_list", "broadcast_state_dict", "broadcast_state_dict[load]"]
 QUICK = {"ops": ["all_reduce", "broadcast", "all_gather_object"], "dtypes": ["float32", "int64"], "modes": ["plain", "debug"]}
 """Step 1's matrix under ``--quick`` (the check's own test)."""
 _REPORT_RESERVE_S = 5.0

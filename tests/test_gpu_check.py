@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from world import init_world
 
 from rlightning_comm.bench.cli import build_parser
@@ -61,18 +62,17 @@ def test_cpu_mode_runs_end_to_end_skips_every_cuda_step_and_reports_a_wrong_op(t
 def _cells_on_two_ranks(rank, size, url):
     import torch.distributed as dist
 
-    matrix, probes = _module("_gpu_matrix"), _module("_gpu_probes")
-    cells = _module("_gpu_cells")
+    matrix, probes, comms, cells = _module("_gpu_matrix"), _module("_gpu_probes"), _module("_gpu_comms"), _module("_gpu_cells")
     ctx = init_world(rank, size, url, timeout=30)
     store = dist.FileStore(os.path.join(url.removeprefix("file://").rsplit("/", 1)[0], "lockstep"), size)
     rec = cells.Recorder(rank=rank, lockstep=cells.Lockstep(store, rank, size, 30))
     ops = ["all_reduce", "all_to_all_single[uneven]", "broadcast", "reduce", "gather", "scatter", "send", "recv", "broadcast_state_dict"]
-    ops += ["broadcast_object_list", "sp.all_to_all", "sp.reduce_scatter_to_sequence_parallel_region"]  # no async_op
-    device = matrix.torch.device("cpu")
+    ops += ["broadcast_state_dict[load]", "broadcast_object_list", "sp.all_to_all", "sp.reduce_scatter_to_sequence_parallel_region"]  # no async_op
+    device = torch.device("cpu")
     matrix.run_matrix(rec, "GLOBAL", device, 1, ops=ops, dtypes=["float32", "complex64"], modes=["plain"])
-    ctx.init_group([0, 1], "WRONG", backend=probes.WRONG_GLOO)
+    ctx.init_group([0, 1], "WRONG", backend=comms.WRONG_GLOO)
     matrix.run_matrix(rec, "WRONG", device, 1, ops=["all_reduce", "broadcast"], dtypes=["int64"], modes=["plain", "stats"], prefix="WRONG:")
-    ctx.init_group([0, 1], "CUDA_GLOO", backend=probes.CUDA_GLOO)  # the step-4 communicator, staging on the CPU here
+    ctx.init_group([0, 1], "CUDA_GLOO", backend=comms.CUDA_GLOO)  # the step-4 communicator, staging on the CPU here
     matrix.run_matrix(rec, "CUDA_GLOO", device, 1, ops=["all_reduce_dict", "broadcast_state_dict"], dtypes=["bfloat16"], modes=["stats"], prefix="CUDA_GLOO:")
     probes.refusal_travels(rec, "CUDA_GLOO", device)  # NCCL's dtype table: rank 1's uint16 is a refusal every rank learns
     probes.refusal_travels(rec, "GLOBAL", device)  # gloo moves uint16: a mismatch every rank learns
@@ -87,15 +87,15 @@ def test_the_matrix_passes_the_librarys_ops_with_a_non_zero_root_and_reports_a_w
         wrong = sorted(by_status.pop("wrong", []))
         assert wrong == sorted(f"WRONG:all_reduce|int64|{call}|{mode}" for call in ("sync", "async") for mode in ("plain", "stats")), wrong
         assert set(by_status) == {"ok"}, {k: v[:5] for k, v in by_status.items()}
-        # GLOBAL: 9 ops x 2 dtypes x sync/async, 3 ops x 2 dtypes; WRONG:broadcast; CUDA_GLOO: 3; the refusals
-        assert len(by_status["ok"]) == 9 * 4 + 3 * 2 + 4 + 3 + 2
+        # GLOBAL: 10 ops x 2 dtypes x sync/async, 3 ops x 2 dtypes; WRONG:broadcast; CUDA_GLOO: 3; the refusals
+        assert len(by_status["ok"]) == 10 * 4 + 3 * 2 + 4 + 3 + 2
 
 
 def _skipped_call(rank, size, url):
-    matrix, probes, cells = _module("_gpu_matrix"), _module("_gpu_probes"), _module("_gpu_cells")
+    probes, cells = _module("_gpu_probes"), _module("_gpu_cells")
     init_world(rank, size, url, timeout=30)
     rec = cells.Recorder(rank=rank)
-    probes.skip_call(rec, matrix.torch.device("cpu"), url.removeprefix("file://").rsplit("/", 1)[0], timeout=1.0, hold_s=20)
+    probes.skip_call(rec, torch.device("cpu"), url.removeprefix("file://").rsplit("/", 1)[0], timeout=1.0, hold_s=20)
     return rec.cells
 
 
