@@ -80,15 +80,19 @@ def run_matrix(
     modes: Sequence[str] = MODES,
     prefix: str = "",
 ) -> None:
-    """Every cell of ``ops`` x ``dtypes`` x ``calls`` x ``modes`` on ``mode``'s group (SEQUENCE_PARALLEL bound to the same ranks first).
+    """Every cell of ``ops`` x ``dtypes`` x ``calls`` x ``modes`` on ``mode``'s group.
 
-    A cell's name is ``prefix + "op|dtype|call|mode"`` (dtype ``-`` for an op
-    without one).
+    For the sequence-parallel ops, SEQUENCE_PARALLEL is first bound to the
+    mode's ranks with the mode's backend (a cell of its own), unless bound
+    already. A cell's name is ``prefix + "op|dtype|call|mode"`` (dtype ``-``
+    for an op without one).
     """
     ctx = CommContext()
-    if SP_MODE not in ctx.bound_modes():
-        ctx.init_group(list(ctx.get_communicator(mode).ranks), SP_MODE, backend=ctx.get_group_config(mode).backend)
-    for op in ops or OPS:
+    ops = list(ops or OPS)
+    if any(op.startswith("sp.") for op in ops) and SP_MODE not in ctx.bound_modes():
+        ranks, backend = list(ctx.get_communicator(mode).ranks), ctx.get_group_config(mode).backend
+        rec.run(f"{prefix}init_group({ranks}, {SP_MODE})", functools.partial(ctx.init_group, ranks, SP_MODE, backend=backend))
+    for op in ops:
         fn, typed, has_async, counted = OPS[op]
         for dtype_name in (dtypes or DTYPES) if typed else ("-",):
             for call in calls if has_async else ("sync",):
