@@ -104,9 +104,12 @@ class Launch:
         timeout: Seconds from :meth:`start` until every rank still alive is killed.
         env: Extra environment per rank, ``env(rank) -> dict``.
         grace_s: After a rank exits with an error, how long the others get before they are killed.
+        dies: Ranks that end themselves on purpose (any exit status is theirs to give).
     """
 
-    def __init__(self, name: str, spec: dict[str, Any], size: int, out: Path, timeout: float, env: Any = None, grace_s: float = 10.0) -> None:
+    def __init__(
+        self, name: str, spec: dict[str, Any], size: int, out: Path, timeout: float, env: Any = None, grace_s: float = 10.0, dies: tuple[int, ...] = ()
+    ) -> None:
         self.name = name
         self.spec = dict(spec)
         self.size = size
@@ -114,6 +117,7 @@ class Launch:
         self.timeout = timeout
         self.env = env or (lambda rank: {})
         self.grace_s = grace_s
+        self.dies = set(dies)
         self.procs: list[subprocess.Popen] = []
         self.started = 0.0
 
@@ -146,7 +150,7 @@ class Launch:
                 if rank not in ended and proc.poll() is not None:
                     ended[rank] = now
                     _kill(proc)  # whatever it left behind
-                    if proc.returncode != 0:
+                    if proc.returncode != 0 and rank not in self.dies:
                         deadline = min(deadline, now + self.grace_s)
             if now >= deadline:
                 for rank, proc in enumerate(self.procs):
@@ -179,7 +183,7 @@ class Launch:
             )
         if killed:
             status = "timeout"
-        elif any(r["exit"] != 0 for r in ranks):
+        elif any(r["exit"] != 0 and r["rank"] not in self.dies for r in ranks):
             status = "crashed"
         else:
             status = "ok"

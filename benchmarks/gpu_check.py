@@ -92,13 +92,14 @@ class Plan:
 
         return env
 
-    def launch(self, name: str, run: str, size: int, want_s: float, min_s: float, **spec: Any) -> Launch | dict[str, Any]:
+    def launch(self, name: str, run: str, size: int, want_s: float, min_s: float, dies: tuple[int, ...] = (), **spec: Any) -> Launch | dict[str, Any]:
         """A started run of the rank program, or the SKIP record of one that no longer fits."""
         granted = self.grant(want_s, min_s)
         if granted is None:
             return {"run": name, "status": "skipped", "reason": "no time left"}
         spec = {"run": run, "backend": self.backend, "device": self.device, "timeout": 60, "inject_wrong": self.args.inject_wrong, **spec}
-        return Launch(name, spec, size, self.out, granted, self.env(size, nccl_ranks=size > 1 and spec["backend"] == "nccl")).start()
+        env = self.env(size, nccl_ranks=size > 1 and spec["backend"] == "nccl")
+        return Launch(name, spec, size, self.out, granted, env, dies=dies).start()
 
 
 def _finish(launch: Launch | dict[str, Any]) -> dict[str, Any]:
@@ -206,7 +207,7 @@ def step_nccl_ranks(plan: Plan) -> dict[str, Any]:
     if plan.cuda:  # gloo has no default/bounded difference: one probe is enough there
         started["skip_default"] = plan.launch("skip_default", "skip_call", 2, want, plan.probe_s + 10, **probe)
     runs["pairs"] = _finish(plan.launch("pairs", "pairs", 2, 150, 30, timeout=30))
-    runs["connect"] = _finish(plan.launch("connect", "connect", 2, 60, 25, timeout=30))
+    runs["connect"] = _finish(plan.launch("connect", "connect", 2, 60, 25, dies=(1,), timeout=30))  # rank 1 is killed to see what rank 0 gets
     for name, launch in started.items():
         runs[name] = _finish(launch)
     if "skip_default" in runs and runs["skip_default"]["status"] != "skipped":
