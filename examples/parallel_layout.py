@@ -1,10 +1,11 @@
 """Build the full parallel layout, print it, and check every collective on every mode.
 
-Under a launcher (one or several nodes)::
+From the repository root, with the package installed (``pip install .``). Under a launcher (one or several nodes)::
 
     torchrun --nproc-per-node 4 examples/parallel_layout.py --tp 2
 
-Without one, it spawns the ranks itself (gloo, loopback only, file store)::
+Without one, it starts the ranks itself with ``rlightning_comm.run`` (gloo on loopback, a file store), each
+simulated node's ranks with that node's ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and ``GROUP_RANK``::
 
     python examples/parallel_layout.py --nproc 4 --simulated-nodes 2 --tp 2
 
@@ -22,17 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import socket
 import sys
-import tempfile
-import time
 
 import torch
 from torch import nn
 
-from rlightning_comm import CommContext, CommMode, ParallelConfig, broadcast_state_dict, collective, describe_layout, format_layout
+from rlightning_comm import CommContext, CommMode, ParallelConfig, broadcast_state_dict, collective, describe_layout, format_layout, launch
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -195,38 +192,22 @@ def run(args: argparse.Namespace, dist_url: str = "env://", world_size: int | No
     return 1 if all_failures else 0
 
 
-def _loopback_interface() -> str | None:
-    return next((name for _, name in socket.if_nameindex() if name in ("lo", "lo0")), None)
-
-
-def _spawned(rank: int, args: argparse.Namespace, url: str, per_node: int, codes: object) -> None:
+def _local_rank(args: argparse.Namespace, per_node: int) -> None:
+    """One rank started by ``launch.run``: its simulated node's placement, then the checks; exit 1 if any failed."""
+    rank = CommContext().get_global_rank()
     os.environ.update({"LOCAL_RANK": str(rank % per_node), "LOCAL_WORLD_SIZE": str(per_node), "GROUP_RANK": str(rank // per_node)})
-    codes[rank] = run(args, dist_url=url, world_size=args.nproc, rank=rank)
+    if run(args) != 0:
+        raise SystemExit(1)
 
 
 def spawn_local(args: argparse.Namespace) -> int:
-    """Run ``args.nproc`` ranks in child processes on this machine, ``args.simulated_nodes`` nodes' worth."""
+    """Run ``args.nproc`` ranks on this machine, ``args.simulated_nodes`` nodes' worth."""
     if args.nproc < 1 or args.simulated_nodes < 1 or args.nproc % args.simulated_nodes:
         raise SystemExit(f"--nproc {args.nproc} must be a positive multiple of --simulated-nodes {args.simulated_nodes}")
-    lo = _loopback_interface()
-    if lo and "GLOO_SOCKET_IFNAME" not in os.environ:
-        os.environ["GLOO_SOCKET_IFNAME"] = lo  # keep gloo's connections on loopback
-    ctx = mp.get_context("spawn")
-    codes = ctx.Array("i", [-1] * args.nproc)
-    with tempfile.TemporaryDirectory(prefix="parallel-layout-") as store:
-        url = f"file://{store}/store"
-        procs = [ctx.Process(target=_spawned, args=(r, args, url, args.nproc // args.simulated_nodes, codes)) for r in range(args.nproc)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + args.timeout
-        for p in procs:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    if any(c != 0 for c in codes):
-        print(f"exit codes by rank: {list(codes)} (-1: died or timed out)", file=sys.stderr)
+    try:
+        launch.run(_local_rank, args.nproc, args, args.nproc // args.simulated_nodes, backend=args.backend, timeout=args.timeout)
+    except RuntimeError as err:  # a rank failed a check (exit code 1) or died
+        print(err, file=sys.stderr)
         return 1
     return 0
 

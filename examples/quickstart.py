@@ -1,8 +1,12 @@
 """Run every collective of rlightning_comm on 4 ranks and print what each rank got.
 
-No launcher needed (spawns 4 local gloo processes):
+From the repository root, with the package installed (``pip install .``). No launcher needed: ``run`` spawns 4 local
+gloo processes::
+
     python examples/quickstart.py
-Or under torchrun:
+
+or, under torchrun, each process is one rank::
+
     torchrun --nproc-per-node 4 examples/quickstart.py
 """
 
@@ -10,8 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from rlightning_comm import CommContext, CommMode, ParallelMode, collective
-from rlightning_comm.launch import run
+from rlightning_comm import CommContext, CommMode, ParallelMode, collective, run
 
 
 def main() -> None:

@@ -20,9 +20,10 @@ trainer's (or the trainers' from each other).
 
 Everything stays on loopback: ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` before
 ``ray.init`` keeps a local Ray instance on 127.0.0.1, and gloo is pinned to
-``lo`` in the actors. Needs the ``ray`` extra (``pip install ".[ray]"``)::
+``lo`` in the actors. Needs the ``ray`` extra (``pip install ".[ray]"``); from the repository root (``--steps N``
+sets the number of steps, 5 by default)::
 
-    python examples/ray_rl_loop.py [--steps 5]
+    python examples/ray_rl_loop.py
 """
 
 from __future__ import annotations

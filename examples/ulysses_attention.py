@@ -1,13 +1,13 @@
 """Train a tiny attention model with Ulysses sequence parallelism and check it against single-process training.
 
-Run it on its own (it spawns 4 local gloo ranks that meet through a file store,
-no launcher, gloo on loopback), from the repository root or with the package installed::
+From the repository root, with the package installed (``pip install .``). On its own it spawns 4 local gloo ranks
+that meet through a file store (no launcher, gloo on loopback; ``--nprocs N`` for another count)::
 
-    PYTHONPATH=. python examples/ulysses_attention.py
+    python examples/ulysses_attention.py
 
-or under torchrun::
+or, under torchrun, each process is one rank::
 
-    PYTHONPATH=. torchrun --nproc-per-node 4 examples/ulysses_attention.py
+    torchrun --nproc-per-node 4 examples/ulysses_attention.py
 
 Every rank trains the same model two ways, step by step: sequence-parallel
 (the sequence split across the ranks, attention through ``ulysses_attention``,

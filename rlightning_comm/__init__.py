@@ -6,6 +6,7 @@ from rlightning_comm.config import ParallelConfig
 from rlightning_comm.context import CommContext, initialize_distributed_env
 from rlightning_comm.errors import CommError, CommMismatchError, CommTimeoutError, ModeNotBoundError, ObjectRefusedError
 from rlightning_comm.failures import WorkHandle
+from rlightning_comm.launch import run
 from rlightning_comm.layout import ModeLayout, describe_layout, format_layout
 from rlightning_comm.modes import CommMode, ParallelMode
 from rlightning_comm.sequence_parallel import (
@@ -47,6 +48,7 @@ __all__ = [
     "initialize_distributed_env",
     "reduce_scatter_to_sequence_parallel_region",
     "register_communicator",
+    "run",
     "scatter_to_sequence_parallel_region",
     "sequence_parallel",
     "sequence_split_sizes",

@@ -42,6 +42,32 @@ class DistributedConfig(_Frozen):
             raise ValueError(f"rank must satisfy 0 <= rank < world_size; got rank={self.rank}, world_size={self.world_size}")
         return self
 
+    def refuse_relaunch(
+        self, world_size: int | None, rank: int | None, backend: str, dist_url: str, timeout: float | timedelta, bounded_wait: bool
+    ) -> str | None:
+        """Why an ``init_distributed_env`` call inside a launched function does not ask for this, the launcher's world; ``None`` if it does.
+
+        Left-out ``world_size`` / ``rank`` and ``env://`` stand for the
+        launcher's. Bad values raise ``ValueError`` as they would at first
+        initialisation.
+        """
+        asked = DistributedConfig(
+            world_size=self.world_size if world_size is None else world_size,
+            rank=self.rank if rank is None else rank,
+            backend=backend,
+            dist_url=self.dist_url if dist_url == "env://" else dist_url,
+            timeout=timeout,
+            bounded_wait=bounded_wait,
+        )
+        if asked == self:
+            return None
+        differ = ", ".join(f"{k}={v!r}" for k, v in asked.model_dump().items() if v != getattr(self, k))
+        return (
+            f"rlightning_comm.launch.run already initialised this process's world with world_size={self.world_size}, rank={self.rank}, "
+            f"backend={self.backend!r}, timeout={self.timeout:g} s, bounded_wait={self.bounded_wait}; init_distributed_env asked for {differ}. "
+            "Inside a launched function the world is ready: drop the call, or pass the backend, timeout and bounded_wait to run()"
+        )
+
 
 class GroupConfig(_Frozen):
     """The groups declared for one mode, in normalised form (what :meth:`CommContext.init_group` builds up)."""

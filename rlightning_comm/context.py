@@ -72,6 +72,7 @@ class CommContext(ContextLookups, ContextLayouts, ContextPolicies):
     _configs: dict[str, GroupConfig]
     _dist_config: DistributedConfig | None
     _owns_world: bool
+    _launched: bool
     _debug: bool
     _lock: threading.RLock
 
@@ -93,6 +94,7 @@ class CommContext(ContextLookups, ContextLayouts, ContextPolicies):
         self._transfer_sources: dict[str, int] = {}
         self._dist_config = None
         self._owns_world = False
+        self._launched = False
         self._debug = False
         _objects.set_defaults(False, None)
 
@@ -133,6 +135,12 @@ class CommContext(ContextLookups, ContextLayouts, ContextPolicies):
         ``env://`` with such a ``MASTER_ADDR`` outside torchrun) the store
         listens on loopback only; see :mod:`rlightning_comm.rendezvous`.
 
+        In a function run by :func:`rlightning_comm.launch.run` the launcher
+        has initialised the world already: a call that asks for that world
+        (the same backend, timeout and ``bounded_wait``; size and rank left out or the same;
+        ``env://`` or the launcher's own URL) returns its communicator, and
+        any other raises ``CommError`` naming what the launcher set up.
+
         Returns:
             The communicator bound to ``CommMode.GLOBAL``.
 
@@ -144,6 +152,11 @@ class CommContext(ContextLookups, ContextLayouts, ContextPolicies):
         """
         with self._lock:
             cls = get_communicator_class(backend)
+            if self._launched:
+                refusal = self._require_world().refuse_relaunch(world_size, rank, backend, dist_url, timeout, bounded_wait)
+                if refusal:
+                    raise CommError(refusal)
+                return self._comms[_GLOBAL]
             if world_size is None or rank is None:
                 if not str(dist_url).startswith("env://"):
                     raise ValueError(f"world_size and rank are required with dist_url={dist_url!r}; only env:// reads them from the environment")
@@ -186,6 +199,10 @@ class CommContext(ContextLookups, ContextLayouts, ContextPolicies):
             self._debug = self._debug or debug_from_env
             self._bind(_GLOBAL, comm)
             return comm
+
+    def _mark_launched(self) -> None:
+        """Record that :func:`rlightning_comm.launch.run` initialised this process's world (until :meth:`destroy`)."""
+        self._launched = True
 
     def init_group(
         self,

@@ -11,6 +11,26 @@ from world import World
 
 _worlds: dict[int, World] = {}
 
+# Files whose tests start interpreters of their own or compile (up to a minute each on 2 busy cores). They go first,
+# so that under pytest-xdist they start early and the short tests fill in around them, instead of one of them
+# starting last and running alone at the end.
+SLOW_FIRST = (
+    "test_ray_example.py",
+    "test_multinode.py",
+    "test_examples.py",
+    "test_sequence_parallel_compile.py",
+    "test_readme.py",
+    "test_bench.py",
+    "test_compile_collectives.py",
+    "test_sequence_parallel_ulysses.py",
+    "test_launch.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))  # stable: the order within a file is kept
+
 
 def _world(size: int) -> World:
     if size not in _worlds:

@@ -1,4 +1,4 @@
-"""The README's examples run, with and without a launcher, and print the right values."""
+"""The README's examples run as their docstrings show, with and without a launcher, and print the right values."""
 
 from __future__ import annotations
 
@@ -9,17 +9,15 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from rlightning_comm.launch import run
+from example_commands import EXAMPLES, commands, documented, environment
 
 ROOT = Path(__file__).resolve().parent.parent
+# Spawner options of an example without a launcher: under torchrun the launcher decides the ranks.
+SPAWNER_OPTIONS = ("--nproc", "--nprocs", "--simulated-nodes")
 
 
 def _run(*cmd: str, timeout: float = 120) -> str:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{cmd} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     return proc.stdout
 
@@ -40,54 +38,53 @@ def _check_quickstart(out: str, world: int) -> None:
 
 
 def test_quickstart_without_a_launcher():
-    _check_quickstart(_run(sys.executable, "examples/quickstart.py"), 4)
+    _check_quickstart(_run(*documented("quickstart.py")), 4)
 
 
 def test_quickstart_under_torchrun():
-    out = _run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "examples/quickstart.py", timeout=180)
-    _check_quickstart(out, 4)
+    # The one torchrun command the suite runs: run() under a launcher is one code path for every example.
+    _check_quickstart(_run(*documented("quickstart.py", True), timeout=180), 4)
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in EXAMPLES.glob("*.py")))
+def test_every_example_shows_a_command_a_test_runs_and_its_torchrun_form_agrees(example):
+    shown = commands(example)
+    plain = documented(example)  # exactly one command without a launcher
+    assert shown and all(f"examples/{example}" == c.split()[1 + c.startswith("torchrun ") * 2] for c in shown), shown
+    tests = "".join(p.read_text() for p in Path(__file__).parent.glob("test_*.py"))
+    assert f'documented("{example}"' in tests, f"no test runs the command examples/{example} shows: {plain}"
+    if any(c.startswith("torchrun ") for c in shown):
+        under = documented(example, True)
+        assert under[4:6] == ["--nproc-per-node", under[5]] and under[6] == f"examples/{example}", under
+        kept, args = [], iter(plain[2:])
+        for arg in args:
+            if arg in SPAWNER_OPTIONS:
+                next(args)
+            else:
+                kept.append(arg)
+        assert under[7:] == kept, f"examples/{example}: the torchrun command takes {under[7:]}, the one without a launcher {kept}"
 
 
 def test_custom_backend_example_records_every_call():
-    out = _run(sys.executable, "examples/custom_backend.py")
+    out = _run(*documented("custom_backend.py"))
     for rank in range(2):
         # 3 all_reduces + 1 from all_reduce_dict; 3 x 256 float32 + 2 float64 (a dict of numbers is reduced in float64) = 3088 bytes.
         assert f"[rank {rank}] RecordingCommunicator calls={{'all_reduce': 4, 'broadcast': 1}} bytes={{'all_reduce': 3088, 'broadcast': 64}}" in out, out
 
 
-def _fail_on_rank_one() -> None:
-    from rlightning_comm import CommContext, collective
-
-    if CommContext().get_global_rank() == 1:
-        raise ValueError("rank 1 fails on purpose")
-    collective.barrier()
-
-
-def test_launch_run_reports_a_failed_rank_and_stops_the_others(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE"):
-        monkeypatch.delenv(name, raising=False)
-    with pytest.raises(RuntimeError, match=r"local ranks failed: exit codes \{.*'rank1': 1"):
-        run(_fail_on_rank_one, 2, timeout=20)
-
-
-@pytest.mark.parametrize("nproc", [0, -1, 1.5, True])
-def test_launch_run_rejects_a_bad_nproc(monkeypatch, nproc):
-    monkeypatch.delenv("RANK", raising=False)
-    with pytest.raises(ValueError, match="nproc must be a positive integer"):
-        run(_fail_on_rank_one, nproc)
-
-
 NO_NUMPY_SCRIPT = '''
-import sys
-sys.modules["numpy"] = None  # as on a fresh install: torch without numpy
-
-from rlightning_comm import CommContext, broadcast_state_dict, collective
-from rlightning_comm.launch import run
+from rlightning_comm import CommContext, broadcast_state_dict, collective, run
 
 
 def main():
     import torch
 
+    try:
+        import numpy  # noqa: F401
+    except ModuleNotFoundError:
+        pass
+    else:
+        raise AssertionError("numpy is importable in this rank: the test would prove nothing")
     rank = CommContext().get_global_rank()
     objs = [{"rank": rank, "t": torch.arange(3)}, "x" * 1000] if rank == 1 else [None, None]
     collective.broadcast_object_list(objs, "GLOBAL", src=1)
@@ -108,23 +105,25 @@ if __name__ == "__main__":
 '''
 
 
+def _without_numpy(tmp_path: Path) -> dict[str, str]:
+    """An environment whose processes, and their children and fork servers, cannot import numpy (as with ``--no-deps``)."""
+    fake = tmp_path / "no_numpy" / "numpy"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ModuleNotFoundError('numpy is hidden by the test', name='numpy')\n")
+    return {**environment(), "PYTHONPATH": f"{fake.parent}{os.pathsep}{ROOT}"}
+
+
 def test_object_collectives_work_without_numpy(tmp_path):
     # torch.distributed's object collectives need numpy to receive; the library's must not.
     script = tmp_path / "no_numpy.py"
     script.write_text(NO_NUMPY_SCRIPT)
-    out = _run(sys.executable, str(script))
-    assert "rank 0 ok" in out and "rank 1 ok" in out, out
+    proc = subprocess.run([sys.executable, str(script)], check=False, cwd=ROOT, env=_without_numpy(tmp_path), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout, proc.stdout
 
 
 def test_parallel_layout_example_runs_without_numpy(tmp_path):
-    # A numpy that cannot be imported, first on the path of this process's children and theirs.
-    fake = tmp_path / "no_numpy" / "numpy"
-    fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text("raise ModuleNotFoundError('numpy is hidden by the test', name='numpy')\n")
-    env = {**os.environ, "PYTHONPATH": f"{fake.parent}{os.pathsep}{ROOT}"}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    proc = subprocess.run([sys.executable, "examples/parallel_layout.py", "--nproc", "4", "--simulated-nodes", "2", "--tp", "2"], check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(documented("parallel_layout.py"), check=False, cwd=ROOT, env=_without_numpy(tmp_path), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Failed to initialize NumPy" in proc.stderr  # numpy really was missing
     assert "checks: all passed" in proc.stdout and "bit-identical" in proc.stdout, proc.stdout

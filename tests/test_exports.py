@@ -29,6 +29,7 @@ EXPECTED = {
     "format_layout",
     "initialize_distributed_env",
     "register_communicator",
+    "run",  # rlightning_comm.launch.run
     # sequence parallelism
     "UlyssesAttention",
     "all_gather_from_sequence_parallel_region",
@@ -92,3 +93,12 @@ def test_context_keeps_the_seed_signatures():
     params = inspect.signature(rlightning_comm.initialize_distributed_env).parameters
     assert list(params)[:5] == ["rank", "world_size", "backend", "dist_url", "timeout"]
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in list(params.values())[5:])  # options beyond the seed's
+
+
+def test_the_launcher_is_exported_with_its_signature():
+    from rlightning_comm import launch
+
+    assert rlightning_comm.run is launch.run
+    params = inspect.signature(rlightning_comm.run).parameters
+    assert list(params) == ["fn", "nproc", "args", "backend", "timeout", "bounded_wait"]
+    assert (params["nproc"].default, params["backend"].default, params["timeout"].default, params["bounded_wait"].default) == (4, "gloo", 1800, False)

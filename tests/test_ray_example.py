@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from example_commands import documented, environment
 
 ROOT = Path(__file__).resolve().parents[1]
 BOUND = 240  # seconds: the run takes ~25 s on 2 busy cores
@@ -85,11 +86,10 @@ def test_library_never_imports_ray() -> None:
 
 def test_ray_rl_loop_syncs_every_rollout_bit_for_bit() -> None:
     pytest.importorskip("ray", reason="the Ray example needs the ray extra: pip install '.[ray]'")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "examples" / "ray_rl_loop.py"), "--steps", "3"],
+        documented("ray_rl_loop.py", False, "--steps", "3"),
         cwd=ROOT,
-        env=env,
+        env=environment(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import math
-import os
 import subprocess
-import sys
 from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
+from example_commands import documented, environment
 from sp_oracle import SP, Checks, assert_all_within, data, init_sp
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,12 +105,11 @@ def test_transformer_block_with_ulysses_matches_one_rank(world) -> None:
     assert_all_within(world.run(_task_block, timeout=120))
 
 
-def test_example_trains_with_matching_losses(tmp_path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+def test_example_trains_with_matching_losses() -> None:
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "ulysses_attention.py"), "--steps", "3"],
-        cwd=tmp_path,
-        env=env,
+        documented("ulysses_attention.py", False, "--steps", "3"),
+        cwd=ROOT,
+        env=environment(),
         capture_output=True,
         text=True,
         timeout=180,

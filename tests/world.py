@@ -2,12 +2,15 @@
 
 Starting a process and importing torch is the slow part of a multi-rank test,
 so a :class:`World` keeps its ranks alive across tests and hands each of them
-one task at a time. Every task gets a fresh file store (no ports, nothing
+one task at a time. Ranks are forked from a fork server (``forkserver``): a
+process started once per test process that imports torch and the library and
+does nothing else, so every rank starts from that clean single-purpose process
+(never from pytest's, with its threads and state) without importing torch again. Every task gets a fresh file store (no ports, nothing
 shared between xdist workers) and every rank destroys its process groups and
 restores its environment afterwards, so tests stay independent. Every wait is
 bounded: a rank that does not report in time fails the test with every
-rank's traceback or fate, and the world is killed and respawned for the next
-test.
+rank's traceback or fate. After any failure the world is killed and started
+again for the next test.
 """
 
 from __future__ import annotations
@@ -29,6 +32,11 @@ DEFAULT_TIMEOUT = 60.0
 FAILURE_GRACE = 5.0
 # How long a rank that finished waits for the go-ahead to tear down (the parent sends it once every rank reported).
 CLEANUP_WAIT = 300.0
+# What the fork server imports once, before it forks any rank.
+PRELOAD = ["torch", "rlightning_comm"]
+# The environment this process started with (conftest imports this module before any test runs): the fork server,
+# started by the first world, keeps the environment it starts with, so it must not be a test's patched one.
+_START_ENV = dict(os.environ)
 
 
 class WorldError(AssertionError):
@@ -117,15 +125,23 @@ class World:
         self._root = tempfile.mkdtemp(prefix=f"rlc-world{size}-")
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.size)]
         self._procs = [
             ctx.Process(target=_worker_main, args=(r, self.size, self._tasks[r], self._results), daemon=True, name=f"rank{r}")
             for r in range(self.size)
         ]
-        for p in self._procs:
-            p.start()
+        patched = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(_START_ENV)
+        try:
+            for p in self._procs:
+                p.start()
+        finally:
+            os.environ.clear()
+            os.environ.update(patched)
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = DEFAULT_TIMEOUT, env: dict[str, str] | None = None) -> list[Any]:
         """Run ``fn(rank, size, store_url, *args)`` on every rank; return the results in rank order.
@@ -192,8 +208,9 @@ class World:
                 lines.append(f"--- rank {r}:\n{reports[r][1]}")
             else:
                 lines.append(f"--- rank {r}: ok")
-        if len(reports) < self.size or len(cleaned) < self.size or any(not p.is_alive() for p in self._procs):
-            self.close()
+        # A rank that failed may hold broken torch.distributed state (a half-made group, say): the next test gets new
+        # ranks. Forking them from the fork server is cheap.
+        self.close()
         raise WorldError("\n".join(lines))
 
     def _next(self, deadline: float) -> tuple[Any, ...] | None:

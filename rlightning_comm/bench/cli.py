@@ -13,7 +13,6 @@ error (bad arguments, a rank that crashed or hung).
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import shutil
 import sys
@@ -25,6 +24,7 @@ from collections.abc import Sequence
 from pydantic import ValidationError
 
 from rlightning_comm.bench.config import DTYPES, OPS, BenchConfig, parse_ops, parse_sizes
+from rlightning_comm.launch import _process_context
 
 EXIT_OK, EXIT_WRONG, EXIT_ERROR = 0, 1, 2
 _GRACE_S = 10.0  # after one rank fails, how long the others get to notice before they are killed
@@ -132,7 +132,9 @@ def _guarded(fn, rank: int, world_size: int, url: str, cfg: BenchConfig) -> int:
         return EXIT_ERROR
 
 
-def _child(rank: int, world_size: int, url: str, cfg: BenchConfig) -> None:
+def _child(rank: int, world_size: int, url: str, cfg: BenchConfig, env: dict[str, str]) -> None:
+    os.environ.clear()  # the caller's environment (a rank forked from the fork server has the server's)
+    os.environ.update(env)
     os.environ["LOCAL_RANK"] = str(rank)
     from rlightning_comm.bench.runner import run_rank
 
@@ -142,8 +144,8 @@ def _child(rank: int, world_size: int, url: str, cfg: BenchConfig) -> None:
 def spawn(cfg: BenchConfig, nproc: int) -> int:
     """Run ``nproc`` local ranks on a file store and wait for all of them (bounded after a failure)."""
     store = tempfile.mkdtemp(prefix="rlc-bench-")
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_child, args=(r, nproc, f"file://{store}/store", cfg), name=f"bench-rank{r}") for r in range(nproc)]
+    ctx, env = _process_context(), dict(os.environ)  # forked from a fork server that imported torch once (Linux)
+    procs = [ctx.Process(target=_child, args=(r, nproc, f"file://{store}/store", cfg, env), name=f"bench-rank{r}") for r in range(nproc)]
     try:
         for p in procs:
             p.start()
