@@ -97,6 +97,7 @@ class CommContext(ContextLookups, ContextLayouts, ContextPolicies):
         self._launched = False
         self._debug = False
         _objects.set_defaults(False, None)
+        _stats.disable()  # recording is per initialisation, as debug mode is; the figures stay until reset_stats()
 
     # ------------------------------------------------------------ initialising
     def init_distributed_env(
@@ -308,8 +309,8 @@ class CommContext(ContextLookups, ContextLayouts, ContextPolicies):
     def destroy(self) -> None:
         """Destroy every group this context created (and the world if it created it), and unbind every mode.
 
-        The context can be initialised again afterwards, with debug mode and
-        the object defaults back to off. Safe to call when nothing is
+        The context can be initialised again afterwards, with debug mode,
+        stats recording and the object defaults back to off. Safe to call when nothing is
         initialised, and after a peer died or a collective failed: it sends
         nothing to the peers, never raises for a group it cannot tear down
         (it warns) and always unbinds every mode.

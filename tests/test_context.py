@@ -229,3 +229,18 @@ def test_per_call_declarations_build_up_the_modes_config(ctx):
     assert ctx.get_group_config("per_call").partition == ((0,),) and ctx.get_group_config("per_call").as_ranks() == [0]
     with pytest.raises(CommError, match=r"mode 'per_call' is already bound to ranks \[0\] \(backend 'gloo', timeout 30.0s\)"):
         ctx.init_group([0], "per_call", timeout=5)
+
+
+def test_destroy_switches_stats_off_like_debug_mode(ctx, url):
+    # A reused process (a test world, a notebook) initialises again after destroy(): recording must not carry over,
+    # since a wrapped communicator takes other paths (weight transfer broadcasts instead of sending point to point).
+    ctx.enable_stats()
+    collective.all_reduce(torch.ones(2), "GLOBAL")
+    ctx.destroy()
+    from rlightning_comm import stats
+
+    assert not stats.is_enabled()
+    ctx.init_distributed_env(world_size=1, rank=0, backend="gloo", dist_url=url + "2", timeout=30)
+    comm = ctx.get_communicator("GLOBAL")
+    assert "all_reduce" not in vars(comm)  # the class's own method: no stats wrapper
+    assert ctx.stats()["GLOBAL"]["all_reduce"]["count"] == 1  # the figures stay until reset_stats()
