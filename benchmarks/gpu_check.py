@@ -1,20 +1,29 @@
-"""GPU check, under 5 minutes on a CUDA machine; its CPU-only parts run anywhere.
+"""GPU check: one bounded command that verifies the NCCL paths on a CUDA machine and writes a JSON report of every cell.
 
-Steps (each PASS, FAIL or SKIP, with the reason):
+    python benchmarks/gpu_check.py --out gpu-out          # then read gpu-out/gpu_check.json
+    python benchmarks/gpu_check.py --cpu-only --out cpu-out
 
-1. ``nccl_bench``: ``rlightning-comm bench`` on NCCL, one rank per GPU (CUDA only).
-2. ``gloo_cuda_bench``: the bench on gloo with CUDA tensors, 4 ranks on one GPU (CUDA only).
-3. ``stats_cuda_gloo`` / ``stats_cuda_nccl``: communication stats on CUDA tensors (event timing,
-   sync and async calls), counts, bytes and results against what was sent (CUDA only; gloo with
-   2 ranks on one GPU, NCCL with one rank per GPU).
-4. ``sequence_parallel``: scatter_to_sequence_parallel_region, gather_from_sequence_parallel_region
-   and all_to_all on gloo, 4 ranks: forward against a single-process oracle on every device, and
-   outputs and input gradients on CUDA against the same on CPU (SKIP when the ops are not installed).
+Steps, each guarded (a failure, a hang or a crash is recorded and the next
+step still runs; every process has a deadline and is killed with its process
+group), all within ``--budget-s`` (a step that no longer fits is skipped with
+"no time left"):
 
-Writes ``gpu_check.json`` (and the benches' JSON) under ``--out``; exit status 1 if a step failed.
+1. ``nccl_world1`` (about 30 s): NCCL at world size 1: what every process-group
+   call returns with ``asyncOp=False``, then every op x dtype x sync/async x
+   plain/stats/debug mode against an oracle; then ``bounded_wait=True``.
+2. ``cuda_tests`` (1 to 3 min): the suite's CUDA tests (pytest, per-test outcomes).
+3. ``nccl_ranks`` (1 to 3 min): 2 NCCL ranks on the one GPU (a distinct
+   ``NCCL_HOSTID`` each, sockets on loopback): a 20 s raw smoke test first,
+   then the matrix with non-zero roots, gradients, groups, a call one rank
+   skips (default and ``bounded_wait=True``), a connected mode and a kill.
+4. ``cuda_branches`` (about 1 min): the NCCL-only Python branches on 4 gloo
+   ranks with CUDA tensors (a test-only communicator staging on ``cuda:0``).
+5. ``bench``: ``rlightning-comm bench`` with whatever time is left.
 
-    python benchmarks/gpu_check.py --out gpu-out            # everything the machine can run
-    python benchmarks/gpu_check.py --cpu-only --out cpu-out # what runs without CUDA
+Without CUDA (or with ``--cpu-only``) every CUDA step is skipped with the
+reason "no CUDA", and steps 1, 3 and 4 run their machinery on gloo with CPU
+tensors as a self-test. Exit status 1 when a step failed (a wrong result, an
+error, a crash or hang, a README claim contradicted), else 0.
 """
 
 from __future__ import annotations
@@ -22,160 +31,115 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
+import platform
+import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
-from _common import ROOT, machine, run_ranks
+from _gpu_launch import ROOT, kill_all
+from _gpu_steps import NEEDS, RUNNERS, STEPS, Plan, bench_commands
 
-SP_NAMES = ("scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region", "all_to_all")
+__all__ = ["STEPS", "bench_commands", "main", "summary_lines"]
 
 
-def bench_commands(out: str, gpus: int) -> dict[str, tuple[list[str], dict[str, str]]]:
-    """The bench runs of steps 1 and 2: argv (after ``python -m rlightning_comm.bench``) and extra environment."""
-    return {
-        "nccl_bench": (["--backend", "nccl", "--nproc", str(gpus), "--sizes", "1K:64M", "--factor", "16", "--json", os.path.join(out, "nccl.json")], {}),
-        "gloo_cuda_bench": (
-            ["--backend", "gloo", "--device", "cuda", "--nproc", "4", "--sizes", "1K:4M", "--factor", "16", "--json", os.path.join(out, "gloo_cuda.json")],
-            {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]},
-        ),
+def environment(cuda: bool) -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "cuda_available": torch.cuda.is_available(),
     }
+    if cuda:
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        info["cuda"] = torch.version.cuda
+        try:
+            info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception as err:  # noqa: BLE001 - informative only
+            info["nccl"] = repr(err)
+    return info
 
 
-def run_bench(argv: list[str], env: dict[str, str], timeout: float = 150) -> dict[str, Any]:
-    """Run the bench in a subprocess; PASS when it exits 0 (every result right)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "rlightning_comm.bench", *argv],
-        cwd=ROOT,
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    print(proc.stdout, end="", flush=True)
-    status = "PASS" if proc.returncode == 0 else "FAIL"
-    return {"status": status, "exit": proc.returncode, "stderr_tail": proc.stderr[-2000:] if status == "FAIL" else ""}
-
-
-def load_sp_ops() -> dict[str, Any] | str:
-    """The sequence-parallel ops, or why they cannot be imported."""
-    try:
-        import rlightning_comm.sequence_parallel as sp
-
-        return {name: getattr(sp, name) for name in SP_NAMES}
-    except (ImportError, AttributeError) as err:
-        return f"sequence-parallel ops not available: {err}"
-
-
-def _grad_out(shape: tuple[int, ...], rank: int) -> Any:
-    import torch
-
-    gen = torch.Generator().manual_seed(4242 + rank)
-    return torch.randn(shape, generator=gen, dtype=torch.float64)
-
-
-def sp_check(rank: int, nproc: int, devices: list[str], ops: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Step 4 on one rank of an initialised world: forward vs oracle per device, CUDA vs CPU outputs and grads.
-
-    ``ops`` maps the names of :data:`SP_NAMES` to callables with the seed's
-    signatures; ``None`` imports them from ``rlightning_comm.sequence_parallel``.
-    """
-    import torch
-
-    from rlightning_comm import CommContext, CommMode
-
-    ops = load_sp_ops() if ops is None else ops
-    if isinstance(ops, str):
-        return {"status": "SKIP", "reason": ops}
-    CommContext().init_group(list(range(nproc)), CommMode.SEQUENCE_PARALLEL)
-    b, s_local, h, d = 2, 3, 2 * nproc, 4
-    seq = s_local * nproc
-    gen = torch.Generator().manual_seed(7)
-    full = torch.randn(b, seq, h, d, generator=gen, dtype=torch.float64)  # the same on every rank
-    local = full[:, rank * s_local : (rank + 1) * s_local]  # this rank's sequence shard
-    calls = {
-        "scatter": (lambda x: ops["scatter_to_sequence_parallel_region"](x, False), full, local),
-        "gather": (lambda x: ops["gather_from_sequence_parallel_region"](x, False), local, full),
-        "all_to_all": (lambda x: ops["all_to_all"](x, 1, 2, CommMode.SEQUENCE_PARALLEL), local, full[:, :, rank * 2 : (rank + 1) * 2]),
-    }
-    results: dict[str, dict[str, Any]] = {}
-    for name, (fn, x, oracle) in calls.items():
-        per_device = {}
-        for device in devices:
-            xin = x.detach().to(device).requires_grad_(True)
-            y = fn(xin)
-            y.backward(_grad_out(tuple(y.shape), rank).to(device))
-            per_device[device] = (y.detach().cpu(), xin.grad.detach().cpu())
-        res: dict[str, Any] = {dev: bool(torch.equal(out, oracle)) for dev, (out, _) in per_device.items()}
-        if "cuda" in per_device:
-            (cpu_out, cpu_grad), (gpu_out, gpu_grad) = per_device["cpu"], per_device["cuda"]
-            res["cuda_vs_cpu_out"] = float((cpu_out - gpu_out).abs().max())
-            res["cuda_vs_cpu_grad"] = float((cpu_grad - gpu_grad).abs().max())
-        results[name] = res
-    ok = all(all(v for k, v in r.items() if k in devices) and r.get("cuda_vs_cpu_out", 0) == 0 and r.get("cuda_vs_cpu_grad", 0) == 0 for r in results.values())
-    return {"status": "PASS" if ok else "FAIL", "devices": devices, "ops": results}
-
-
-def stats_check(rank: int, nproc: int) -> dict[str, Any]:
-    """Step 3 on one rank: stats on CUDA tensors (event timing), sync and async, vs what was sent."""
-    import torch
-
-    from rlightning_comm import CommContext, CommMode, collective
-
-    if CommContext().get_communicator().backend == "gloo":
-        torch.cuda.set_device(0)
-    ctx = CommContext()
-    ctx.reset_stats()
-    ctx.enable_stats()
-    t = torch.ones(1024, device=torch.device("cuda", torch.cuda.current_device()))  # 4 KiB
-    for _ in range(3):
-        collective.all_reduce(t, CommMode.GLOBAL)
-    collective.all_reduce(t, CommMode.GLOBAL, async_op=True).wait()
-    s = ctx.stats()["GLOBAL"]["all_reduce"]
-    ctx.disable_stats()
-    ok = s["count"] == 4 and s["bytes"] == 4 * 4096 and 0 < s["max_time_s"] <= s["total_time_s"] and s["in_flight"] == 0 and float(t[0]) == nproc**4
-    return {"status": "PASS" if ok else "FAIL", "stats": s}
-
-
-def _ranks_step(fn: Any, nproc: int, *args: Any, backend: str = "gloo") -> dict[str, Any]:
-    try:
-        results = run_ranks(fn, nproc, *args, timeout=120, backend=backend)
-    except Exception as err:  # noqa: BLE001 - a failed step is reported, the others still run
-        return {"status": "FAIL", "error": str(err)[-2000:]}
-    worst = "FAIL" if any(r["status"] == "FAIL" for r in results) else results[0]["status"]
-    return {**results[0], "status": worst, "ranks": results}
+def summary_lines(doc: dict[str, Any]) -> list[str]:
+    """The short summary: one line per step (its cells' statuses, or why it was skipped), then what failed."""
+    lines = []
+    for name, step in doc["steps"].items():
+        runs = step.get("runs", {})
+        totals: dict[str, int] = {}
+        for run in runs.values():
+            for status, n in run.get("counts", {}).items():
+                totals[status] = totals.get(status, 0) + n
+        detail = ", ".join(f"{k} {v}" for k, v in sorted((totals or step.get("summary", {})).items()))
+        if step.get("reason"):
+            detail = step["reason"] + (f" ({detail})" if detail else "")
+        lines.append(f"{name:<14} {step['status']:<5} {step.get('seconds', 0):6.1f} s  {detail}")
+        for run_name, run in runs.items():
+            if run["status"] not in ("ok", "skipped"):
+                stuck = [f"rank {r['rank']} in {r['unfinished_cell']!r}" for r in run.get("ranks", []) if r.get("unfinished_cell")]
+                lines.append(f"    {run_name}: {run['status']}" + (f" ({', '.join(stuck)})" if stuck else ""))
+            lines += [f"    {run_name}: {line}" for line in run.get("failing", [])[:8]]
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="GPU check for rlightning_comm (CPU-only parts run anywhere)")
-    p.add_argument("--out", default="gpu-check-out", help="folder for gpu_check.json and the benches' JSON")
-    p.add_argument("--cpu-only", action="store_true", help="run only what needs no CUDA")
+    p = argparse.ArgumentParser(description="GPU check for rlightning_comm: verify the NCCL paths on one GPU in minutes, with a JSON report of every cell")
+    p.add_argument("--out", default="gpu-check-out", help="folder for gpu_check.json, every run's cells and logs (default gpu-check-out)")
+    p.add_argument("--cpu-only", action="store_true", help="skip every CUDA step (automatic without CUDA); the CPU self-tests still run")
+    p.add_argument("--budget-s", type=float, default=520.0, help="the whole check's deadline in seconds; steps that no longer fit are skipped (default 520)")
+    p.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated subset of {','.join(STEPS)} (default all)")
+    p.add_argument("--inject-wrong", action="store_true", help=argparse.SUPPRESS)  # test hook: a world whose all_reduce is wrong
+    p.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)  # test hook: step 1's first run only, on a few cells
     args = p.parse_args(argv)
     import torch
 
-    os.makedirs(args.out, exist_ok=True)
+    chosen = [s.strip() for s in args.steps.split(",") if s.strip()]
+    unknown = sorted(set(chosen) - set(STEPS))
+    if unknown:
+        p.error(f"unknown steps {unknown}; choose from {list(STEPS)}")
     cuda = torch.cuda.is_available() and not args.cpu_only
-    gpus = torch.cuda.device_count() if cuda else 0
-    steps: dict[str, dict[str, Any]] = {}
-    started = time.monotonic()
-    for name, (bench_argv, env) in bench_commands(args.out, gpus).items():
-        steps[name] = run_bench(bench_argv, env) if cuda else {"status": "SKIP", "reason": "no CUDA"}
-    steps["stats_cuda_gloo"] = _ranks_step(stats_check, 2) if cuda else {"status": "SKIP", "reason": "no CUDA"}
-    steps["stats_cuda_nccl"] = _ranks_step(stats_check, gpus, backend="nccl") if cuda else {"status": "SKIP", "reason": "no CUDA"}
-    missing = load_sp_ops()
-    if isinstance(missing, str):
-        steps["sequence_parallel"] = {"status": "SKIP", "reason": missing}
-    else:
-        steps["sequence_parallel"] = _ranks_step(sp_check, 4, ["cpu", "cuda"] if cuda else ["cpu"])
-    doc = {"machine": machine(), "gpus": [torch.cuda.get_device_name(i) for i in range(gpus)], "seconds": time.monotonic() - started, "steps": steps}
-    with open(os.path.join(args.out, "gpu_check.json"), "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=1, default=str)
-    for name, step in steps.items():
-        print(f"{name:<18} {step['status']}  {step.get('reason', '')}{step.get('error', '')}")
-    print(f"# {doc['seconds']:.0f} s; {doc['machine']}; GPUs: {doc['gpus'] or 'none'}")
-    return 1 if any(s["status"] == "FAIL" for s in steps.values()) else 0
+    plan = Plan(args, cuda)
+    plan.out.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    doc: dict[str, Any] = {"command": [sys.executable, *sys.argv] if argv is None else ["gpu_check.py", *argv], "root": str(ROOT), "budget_s": args.budget_s}
+    doc.update(cuda=cuda, environment=environment(cuda), steps={})
+    report = plan.out / "gpu_check.json"
+    previous = signal.signal(signal.SIGTERM, _stopped)
+    try:
+        return _run_steps(plan, chosen, doc, report, started)
+    finally:
+        kill_all()  # an interrupted check leaves no rank holding the GPU
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _stopped(signum: int, frame: Any) -> None:
+    raise SystemExit(f"gpu_check stopped by signal {signum}; the report holds the steps that finished")
+
+
+def _run_steps(plan: Plan, chosen: list[str], doc: dict[str, Any], report: Path, started: float) -> int:
+    args = plan.args
+    for name in STEPS:
+        t0 = time.time()
+        if name not in chosen:
+            step: dict[str, Any] = {"status": "SKIP", "reason": "not selected (--steps)"}
+        else:
+            try:
+                step = RUNNERS[name](plan)
+            except Exception as err:  # noqa: BLE001 - a step's own failure is recorded; the next step still runs
+                import traceback
+
+                step = {"status": "FAIL", "reason": f"the step itself raised {type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
+        doc["steps"][name] = {"needs": NEEDS[name], **step, "seconds": round(time.time() - t0, 1)}
+        doc["seconds"] = round(time.time() - started, 1)
+        report.write_text(json.dumps(doc, indent=1, default=str))  # after every step: a killed check keeps what it did
+        print(summary_lines({"steps": {name: doc["steps"][name]}})[0], flush=True)
+    print("\n".join(summary_lines(doc)))
+    print(
+        f"# {doc['seconds']:.0f} s of {args.budget_s:.0f}; {'CUDA: ' + ', '.join(doc['environment'].get('gpus', [])) if plan.cuda else 'no CUDA'}; report {report}"
+    )
+    return 1 if any(s["status"] == "FAIL" for s in doc["steps"].values()) else 0
 
 
 if __name__ == "__main__":

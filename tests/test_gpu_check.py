@@ -1,17 +1,22 @@
-"""The CPU-only parts of benchmarks/gpu_check.py: its plan, its import guard, and its sequence-parallel check.
+"""benchmarks/gpu_check.py on a CPU machine: its CPU mode end to end, and its machinery (oracles, roots, lockstep, probes, kills).
 
-The check's machinery (oracles, gradients, verdicts) is exercised with stand-in
-ops built from torch.distributed.nn.functional, and with a deliberately wrong
-one; the library's own ops run through it once they are installed.
+The check's own cells run here on gloo through the library's real ops; a
+test-only communicator with a wrong ``all_reduce`` must be reported wrong while
+the same check passes the real one.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
+import os
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
+import torch
 from world import init_world
 
 from rlightning_comm.bench.cli import build_parser
@@ -19,68 +24,172 @@ from rlightning_comm.bench.cli import build_parser
 BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
 
 
-def _gpu_check():
+def _module(name: str):
     if BENCHMARKS not in sys.path:
         sys.path.insert(0, BENCHMARKS)
-    return importlib.import_module("gpu_check")
+    return importlib.import_module(name)
 
 
-def _stand_in_ops(wrong_gather: bool = False):
-    import torch
-    import torch.distributed.nn.functional as dnn
+def test_cpu_mode_runs_end_to_end_skips_every_cuda_step_and_reports_a_wrong_op(tmp_path, capsys):
+    gpu_check = _module("gpu_check")
+    status = gpu_check.main(["--cpu-only", "--out", str(tmp_path), "--budget-s", "300", "--quick", "--inject-wrong", "--steps", "nccl_world1,cuda_tests,bench"])
+    doc = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert status == 1 and doc["cuda"] is False
+    steps = doc["steps"]
+    assert list(steps) == list(gpu_check.STEPS) and all(s["needs"] and "seconds" in s for s in steps.values())
+    assert {n: (s["status"], s.get("reason")) for n, s in steps.items() if n != "nccl_world1"} == {
+        "cuda_tests": ("SKIP", "no CUDA"),
+        "nccl_ranks": ("SKIP", "not selected (--steps)"),
+        "cuda_branches": ("SKIP", "not selected (--steps)"),
+        "bench": ("SKIP", "no CUDA"),
+    }
+    step1 = steps["nccl_world1"]
+    assert step1["status"] == "FAIL" and "no CUDA" in step1["note"] and step1["runs"]["bounded"]["status"] == "skipped"
+    run = step1["runs"]["world1"]
+    assert run["status"] == "ok" and run["ranks"][0]["exit"] == 0
+    cells = {c["cell"]: c for c in run["cells"]}
+    assert all({"cell", "rank", "status", "detail"} <= set(c) for c in cells.values())
+    reduced = [c for name, c in cells.items() if name.startswith("all_reduce|")]
+    assert len(reduced) == 8 and all(c["status"] == "wrong" and "got" in c["detail"] for c in reduced)  # 2 dtypes x sync/async x plain/debug
+    untouched = [c for name, c in cells.items() if name.startswith(("broadcast|", "all_gather_object|"))]
+    assert len(untouched) == 8 + 4 and all(c["status"] == "ok" for c in untouched)
+    assert cells["init_distributed_env"]["backend"] == "gpu_check_wrong_gloo" and cells["destroy"]["status"] == "ok"
+    assert all(cells[f"pg.{name}(asyncOp=False)"]["detail"] == "returns Work" for name in ("allreduce", "broadcast", "barrier"))
+    out = capsys.readouterr().out
+    assert "nccl_world1    FAIL" in out and "all_reduce|float32|sync|plain: wrong" in out
 
+
+def _cells_on_two_ranks(rank, size, url):
+    import torch.distributed as dist
+
+    matrix, probes, comms, cells = _module("_gpu_matrix"), _module("_gpu_probes"), _module("_gpu_comms"), _module("_gpu_cells")
+    ctx = init_world(rank, size, url, timeout=30)
+    store = dist.FileStore(os.path.join(url.removeprefix("file://").rsplit("/", 1)[0], "lockstep"), size)
+    rec = cells.Recorder(rank=rank, lockstep=cells.Lockstep(store, rank, size, 30))
+    ops = ["all_reduce", "all_to_all_single[uneven]", "broadcast", "reduce", "gather", "scatter", "send", "recv", "broadcast_state_dict"]
+    ops += ["broadcast_state_dict[load]", "broadcast_object_list", "sp.all_to_all", "sp.reduce_scatter_to_sequence_parallel_region"]  # no async_op
+    device = torch.device("cpu")
+    matrix.run_matrix(rec, "GLOBAL", device, 1, ops=ops, dtypes=["float32", "complex64"], modes=["plain"])
+    ctx.init_group([0, 1], "WRONG", backend=comms.WRONG_GLOO)
+    matrix.run_matrix(rec, "WRONG", device, 1, ops=["all_reduce", "broadcast"], dtypes=["int64"], modes=["plain", "stats"], prefix="WRONG:")
+    ctx.init_group([0, 1], "CUDA_GLOO", backend=comms.CUDA_GLOO)  # the step-4 communicator, staging on the CPU here
+    matrix.run_matrix(rec, "CUDA_GLOO", device, 1, ops=["all_reduce_dict", "broadcast_state_dict"], dtypes=["bfloat16"], modes=["stats"], prefix="CUDA_GLOO:")
+    probes.refusal_travels(rec, "CUDA_GLOO", device)  # NCCL's dtype table: rank 1's uint16 is a refusal every rank learns
+    probes.refusal_travels(rec, "GLOBAL", device)  # gloo moves uint16: a mismatch every rank learns
+    return rec.cells
+
+
+def test_the_matrix_passes_the_librarys_ops_with_a_non_zero_root_and_reports_a_wrong_one(world2):
+    for cells in world2.run(_cells_on_two_ranks, timeout=120):
+        by_status = {}
+        for c in cells:
+            by_status.setdefault(c["status"], []).append(c["cell"])
+        wrong = sorted(by_status.pop("wrong", []))
+        assert wrong == sorted(f"WRONG:all_reduce|int64|{call}|{mode}" for call in ("sync", "async") for mode in ("plain", "stats")), wrong
+        assert set(by_status) == {"ok"}, {k: v[:5] for k, v in by_status.items()}
+        # Binding SEQUENCE_PARALLEL; GLOBAL: 10 ops x 2 dtypes x sync/async, 3 ops x 2 dtypes; WRONG:broadcast; CUDA_GLOO: 3; the refusals
+        assert len(by_status["ok"]) == 1 + 10 * 4 + 3 * 2 + 4 + 3 + 2
+
+
+def _skipped_call(rank, size, url):
+    probes, cells = _module("_gpu_probes"), _module("_gpu_cells")
+    init_world(rank, size, url, timeout=30)
+    rec = cells.Recorder(rank=rank)
+    probes.skip_call(rec, torch.device("cpu"), url.removeprefix("file://").rsplit("/", 1)[0], timeout=1.0, hold_s=20)
+    return rec.cells
+
+
+def test_a_call_one_rank_skips_is_measured_against_the_failure_table(world2):
+    caller, skipper = world2.run(_skipped_call, timeout=60)
+    verdicts = {c["cell"]: c for c in caller}
+    assert verdicts["against the README's failure table"]["status"] == "ok", verdicts
+    assert verdicts["blocking all_reduce a peer skips"]["detail"].startswith("CommTimeoutError after")
+    assert [c["cell"] for c in skipper] == ["init_group([0, 1], timeout=1)", "warm-up all_reduce"]
+
+
+def test_cells_are_classified_by_who_refused(tmp_path):
+    cells = _module("_gpu_cells")
     from rlightning_comm import CommContext
 
-    def group():
-        return CommContext().get_group("SEQUENCE_PARALLEL")
-
-    def scatter(x, rank0_only=True):
-        return x.tensor_split(CommContext().get_world_size("SEQUENCE_PARALLEL"), dim=1)[CommContext().get_local_rank("SEQUENCE_PARALLEL")]
-
-    def gather(x, rank0_only=True):
-        parts = list(dnn.all_gather(x.contiguous(), group=group()))
-        return torch.cat(parts[::-1] if wrong_gather else parts, dim=1)
-
-    def all_to_all(x, gather_dim, scatter_dim, group_):
-        n = CommContext().get_world_size(group_)
-        inputs = [c.contiguous() for c in x.tensor_split(n, dim=scatter_dim)]
-        outputs = [torch.empty_like(inputs[0]) for _ in range(n)]
-        return torch.cat(dnn.all_to_all(outputs, inputs, group=group()), dim=gather_dim)
-
-    return {"scatter_to_sequence_parallel_region": scatter, "gather_from_sequence_parallel_region": gather, "all_to_all": all_to_all}
-
-
-def _sp_task(rank, size, url, which):
-    init_world(rank, size, url)
-    check = _gpu_check()
-    ops = None if which == "library" else _stand_in_ops(wrong_gather=which == "wrong")
-    return check.sp_check(rank, size, ["cpu"], ops)
+    rec = cells.Recorder(str(tmp_path / "cells.jsonl"))
+    rec.run("library refusal", lambda: CommContext().set_debug("yes"))
+    rec.run("script bug", lambda: int("x"))
+    rec.run("backend", lambda: (_ for _ in ()).throw(RuntimeError("x was refused by the backend's own check on this rank")))
+    rec.run("not here", lambda: (_ for _ in ()).throw(cells.NotApplicable("needs 2 ranks")))
+    rec.deadline = time.time()
+    rec.run("late", lambda: None)
+    assert [(c["cell"], c["status"]) for c in rec.cells] == [
+        ("library refusal", "refused"),
+        ("script bug", "error"),
+        ("backend", "backend_refused"),
+        ("not here", "n/a"),
+        ("late", "skipped"),
+    ]
+    launch = _module("_gpu_launch")
+    with open(tmp_path / "cells.jsonl", "a") as f:
+        f.write(json.dumps({"event": "start", "cell": "hangs here", "rank": 0}) + "\n" + '{"event": "cell", "cell": "cut sh')  # a rank killed mid-cell
+    done, _, unfinished = launch.read_cells(tmp_path / "cells.jsonl")
+    assert [c["cell"] for c in done] == [c["cell"] for c in rec.cells] and unfinished == "hangs here"
 
 
-def test_sp_check_passes_right_ops_and_fails_wrong_ones(world2):
-    right = world2.run(_sp_task, "stand-in")
-    assert [r["status"] for r in right] == ["PASS", "PASS"]
-    assert right[0]["ops"] == {name: {"cpu": True} for name in ("scatter", "gather", "all_to_all")}
-    wrong = world2.run(_sp_task, "wrong")
-    assert [r["status"] for r in wrong] == ["FAIL", "FAIL"]
-    assert wrong[0]["ops"]["gather"] == {"cpu": False} and wrong[0]["ops"]["scatter"] == {"cpu": True}
+def test_lockstep_stops_a_run_only_when_a_collective_may_be_half_done():
+    import torch.distributed as dist
+
+    cells = _module("_gpu_cells")
+    store = dist.HashStore()
+    steps = [cells.Lockstep(store, rank, 2, timeout=5) for rank in range(2)]
+    outcomes = {}
+
+    def agree(rank, raised):
+        try:
+            steps[rank].agree("cell", raised)
+            outcomes[rank] = "in step"
+        except cells.OutOfStep as err:
+            outcomes[rank] = str(err)
+
+    for pair in (("AttributeError", ""), ("!CommTimeoutError", "")):
+        threads = [threading.Thread(target=agree, args=(rank, raised)) for rank, raised in enumerate(pair)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        if pair[0] == "AttributeError":
+            assert outcomes == {0: "in step", 1: "in step"}  # a receiver's unpickling: nothing half-done
+        else:
+            assert all("out of step" in v for v in outcomes.values()), outcomes
+    lonely = cells.Lockstep(dist.HashStore(), 0, 2, timeout=0.2)
+    with pytest.raises(cells.OutOfStep, match="did not report"):
+        lonely.agree("alone", "")
 
 
-@pytest.mark.skipif(isinstance(_gpu_check().load_sp_ops(), str), reason="the library's sequence-parallel ops arrive with issue 3")
-def test_sp_check_passes_the_librarys_ops_on_cpu(world2):
-    assert [r["status"] for r in world2.run(_sp_task, "library")] == ["PASS", "PASS"]
+def test_a_hung_command_is_killed_with_its_children(tmp_path):
+    launch = _module("_gpu_launch")
+    child = tmp_path / "child.pid"
+    result = launch.run_command("hang", ["bash", "-c", f"sleep 60 & echo $! > {child}; wait"], tmp_path, timeout=1)
+    assert result["killed_at_deadline"] and result["seconds"] < 15
+    pid = int(child.read_text())
+    for _ in range(40):  # the orphaned child is reaped by init soon after the kill
+        if not os.path.exists(f"/proc/{pid}") or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"the command's child {pid} outlived the kill")
 
 
-def test_missing_sp_ops_are_reported_not_raised(monkeypatch):
-    monkeypatch.setitem(sys.modules, "rlightning_comm.sequence_parallel", None)
-    reason = _gpu_check().load_sp_ops()
-    assert isinstance(reason, str) and "not available" in reason
+def test_the_cuda_tests_step_selects_what_skips_without_cuda():
+    plugin = _module("_gpu_pytest_plugin")
+    skip = pytest.mark.skipif
+    assert plugin.needs_cuda([], "tests/test_nccl.py")
+    assert plugin.needs_cuda([skip(False, reason="CUDA tensors need a GPU; this machine has none").mark], "tests/test_x.py")
+    assert not plugin.needs_cuda([skip(True, reason="needs CUDA").mark], "tests/test_x.py")  # skipped on this machine too
+    assert not plugin.needs_cuda([skip(False, reason="checks the CPU-only error").mark], "tests/test_x.py")
+    assert not plugin.needs_cuda([], "tests/test_collective.py")
 
 
-def test_gpu_bench_commands_are_valid_bench_arguments(tmp_path):
-    commands = _gpu_check().bench_commands(str(tmp_path), gpus=8)
-    nccl = build_parser().parse_args(commands["nccl_bench"][0])
-    assert (nccl.backend, nccl.nproc) == ("nccl", 8)
-    gloo = build_parser().parse_args(commands["gloo_cuda_bench"][0])
+def test_bench_commands_are_valid_bench_arguments(tmp_path):
+    commands = _module("gpu_check").bench_commands(tmp_path, "3")
+    nccl = build_parser().parse_args(commands["nccl"][0])
+    assert (nccl.backend, nccl.nproc) == ("nccl", 1)
+    gloo = build_parser().parse_args(commands["gloo_cuda"][0])
     assert (gloo.backend, gloo.device, gloo.nproc) == ("gloo", "cuda", 4)
-    assert commands["gloo_cuda_bench"][1]["CUDA_VISIBLE_DEVICES"].isdigit()  # all 4 ranks on one GPU
+    assert commands["gloo_cuda"][1]["CUDA_VISIBLE_DEVICES"] == "3"  # all 4 ranks on one GPU
