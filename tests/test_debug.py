@@ -121,7 +121,7 @@ def test_debug_mode_names_the_rank_that_skipped_a_call(world2):
     assert GROUP_TIMEOUT - 0.1 <= r0["elapsed"] <= GROUP_TIMEOUT + BOUND
 
 
-SHORT_TIMEOUT = 1.0
+SHORT_TIMEOUT = 2.5  # also the bound of the call every rank makes after the barrier: a loaded 2-core machine can stall a rank past 1 s
 SMALL_BOUND = 0.75  # what a rank may take past the timeout (the store's old wait overshot by a whole second)
 
 
