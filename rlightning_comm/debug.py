@@ -38,7 +38,6 @@ from __future__ import annotations
 import functools
 import inspect
 import json
-import pickle
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -47,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from rlightning_comm import _debug_p2p, rendezvous
-from rlightning_comm.communicators import _packing
+from rlightning_comm.communicators import _objects, _packing
 from rlightning_comm.communicators._checks import reduce_op_type
 from rlightning_comm.communicators.base import COLLECTIVES
 from rlightning_comm.errors import CommError, CommMismatchError, CommTimeoutError, ModeNotBoundError, ObjectRefusedError
@@ -89,7 +88,7 @@ def _all_to_all_single(a: dict[str, Any], ws: int, mode: str) -> tuple[dict[str,
 
 def _all_gather_object(a: dict[str, Any], ws: int, mode: str) -> tuple[dict[str, Any], Any]:
     try:  # an object that cannot be pickled fails in the call on its own rank: here every rank learns it first
-        pickle.dumps(a["obj"])
+        _objects.dumps(a["obj"])
     except Exception as err:  # pickle raises many kinds
         raise TypeError(f"all_gather_object on mode {mode!r}: obj cannot be pickled ({err})") from err
     return {"len(object_list)": len(a["object_list"])}, None

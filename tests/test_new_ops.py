@@ -253,3 +253,37 @@ def test_debug_mode_checks_each_send_against_its_recv_by_the_pair_alone(world4):
     assert "global rank 1 did not reach the matching recv within 1.5 s" in message and elapsed < 1.5 + 4.0
     assert "timeout" not in results[1]
     assert all(out["after"] == [4.0, 4.0] for out in results)
+
+
+def _bool_sum_task(rank, size, url):
+    import torch
+
+    from rlightning_comm import collective
+
+    init_world(rank, size, url, timeout=30)
+    flags = [torch.tensor([r == 0, r % 2 == 1, False, True, r == size - 1, r > 0, False, r == 1]) for r in range(size)]
+    # The oracle: a logical or on this process (raw gloo adds the bytes, leaving bools that are neither True nor False).
+    want = torch.stack(flags).any(0)
+
+    def canonical(t):
+        return set(t.view(torch.uint8).tolist()) <= {0, 1}
+
+    t = flags[rank].clone()
+    collective.all_reduce(t, "GLOBAL")
+    root = flags[rank].clone()
+    collective.reduce(root, "GLOBAL", dst=1)
+    out = torch.zeros(2, dtype=torch.bool)
+    collective.reduce_scatter(out, torch.cat([flags[rank]] * (size // 2)).reshape(-1)[: 2 * size].clone(), "GLOBAL")
+    full = torch.stack([torch.cat([f] * (size // 2)).reshape(-1)[: 2 * size] for f in flags]).any(0)
+    d = collective.all_reduce_dict({"flags": flags[rank].clone(), "any": rank == 1}, "GLOBAL", dtype=torch.bool)
+    return {
+        "all_reduce": torch.equal(t, want) and canonical(t),
+        "reduce": rank != 1 or (torch.equal(root, want) and canonical(root)),
+        "reduce_scatter": torch.equal(out, full[2 * rank : 2 * rank + 2]) and canonical(out),
+        "all_reduce_dict": torch.equal(d["flags"], want) and canonical(d["flags"]) and d["any"] is True,
+    }
+
+
+def test_a_bool_sum_is_a_logical_or_as_on_nccl(world4):
+    for result in world4.run(_bool_sum_task, timeout=60):
+        assert result == dict.fromkeys(result, True), result

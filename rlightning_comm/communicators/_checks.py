@@ -32,6 +32,17 @@ def reduce_op_type(op: Any) -> Any:
     return op.op if type(op) is ReduceOp else op
 
 
+def launched_op(op: Any, dtype: torch.dtype) -> Any:
+    """The op to launch for ``op`` on ``dtype``: a bool SUM runs as MAX, a logical or.
+
+    torch's NCCL backend does the same; gloo would add the bytes and leave
+    bools that are neither ``True`` nor ``False`` (a byte 2 compares unequal to
+    both).
+    """
+    op = reduce_op_type(op)
+    return ReduceOp.MAX if op is ReduceOp.SUM and dtype is torch.bool else op
+
+
 def _same_device(a: torch.Tensor, b: torch.Tensor) -> bool:
     # Two CPU tensors without building a torch.device per read (this is on every call's path).
     return (a.is_cpu and b.is_cpu) or a.device == b.device

@@ -11,6 +11,11 @@ refusal. Safe mode unpickles with :class:`_PlainUnpickler`, which resolves no
 global except the few that rebuild a plain tensor (and those through checked,
 side-effect-free replacements), so nothing a payload names is ever called; the
 result is then checked to be plain data.
+
+torch 2.13 pickles a tensor of some dtypes (float8, uint16/32/64, complex32,
+the bits types) but cannot unpickle it; :func:`dumps` sends such a tensor as
+its bytes and a call that rebuilds it, so it arrives instead of failing on the
+receivers only.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ def broadcast_objects(object_list: list[Any], is_src: bool, broadcast: Callable[
     if not object_list:
         return None
     if is_src:
-        payloads = [pickle.dumps(obj) for obj in object_list]
+        payloads = [dumps(obj) for obj in object_list]
         sizes = torch.tensor([len(p) for p in payloads], dtype=torch.long, device=device)
     else:
         sizes = torch.empty(len(object_list), dtype=torch.long, device=device)
@@ -99,7 +104,7 @@ def all_gather_objects(
         def gather(output: torch.Tensor, input_: torch.Tensor) -> None:  # the group itself: a connected mode's is outside the world
             group.all_gather_single(output, input_, opts).wait()
 
-    return [pickle.loads(p) for p in all_gather_payloads(pickle.dumps(obj), group.size(), device, gather)]
+    return [pickle.loads(p) for p in all_gather_payloads(dumps(obj), group.size(), device, gather)]
 
 
 def all_gather_payloads(payload: bytes, world: int, device: torch.device, gather: Callable[[torch.Tensor, torch.Tensor], None]) -> list[memoryview]:
@@ -226,8 +231,53 @@ def _rebuild_tensor(storage: Any, offset: Any, size: Any, stride: Any, requires_
     return _compat.rebuild_tensor(storage, offset, size, stride).requires_grad_(bool(requires_grad))
 
 
+_BYTES_DTYPES = {
+    name: dtype
+    for name in (
+        "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2",
+        "uint16", "uint32", "uint64", "complex32", "bits1x8", "bits2x4", "bits4x2", "bits8", "bits16",
+    )
+    if isinstance(dtype := getattr(torch, name, None), torch.dtype)
+}  # fmt: skip
+"""The dtypes whose tensors torch pickles but cannot unpickle (its storage loader has no typed storage for them)."""
+_BYTES_DTYPE_NAMES = {dtype: name for name, dtype in _BYTES_DTYPES.items()}
+
+
+class _Pickler(pickle.Pickler):
+    """``pickle.Pickler`` that sends a plain tensor of a dtype in :data:`_BYTES_DTYPES` as its bytes."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is torch.Tensor and (name := _BYTES_DTYPE_NAMES.get(obj.dtype)) is not None:  # subclasses keep theirs
+            data = obj.detach().reshape(-1).contiguous().view(torch.uint8)
+            return _rebuild_from_bytes, (data, name, tuple(obj.shape), obj.requires_grad)
+        return NotImplemented
+
+
+def dumps(obj: Any) -> bytes:
+    """``pickle.dumps(obj)``, with every tensor of a dtype torch cannot unpickle sent as its bytes (see the module's note)."""
+    buf = io.BytesIO()
+    _Pickler(buf, pickle.DEFAULT_PROTOCOL).dump(obj)
+    return buf.getvalue()
+
+
+def _rebuild_from_bytes(data: Any, dtype_name: Any, shape: Any, requires_grad: Any) -> torch.Tensor:
+    # Part of the wire format (pickles name it by this module's path): safe mode resolves it too, so it checks its input.
+    dtype = _BYTES_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+    if dtype is None:
+        raise pickle.UnpicklingError(f"a tensor's bytes name dtype {dtype_name!r}, not one sent as bytes")
+    if not (isinstance(data, torch.Tensor) and data.dtype is torch.uint8 and data.dim() == 1):
+        raise pickle.UnpicklingError("a tensor's bytes are not a 1-d uint8 tensor")
+    if not (isinstance(shape, tuple) and all(type(n) is int and n >= 0 for n in shape)):
+        raise pickle.UnpicklingError(f"a tensor's shape {shape!r} is not a tuple of sizes")
+    try:
+        return data.view(dtype).reshape(shape).requires_grad_(bool(requires_grad))
+    except RuntimeError as err:
+        raise pickle.UnpicklingError(f"a tensor's {data.numel()} bytes do not make a {dtype_name} tensor of shape {list(shape)} ({err})") from None
+
+
 _REBUILD_TENSOR, _LOAD_STORAGE = _compat.TENSOR_PICKLE_GLOBALS
 _GLOBALS = {
+    (__name__, "_rebuild_from_bytes"): _rebuild_from_bytes,
     _REBUILD_TENSOR: _rebuild_tensor,
     _LOAD_STORAGE: _load_storage,
     ("collections", "OrderedDict"): collections.OrderedDict,

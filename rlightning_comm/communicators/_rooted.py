@@ -19,12 +19,13 @@ from torch.distributed import ReduceOp
 from torch.overrides import has_torch_function_unary
 
 from rlightning_comm._compat import COALESCING as _coalescing
-from rlightning_comm.communicators._checks import reduce_op_type
+from rlightning_comm.communicators._checks import launched_op
 from rlightning_comm.communicators._launch import as_real, compiling, rooted_args
 from rlightning_comm.failures import LAUNCH_ERRORS
 
 _Tensor = torch.Tensor
 _SUM = ReduceOp.SUM
+_BOOL = torch.bool
 
 
 class RootedCollectives:
@@ -200,12 +201,13 @@ class RootedCollectives:
                 and not tensor.is_complex()
                 and not tensor.is_nested
                 and (traced or not tensor.is_neg())
+                and tensor.dtype is not _BOOL
             )
         except RuntimeError:
             plain = False
         if not plain:
             self._check_reduce(tensor, dst, op, async_op)
-            dst, op = operator.index(dst), reduce_op_type(op)
+            dst, op = operator.index(dst), launched_op(op, tensor.dtype)
         if _coalescing and group in _coalescing:
             raise self._coalesced("reduce")
         if traced or has_torch_function_unary(tensor):

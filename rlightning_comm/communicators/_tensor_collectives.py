@@ -39,12 +39,13 @@ from torch.overrides import has_torch_function_unary
 from rlightning_comm._compat import COALESCING as _coalescing
 from rlightning_comm._compat import all_gather_single as _all_gather_flat
 from rlightning_comm._compat import reduce_scatter_single as _reduce_scatter_flat
-from rlightning_comm.communicators._checks import reduce_op_type
+from rlightning_comm.communicators._checks import launched_op
 from rlightning_comm.communicators._launch import as_real, compiling
 from rlightning_comm.failures import LAUNCH_ERRORS
 
 _Tensor = torch.Tensor
 _SUM = ReduceOp.SUM
+_BOOL = torch.bool
 
 
 class TensorCollectives:
@@ -92,12 +93,13 @@ class TensorCollectives:
                 and not tensor.is_complex()
                 and not tensor.is_nested
                 and (traced or not tensor.is_neg())
+                and tensor.dtype is not _BOOL
             )
         except RuntimeError:
             plain = False
         if not plain:
             self._check_all_reduce(tensor, op, async_op)
-            op = reduce_op_type(op)
+            op = launched_op(op, tensor.dtype)
         if traced or (_coalescing and group in _coalescing) or has_torch_function_unary(tensor):
             return dist.all_reduce(tensor, op=op, group=self._traced_group("all_reduce"), async_op=async_op)
         if plain:
@@ -209,13 +211,14 @@ class TensorCollectives:
                 and not input_.is_nested
                 and (traced or not (output.is_neg() or input_.is_neg()))
                 and input_.numel() == output.numel() * self._world_size
-                and not dtype.is_complex  # one dtype read for both tests
+                and not dtype.is_complex  # one dtype read for these tests
+                and dtype is not _BOOL
             )
         except RuntimeError:
             plain = False
         if not plain:
             self._check_reduce_scatter(output, input_, op, async_op)
-            op = reduce_op_type(op)
+            op = launched_op(op, input_.dtype)
             # Any shapes of the right sizes: both tensors are contiguous, so flat views have their layout.
             if output.dim() != 1:
                 output = output.view(-1)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import operator
-import pickle
 from collections.abc import Mapping
 from typing import Any
 
@@ -111,7 +110,7 @@ class ValueCollectives:
             raise self._coalesced("all_gather_object")
         safe, max_bytes = _objects.resolve_options(safe, max_bytes, self._mode)
         try:
-            payload = pickle.dumps(obj)
+            payload = _objects.dumps(obj)
         except Exception as err:  # pickle raises many kinds (PicklingError, TypeError, AttributeError)
             raise TypeError(f"all_gather_object on mode {self._mode!r}: obj cannot be pickled ({err}); nothing was sent") from err
         opts = self._sync.all_gather
