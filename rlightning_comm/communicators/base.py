@@ -64,9 +64,10 @@ class Communicator(InputChecks, InFlight, DirectLaunch, TensorCollectives, Roote
 
     Threads: any thread may call, one call at a time (a pool, a
     weight-updater thread, a gradient hook on autograd's threads). A call that
-    starts while another thread's call is in flight on the same communicator
-    raises :class:`CommError` naming both threads, before anything is sent
-    (two threads' calls could pair up differently on different ranks).
+    starts while another thread's call is in flight on the same process group
+    (through this communicator or any other of that group) raises
+    :class:`CommError` naming both threads, before anything is sent (two
+    threads' calls could pair up differently on different ranks).
 
     Subclasses implement what differs between backends, the extension points:
 
@@ -230,10 +231,6 @@ class Communicator(InputChecks, InFlight, DirectLaunch, TensorCollectives, Roote
             tensor: The tensor an op was given.
             name: The argument's name, for the message (``"tensor"``, ``"gather_list[1]"``).
         """
-
-    def _check_device(self, tensor: torch.Tensor, name: str) -> None:
-        # The name this had before the extension points were public; callers that still use it get the same check.
-        self.check_device(tensor, name)
 
     @staticmethod
     def on_device(a: torch.Tensor, b: torch.Tensor) -> bool:

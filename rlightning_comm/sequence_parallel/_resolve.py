@@ -194,7 +194,7 @@ def check_input(input_: Any, group: Group | TracedGroup, name: str = "input_") -
     if not isinstance(input_, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor; got {type(input_).__name__} ({group.name})")
     if group.world_size > 1 and isinstance(group, Group):
-        group.comm._check_device(input_, name)
+        group.comm.check_device(input_, name)
 
 
 def check_flag(value: Any, name: str) -> bool:
