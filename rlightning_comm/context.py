@@ -199,7 +199,7 @@ class CommContext(ContextLookups, ContextLayouts, ContextConnect, ContextPolicie
             self._configs[_GLOBAL] = GroupConfig(partition=(world,), world_size=config.world_size, backend=backend, timeout=config.timeout)
             bounded = config.bounded_wait and (self._owns_world or blocking_before)
             comm = cls(group=dist.group.WORLD, ranks=world, mode=_GLOBAL, timeout=config.timeout, bounded_wait=bounded)
-            debug.new_generation()
+            debug.new_generation(rendezvous.world_store(), config.world_size)
             self._debug = self._debug or debug_from_env
             self._bind(_GLOBAL, comm)
             return comm

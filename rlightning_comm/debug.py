@@ -57,10 +57,18 @@ if TYPE_CHECKING:
 _generation = 0
 
 
-def new_generation() -> None:
-    """Start a new key namespace; the context calls it on every world initialisation, so stale keys are never read."""
+def new_generation(store: dist.Store, world_size: int) -> None:
+    """Start the key namespace of a newly initialised world, so that stale keys of an earlier world on the same store are never read.
+
+    Every rank of the world calls it once (the context does, on every world
+    initialisation). The number is agreed through the world's store, not
+    counted per process: ranks whose processes initialised different numbers
+    of worlds before (a restarted rank, a process that was in another world)
+    still share one namespace. On a fresh store it is 0; each later world on
+    the same store adds one.
+    """
     global _generation
-    _generation += 1
+    _generation = (store.add("rlightning_comm/debug/worlds", 1) - 1) // world_size
 
 
 def _tensor(t: Any) -> str:
