@@ -33,7 +33,9 @@ receive from a dead peer fails at once. So a destination's death fails the
 source's transfer within milliseconds, for two small messages per
 destination per transfer and one per bucket (an in-place piece the source
 itself had to stage, a strided or device tensor there, has no receipt: its
-sends are waited as they are).
+sends are waited as they are). The source then closes the group's
+connections (:func:`~rlightning_comm.failures.close_gloo_group`), so the
+other destinations' receives fail within milliseconds as well.
 
 A transfer that fails midway raises the failure (``CommError`` or
 ``CommTimeoutError``) with what this rank knows about the weights it left:
@@ -51,7 +53,7 @@ import torch
 
 from rlightning_comm._weight_plan import Plan
 from rlightning_comm.errors import CommError
-from rlightning_comm.failures import LAUNCH_ERRORS
+from rlightning_comm.failures import LAUNCH_ERRORS, close_gloo_group
 
 _TAG = 0x5754  # the point-to-point tag of every unit ("WT"); other traffic on the group is told apart by its own tags
 
@@ -147,6 +149,9 @@ class Transfer:
         except CommError as err:
             self._done = True
             self._slots[0] = self._slots[1] = None
+            if self._sends and self._is_source and self._failed_peer is not None:
+                # A destination is lost: the others would wait out the timeout on receives the source will never send.
+                close_gloo_group(self._comm.group)
             # The same type with the account added, its other arguments kept (PeerLostError's mode, generation, member).
             raise type(err)(f"{err}\nbroadcast_state_dict failed midway: {self._account()}", *err.args[1:]) from err
 

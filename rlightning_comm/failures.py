@@ -11,6 +11,7 @@ raise what :func:`comm_failure` builds from it, chained to the original.
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -45,6 +46,27 @@ _LOCAL_MARKERS = (
 )
 LAUNCH_ERRORS = (RuntimeError, TypeError, ValueError)
 """What a launch catches: backend failures (``RuntimeError``, ``DistBackendError``) and the backend's own argument refusals."""
+
+
+def close_gloo_group(group: Any) -> None:
+    """Close every connection of a gloo ``group`` on this process, so that every member's pending operation with it fails now.
+
+    For a group a failure has made unusable: its members would otherwise wait
+    out the group's timeout on a receive this process will never match. A
+    receive from any member, waited for one millisecond: on its timeout gloo
+    closes every connection of the group's context (its own reaction to a
+    timeout), and the other end of each sees it closed at once.
+    """
+    try:
+        if group.size() > 1:
+            group.recv_anysource([torch.empty(1, dtype=torch.uint8)], _CLOSE_TAG).wait(timedelta(milliseconds=1))
+    except RuntimeError:
+        pass  # the timeout that closed the connections, or a context already broken
+    except CommError:
+        pass  # a connected mode's stand-in for a lost generation's group: the watch has broken the real one
+
+
+_CLOSE_TAG = 0x4C4F5354  # "LOST": no member ever sends with it
 
 
 def comm_failure(err: BaseException, mode: str, op: str, timeout: float | None) -> Exception:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from rlightning_comm import _compat
+from rlightning_comm.failures import close_gloo_group
 
 
 def _aliased(base: type) -> type:
@@ -61,22 +62,12 @@ def build_group(backend: str, store: dist.Store, rank: int, size: int, timeout: 
 def break_group(group: Any) -> None:
     """Make every call in flight on ``group`` fail now (its members are told of a loss; the group is never used again).
 
-    gloo: a receive from any member, waited for one millisecond, which on its
-    timeout closes every connection of the group's context (gloo's own reaction
-    to a timeout), so each pending operation fails at once. NCCL: ``abort()``.
+    gloo: :func:`rlightning_comm.failures.close_gloo_group`. NCCL: ``abort()``.
     """
     if isinstance(group, _GLOO):
-        if group.size() < 2:
-            return
-        try:
-            group.recv_anysource([torch.empty(1, dtype=torch.uint8)], _BREAK_TAG).wait(timedelta(milliseconds=1))
-        except RuntimeError:
-            pass  # the timeout that closed the connections, or a context already broken
+        close_gloo_group(group)
     else:
         try:
             group.abort()
         except RuntimeError:
             pass
-
-
-_BREAK_TAG = 0x4C4F5354  # "LOST": no member ever sends with it
