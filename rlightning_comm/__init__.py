@@ -19,7 +19,7 @@ from rlightning_comm.sequence_parallel import (
     sequence_split_sizes,
     ulysses_attention,
 )
-from rlightning_comm.weight_transfer import StateDictTransfer, broadcast_state_dict
+from rlightning_comm.weights._broadcast import StateDictTransfer, broadcast_state_dict
 
 __all__ = [
     "CommContext",

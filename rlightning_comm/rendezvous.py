@@ -66,7 +66,7 @@ def init_process_group(backend: str, init_method: str, world_size: int, rank: in
     connects the world's communicator at once, refuses a tensor on another
     device, and creates later NCCL groups by splitting the world's
     communicator (every rank of the world must then take part in every group
-    creation, members or not; :func:`rlightning_comm._groups.new_group` makes
+    creation, members or not; :func:`rlightning_comm.context._groups.new_group` makes
     the members of a gloo group take part too).
 
     Raises:

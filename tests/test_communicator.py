@@ -290,7 +290,7 @@ def test_communicator_properties_and_extra_ops(ctx):
 def test_debug_mode_and_stats_cover_every_collective():
     import inspect as _inspect
 
-    from rlightning_comm import debug
+    from rlightning_comm.debug import _checks as debug
     from rlightning_comm.communicators.base import COLLECTIVES
     from rlightning_comm.stats import TRACKED_OPS
 

@@ -14,7 +14,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "parallel_layout.py
 def _run_example(rank: int, size: int, url: str, corrupt_rank: int | None) -> tuple[int, str]:
     import torch
 
-    from rlightning_comm._weight_pipeline import Pipeline
+    from rlightning_comm.weights._pipeline import Pipeline
     from rlightning_comm.communicators.base import Communicator
 
     spec = importlib.util.spec_from_file_location("parallel_layout_example", EXAMPLE)

@@ -115,7 +115,8 @@ def test_unsorted_declaration_is_group_rank_order_for_every_op(world4) -> None:
 def _creation_paths(rank: int, size: int, url: str) -> list:
     import torch.distributed as dist
 
-    from rlightning_comm import CommError, _groups
+    from rlightning_comm import CommError
+    from rlightning_comm.context import _groups
 
     ctx = init_world(rank, size, url)
     calls = []

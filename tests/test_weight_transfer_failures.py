@@ -35,7 +35,7 @@ def _outcome(run) -> dict:
 
 def _injected(rank: int, size: int, url: str) -> dict:
     from rlightning_comm import CommError, broadcast_state_dict
-    from rlightning_comm._weight_pipeline import Pipeline
+    from rlightning_comm.weights._pipeline import Pipeline
 
     ctx = init_world(rank, size, url)
     ctx.init_group([0, 1, 2, 3], "FAULT", timeout=GROUP_TIMEOUT)
@@ -101,7 +101,7 @@ def _sync_group(rank: int, url: str):
 
 def _victim(url: str) -> None:
     """The engine process (group rank 1, in no world): it dies on its second bucket, the transfer in flight."""
-    from rlightning_comm.weight_transfer import transfer
+    from rlightning_comm.weights._broadcast import transfer
 
     calls = []
 
@@ -114,7 +114,7 @@ def _victim(url: str) -> None:
 
 
 def _killed(rank: int, size: int, url: str) -> dict:
-    from rlightning_comm.weight_transfer import transfer
+    from rlightning_comm.weights._broadcast import transfer
 
     victim = None
     if rank == 0:  # its own process, started here (a world's process cannot die without the world being respawned)

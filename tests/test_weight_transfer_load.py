@@ -10,7 +10,7 @@ from torch import nn
 from typing_extensions import Self
 from world import init_world
 
-from rlightning_comm._weight_plan import build_plan, deliveries
+from rlightning_comm.weights._plan import build_plan, deliveries
 
 LAYERS, WIDTH, VOCAB = 6, 48, 700
 BUCKET = 32 * 2**10  # the model is about 17 buckets; the embedding (134 KB) is larger than one

@@ -3,7 +3,7 @@
 ``dst`` / ``src`` are global ranks of the group, never this rank. Each pair
 of calls moves the bytes of one tensor (complex as its real pairs); the
 receiver's tensor must have the sender's dtype and number of elements, which
-debug mode checks for each pair (see :mod:`rlightning_comm._debug_p2p`).
+debug mode checks for each pair (see :mod:`rlightning_comm.debug._p2p`).
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from rlightning_comm._weight_plan import Plan
+from rlightning_comm.weights._plan import Plan
 from rlightning_comm.errors import CommError
 from rlightning_comm.failures import LAUNCH_ERRORS, close_gloo_group
 

@@ -13,12 +13,12 @@ from typing_extensions import Self
 
 from rlightning_comm import debug, rendezvous
 from rlightning_comm import stats as _stats
-from rlightning_comm._context_connect import ContextConnect
-from rlightning_comm._context_layouts import ContextLayouts
-from rlightning_comm._context_lookups import ContextLookups
-from rlightning_comm._context_policies import ContextPolicies
+from rlightning_comm.context._connect import ContextConnect
+from rlightning_comm.context._layouts import ContextLayouts
+from rlightning_comm.context._lookups import ContextLookups
+from rlightning_comm.context._policies import ContextPolicies
 from rlightning_comm._env import argument_from_env, env_debug
-from rlightning_comm._groups import check_order_supported, new_group
+from rlightning_comm.context._groups import check_order_supported, new_group
 from rlightning_comm.communicators import _objects
 from rlightning_comm.communicators.base import Communicator
 from rlightning_comm.communicators.nccl import enable_blocking_wait

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from rlightning_comm._weight_handshake import agree
-from rlightning_comm._weight_transport import Transfer
+from rlightning_comm.weights._handshake import agree
+from rlightning_comm.weights._transport import Transfer
 from rlightning_comm.context import CommContext
 from rlightning_comm.modes import CommMode, ParallelMode
 

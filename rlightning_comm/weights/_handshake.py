@@ -36,11 +36,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions
 
-from rlightning_comm._weight_inputs import Problem, describe, mismatch, named_tensors, overlapping, uncovered
-from rlightning_comm._weight_loader import LoadPipeline
-from rlightning_comm._weight_pipeline import Pipeline
-from rlightning_comm._weight_plan import Delivery, Entry, Plan, build_plan, deliveries
-from rlightning_comm._weight_transport import Transfer, point_to_point
+from rlightning_comm.weights._inputs import Problem, describe, mismatch, named_tensors, overlapping, uncovered
+from rlightning_comm.weights._loader import LoadPipeline
+from rlightning_comm.weights._pipeline import Pipeline
+from rlightning_comm.weights._plan import Delivery, Entry, Plan, build_plan, deliveries
+from rlightning_comm.weights._transport import Transfer, point_to_point
 from rlightning_comm.failures import LAUNCH_ERRORS
 
 HANDSHAKE_TAG = 0x5755  # the point-to-point tag of the exchange over gloo (the data's is the next-lower one)

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from rlightning_comm._weight_inputs import plain, same_view
-from rlightning_comm._weight_plan import Piece, Plan, Unit
-from rlightning_comm._weight_transport import Transfer
+from rlightning_comm.weights._inputs import plain, same_view
+from rlightning_comm.weights._plan import Piece, Plan, Unit
+from rlightning_comm.weights._transport import Transfer
 
 
 def _view(tensor: torch.Tensor, where: tuple[Any, ...]) -> torch.Tensor:

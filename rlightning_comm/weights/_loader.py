@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from rlightning_comm._weight_plan import Delivery, Plan, dtype_of
-from rlightning_comm._weight_transport import Transfer
+from rlightning_comm.weights._plan import Delivery, Plan, dtype_of
+from rlightning_comm.weights._transport import Transfer
 
 
 class LoadPipeline(Transfer):

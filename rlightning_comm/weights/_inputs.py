@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rlightning_comm._weight_plan import Entry, Plan
+from rlightning_comm.weights._plan import Entry, Plan
 
 Problem = tuple[type[Exception], str] | None
 Span = tuple[int, int, int, str, torch.Tensor]  # device index, first byte, end byte, name, tensor

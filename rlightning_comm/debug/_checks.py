@@ -45,7 +45,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from rlightning_comm import _debug_p2p, rendezvous
+from rlightning_comm import rendezvous
+from rlightning_comm.debug import _p2p as _debug_p2p
 from rlightning_comm.communicators import _objects, _packing
 from rlightning_comm.communicators._checks import reduce_op_type
 from rlightning_comm.communicators.base import COLLECTIVES
@@ -123,7 +124,7 @@ _DESCRIBE: dict[str, Callable[[dict[str, Any], int, str], tuple[dict[str, Any], 
     "barrier": lambda a, ws, m: ({}, None),
     "reduce": lambda a, ws, m: ({"tensor": _tensor(a["tensor"]), "dst": repr(a["dst"]), "op": _op(a["op"])}, None),
     "all_gather_object": _all_gather_object,
-    # A send and its recv are checked by those two ranks alone (rlightning_comm._debug_p2p).
+    # A send and its recv are checked by those two ranks alone (rlightning_comm.debug._p2p).
     "send": lambda a, ws, m: (_debug_p2p.fingerprint(a["tensor"]), None),
     "recv": lambda a, ws, m: (_debug_p2p.fingerprint(a["tensor"]), None),
 }
