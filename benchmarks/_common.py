@@ -20,7 +20,16 @@ class _Failed(str):
     """A rank's traceback, in place of its result."""
 
 
-def _worker(fn: Callable[..., Any], rank: int, nproc: int, url: str, args: tuple[Any, ...], results: Any, backend: str, own_worlds: bool) -> None:
+def _worker(
+    fn: Callable[..., Any],
+    rank: int,
+    nproc: int,
+    url: str,
+    args: tuple[Any, ...],
+    results: Any,
+    backend: str,
+    own_worlds: bool,
+) -> None:
     os.environ["LOCAL_RANK"] = str(rank)  # the nccl communicator picks its GPU from it
     from rlightning_comm import CommContext
 
@@ -39,7 +48,14 @@ def _worker(fn: Callable[..., Any], rank: int, nproc: int, url: str, args: tuple
         ctx.destroy()
 
 
-def run_ranks(fn: Callable[..., Any], nproc: int = 2, *args: Any, timeout: float = 600, backend: str = "gloo", own_worlds: bool = False) -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any],
+    nproc: int = 2,
+    *args: Any,
+    timeout: float = 600,
+    backend: str = "gloo",
+    own_worlds: bool = False,
+) -> list[Any]:
     """Run ``fn(rank, nproc, *args)`` on ``nproc`` spawned ranks (gloo unless told); return the results in rank order.
 
     With ``own_worlds`` each rank is in a world of its own (of size 1) instead of all in one world of ``nproc``.
@@ -47,7 +63,10 @@ def run_ranks(fn: Callable[..., Any], nproc: int = 2, *args: Any, timeout: float
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     store = tempfile.mkdtemp(prefix="rlc-benchmark-")
-    procs = [ctx.Process(target=_worker, args=(fn, r, nproc, f"file://{store}/store", args, results, backend, own_worlds)) for r in range(nproc)]
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, nproc, f"file://{store}/store", args, results, backend, own_worlds))
+        for r in range(nproc)
+    ]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
@@ -66,7 +85,8 @@ def run_ranks(fn: Callable[..., Any], nproc: int = 2, *args: Any, timeout: float
 
 
 def print_speed_table(times: dict[str, list[float]], identical: dict[str, bool]) -> None:
-    """A markdown table of each way's median and min time and its speed against the ``"limit"`` way (median of per-round ratios)."""
+    """A markdown table of each way's median and min time and its speed against the ``"limit"`` way (median of per-round
+    ratios)."""
     print("| way | median ms | min ms | speed vs limit (median of per-round ratios) | bit-identical |")
     print("|---|---|---|---|---|")
     for name, samples in times.items():

@@ -1,4 +1,5 @@
-"""The GPU check's cells' configuration and oracles: each rank's inputs, what a reduction of them gives, a byte comparison.
+"""The GPU check's cells' configuration and oracles: each rank's inputs, what a reduction of them gives, a byte
+comparison.
 
 The inputs of every rank are a pure function of its global rank, so each rank
 computes on the CPU, in a wide dtype, what every result must be, and compares
@@ -46,7 +47,8 @@ class Case:
         self.async_ = call == "async"
 
     def value(self, seed: int, numel: int) -> torch.Tensor:
-        """Rank ``seed``'s input on the CPU: small integers (0..4), exact in every dtype, and their sums over 4 ranks too."""
+        """Rank ``seed``'s input on the CPU: small integers (0..4), exact in every dtype, and their sums over 4 ranks
+        too."""
         a = (torch.arange(numel) * 3 + seed) % 5
         if self.dtype is torch.bool:
             return a % 2 == 1

@@ -43,11 +43,13 @@ class NotApplicable(Exception):
 
 
 class OutOfStep(Exception):
-    """The ranks of a multi-rank run disagree on how a cell ended (or a peer did not report): the rest of the run is skipped."""
+    """The ranks of a multi-rank run disagree on how a cell ended (or a peer did not report): the rest of the run is
+    skipped."""
 
 
 def _may_break(err: BaseException) -> bool:
-    """Whether ``err`` may leave a collective half-done: a failed collective or a broken device (not a refusal, not a receiver's unpickling)."""
+    """Whether ``err`` may leave a collective half-done: a failed collective or a broken device (not a refusal, not a
+    receiver's unpickling)."""
     return isinstance(err, RuntimeError) and not isinstance(err, ObjectRefusedError)
 
 
@@ -76,7 +78,9 @@ class Recorder:
         lockstep: For multi-rank runs, how ranks agree after each cell (see :class:`Lockstep`).
     """
 
-    def __init__(self, path: str | None = None, rank: int = 0, deadline: float | None = None, lockstep: Lockstep | None = None) -> None:
+    def __init__(
+        self, path: str | None = None, rank: int = 0, deadline: float | None = None, lockstep: Lockstep | None = None
+    ) -> None:
         self.path = path
         self.rank = rank
         self.deadline = deadline
@@ -134,7 +138,8 @@ class Recorder:
 
 
 class Lockstep:
-    """After each cell, every rank posts how it ended (nothing raised, or the exception type) through a store, and reads the others'.
+    """After each cell, every rank posts how it ended (nothing raised, or the exception type) through a store, and reads
+    the others'.
 
     A cell that raised the same way on every rank (a refusal every rank makes,
     or that debug mode told every rank) leaves the ranks in step, and so does
@@ -170,11 +175,15 @@ class Lockstep:
         try:
             self.store.wait(keys, timedelta(seconds=self.timeout))
         except Exception as err:
-            raise OutOfStep(f"a peer did not report cell {name!r} within {self.timeout:g} s ({type(err).__name__}); the rest of the run is skipped") from err
+            raise OutOfStep(
+                f"a peer did not report cell {name!r} within {self.timeout:g} s ({type(err).__name__}); the rest of "
+                "the run is skipped"
+            ) from err
         outcomes = [self.store.get(k).decode() for k in keys]
         if len(set(outcomes)) > 1 and any(o.startswith("!") for o in outcomes):
             raise OutOfStep(
-                f"cell {name!r} ended differently on the ranks ({outcomes}; '-': nothing raised, '!': a failed collective or device error): "
+                f"cell {name!r} ended differently on the ranks ({outcomes}; '-': nothing raised, '!': a failed "
+                "collective or device error): "
                 "the groups may be out of step, the rest is skipped"
             )
 

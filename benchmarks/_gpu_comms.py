@@ -49,7 +49,10 @@ class CudaGlooCommunicator(GlooCommunicator):
     @override
     def check_device(self, tensor: torch.Tensor, name: str) -> None:
         if tensor.device.type != self.device.type:
-            raise ValueError(f"{name} is on {tensor.device}; {type(self).__name__} (mode {self._mode!r}) expects a {self.device.type} tensor")
+            raise ValueError(
+                f"{name} is on {tensor.device}; {type(self).__name__} (mode {self._mode!r}) expects a "
+                f"{self.device.type} tensor"
+            )
 
     @override
     def _unreducible_dtypes(self) -> frozenset[torch.dtype]:

@@ -108,7 +108,15 @@ class Launch:
     """
 
     def __init__(
-        self, name: str, spec: dict[str, Any], size: int, out: Path, timeout: float, env: Any = None, grace_s: float = 10.0, dies: tuple[int, ...] = ()
+        self,
+        name: str,
+        spec: dict[str, Any],
+        size: int,
+        out: Path,
+        timeout: float,
+        env: Any = None,
+        grace_s: float = 10.0,
+        dies: tuple[int, ...] = (),
     ) -> None:
         self.name = name
         self.spec = dict(spec)
@@ -126,13 +134,24 @@ class Launch:
         (self.dir / "store").mkdir(exist_ok=True)
         self.started = time.time()
         kill_at = self.started + self.timeout
-        spec = {**self.spec, "nproc": self.size, "store": str(self.dir / "store"), "cells": str(self.dir / "rank{rank}.jsonl"), "kill_at": kill_at}
+        spec = {
+            **self.spec,
+            "nproc": self.size,
+            "store": str(self.dir / "store"),
+            "cells": str(self.dir / "rank{rank}.jsonl"),
+            "kill_at": kill_at,
+        }
         for rank in range(self.size):
             log = open(self.dir / f"rank{rank}.log", "wb")  # noqa: SIM115 - the child writes it; closed once the child is started
             env = child_env({"GPU_CHECK_RANK": str(rank), **self.env(rank)})
             self.procs.append(
                 subprocess.Popen(
-                    [sys.executable, RANK_PROGRAM, json.dumps(spec), str(rank)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                    [sys.executable, RANK_PROGRAM, json.dumps(spec), str(rank)],
+                    cwd=ROOT,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
                 )
             )
             log.close()
@@ -140,7 +159,8 @@ class Launch:
         return self
 
     def wait(self) -> dict[str, Any]:
-        """Wait for every rank (killing what is left at the deadline, or ``grace_s`` after a rank failed); the run's report."""
+        """Wait for every rank (killing what is left at the deadline, or ``grace_s`` after a rank failed); the run's
+        report."""
         ended: dict[int, float] = {}
         deadline = self.started + self.timeout
         killed: set[int] = set()
@@ -173,7 +193,9 @@ class Launch:
                 {
                     "rank": rank,
                     "exit": code,
-                    "signal": signal.Signals(-code).name if code is not None and code < 0 and -code in signal.Signals._value2member_map_ else None,
+                    "signal": signal.Signals(-code).name
+                    if code is not None and code < 0 and -code in signal.Signals._value2member_map_
+                    else None,
                     "killed_at_deadline": rank in killed,
                     "ended_s": round(ended[rank] - self.started, 2),
                     "ended_at": ended[rank],
@@ -193,20 +215,28 @@ class Launch:
             "seconds": round(max(ended.values(), default=self.started) - self.started, 2),
             "timeout_s": round(self.timeout, 1),
             "counts": counts(cells),
-            "failing": [f"rank {c['rank']}: {c['cell']}: {c['status']}: {c['detail'][:300]}" for c in cells if c["status"] in FAILING][:40],
+            "failing": [
+                f"rank {c['rank']}: {c['cell']}: {c['status']}: {c['detail'][:300]}"
+                for c in cells
+                if c["status"] in FAILING
+            ][:40],
             "ranks": ranks,
             "notes": notes,
             "cells": cells,
         }
 
 
-def run_command(name: str, argv: list[str], out: Path, timeout: float, env: dict[str, str] | None = None) -> dict[str, Any]:
+def run_command(
+    name: str, argv: list[str], out: Path, timeout: float, env: dict[str, str] | None = None
+) -> dict[str, Any]:
     """Run a command in its own session with its output in ``out/name.log``; kill its process group at ``timeout``."""
     out.mkdir(parents=True, exist_ok=True)
     log_path = out / f"{name}.log"
     started = time.time()
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(argv, cwd=ROOT, env=child_env(env), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            argv, cwd=ROOT, env=child_env(env), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         LIVE.add(proc)
         try:
             proc.wait(timeout=timeout)

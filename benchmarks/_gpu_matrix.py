@@ -38,7 +38,8 @@ def _verdict(checks: list[Check]) -> tuple[str, str] | None:
 
 
 def _counted(mode: str, op: str) -> tuple[str, str] | None:
-    """Whether stats counted ``op``: an async call's completion may be seen a moment after ``wait()`` (a watcher thread polls works without a future)."""
+    """Whether stats counted ``op``: an async call's completion may be seen a moment after ``wait()`` (a watcher thread
+    polls works without a future)."""
     for _ in range(40):
         entry = CommContext().stats().get(mode, {}).get(op) or {}
         if entry.get("count", 0) >= 1:
@@ -91,7 +92,10 @@ def run_matrix(
     ops = list(ops or OPS)
     if any(op.startswith("sp.") for op in ops) and SP_MODE not in ctx.bound_modes():
         ranks, backend = list(ctx.get_communicator(mode).ranks), ctx.get_group_config(mode).backend
-        rec.run(f"{prefix}init_group({ranks}, {SP_MODE})", functools.partial(ctx.init_group, ranks, SP_MODE, backend=backend))
+        rec.run(
+            f"{prefix}init_group({ranks}, {SP_MODE})",
+            functools.partial(ctx.init_group, ranks, SP_MODE, backend=backend),
+        )
     for op in ops:
         fn, typed, has_async, counted = OPS[op]
         for dtype_name in (dtypes or DTYPES) if typed else ("-",):
@@ -101,8 +105,14 @@ def run_matrix(
                         Case, mode, device, DTYPES.get(dtype_name, torch.float32), root, call
                     )  # built inside the cell: its errors are the cell's
                     fields = {"op": op, "dtype": dtype_name, "call": call, "mode": in_mode}
-                    rec.run(f"{prefix}{op}|{dtype_name}|{call}|{in_mode}", functools.partial(_cell, case, fn, in_mode, counted), **fields)
+                    rec.run(
+                        f"{prefix}{op}|{dtype_name}|{call}|{in_mode}",
+                        functools.partial(_cell, case, fn, in_mode, counted),
+                        **fields,
+                    )
 
 
-def _cell(case: Callable[[], Case], fn: Callable[[Case], list[Check]], in_mode: str, counted: str | None) -> tuple[str, str] | None:
+def _cell(
+    case: Callable[[], Case], fn: Callable[[Case], list[Check]], in_mode: str, counted: str | None
+) -> tuple[str, str] | None:
     return run_cell(case(), fn, in_mode, counted)

@@ -130,14 +130,22 @@ def _barrier(c: Case) -> list[Check]:
 
 def _all_reduce_dict(c: Case) -> list[Check]:
     got = collective.all_reduce_dict({"count": c.glob + 1, "t": c.put(c.value(c.glob, 5))}, c.mode, dtype=c.dtype)
-    count = True if c.dtype is torch.bool else sum(j + 1 for j in c.ranks)  # the numbers are reduced in the dtype asked for
-    return [("t", got["t"], combine([c.value(j, 5) for j in c.ranks])), ("count", got["count"] == count, f"count: got {got['count']!r}, want {count}")]
+    count = (
+        True if c.dtype is torch.bool else sum(j + 1 for j in c.ranks)
+    )  # the numbers are reduced in the dtype asked for
+    return [
+        ("t", got["t"], combine([c.value(j, 5) for j in c.ranks])),
+        ("count", got["count"] == count, f"count: got {got['count']!r}, want {count}"),
+    ]
 
 
 def _object_checks(label: str, got: Any, source: int, c: Case) -> list[Check]:
     if not (isinstance(got, dict) and got.get("from") == source and isinstance(got.get("t"), torch.Tensor)):
         return [(label, False, f"{label}: got {got!r}")]
-    return [(label, got["t"], c.value(source, 3)), (f"{label} device", got["t"].device == c.device, f"{label}: tensor on {got['t'].device}")]
+    return [
+        (label, got["t"], c.value(source, 3)),
+        (f"{label} device", got["t"].device == c.device, f"{label}: tensor on {got['t'].device}"),
+    ]
 
 
 def _broadcast_object_list(c: Case) -> list[Check]:
@@ -168,7 +176,8 @@ NCCL no other NCCL group before ``wait()``; with broadcasts, not this mode)."""
 
 
 def _between(c: Case) -> None:
-    """A collective on a gloo group while an async transfer is in flight (the group made on first use, by every rank)."""
+    """A collective on a gloo group while an async transfer is in flight (the group made on first use, by every
+    rank)."""
     ctx = CommContext()
     if BETWEEN not in ctx.bound_modes():
         ctx.init_group(list(range(dist.get_world_size())), BETWEEN, use_cpu=True)
@@ -188,7 +197,8 @@ def _broadcast_state_dict(c: Case) -> list[Check]:
 
 
 def _broadcast_state_dict_load(c: Case) -> list[Check]:
-    """Destinations pass a ``load`` callable (vLLM's ``load_weights`` shape): every name once, contiguous, on the communicator's device."""
+    """Destinations pass a ``load`` callable (vLLM's ``load_weights`` shape): every name once, contiguous, on the
+    communicator's device."""
     want = {name: t.detach().cpu().clone() for name, t in _state(c, c.root).items()}
     got: dict[str, torch.Tensor] = {}
     seen: list[str] = []
@@ -201,7 +211,9 @@ def _broadcast_state_dict_load(c: Case) -> list[Check]:
             got[name] = t.detach().cpu().clone()  # the tensors are views of a buffer, valid during the call only
 
     source = c.glob == c.root
-    handle = broadcast_state_dict(_state(c, c.root) if source else load, c.mode, src=c.root, bucket_bytes=4096, async_op=c.async_)
+    handle = broadcast_state_dict(
+        _state(c, c.root) if source else load, c.mode, src=c.root, bucket_bytes=4096, async_op=c.async_
+    )
     if c.async_:
         _between(c)
     c.done(handle)
@@ -216,7 +228,9 @@ def _broadcast_state_dict_load(c: Case) -> list[Check]:
 
 
 def _sp_full(c: Case) -> torch.Tensor:
-    return c.value(7, 2 * 3 * c.n * 2 * c.n * 2).reshape(2, 3 * c.n, 2 * c.n, 2)  # [batch, seq, heads, head_dim], the same on every rank
+    return c.value(7, 2 * 3 * c.n * 2 * c.n * 2).reshape(
+        2, 3 * c.n, 2 * c.n, 2
+    )  # [batch, seq, heads, head_dim], the same on every rank
 
 
 def _local(c: Case, full: torch.Tensor) -> torch.Tensor:
@@ -228,7 +242,8 @@ def _differentiable(c: Case, x: torch.Tensor) -> torch.Tensor:
 
 
 def _sp(name: str) -> Callable[[Case], list[Check]]:
-    """A sequence-parallel op on the SEQUENCE_PARALLEL group (forward against the oracle; backward where differentiable)."""
+    """A sequence-parallel op on the SEQUENCE_PARALLEL group (forward against the oracle; backward where
+    differentiable)."""
 
     def run(c: Case) -> list[Check]:
         full = _sp_full(c)
@@ -239,11 +254,18 @@ def _sp(name: str) -> Callable[[Case], list[Check]]:
             x, want = full, _local(c, full)
             fn = lambda t: sp.scatter_to_sequence_parallel_region(t, False)
         elif name == "reduce_scatter_to_sequence_parallel_region":
-            x, want = c.value(c.glob, full.numel()).reshape(full.shape), _local(c, combine([c.value(j, full.numel()).reshape(full.shape) for j in c.ranks]))
+            x, want = (
+                c.value(c.glob, full.numel()).reshape(full.shape),
+                _local(c, combine([c.value(j, full.numel()).reshape(full.shape) for j in c.ranks])),
+            )
             fn = sp.reduce_scatter_to_sequence_parallel_region
         else:
             x, want = _local(c, full), full
-            fn = (lambda t: sp.gather_from_sequence_parallel_region(t, False)) if name.startswith("gather") else sp.all_gather_from_sequence_parallel_region
+            fn = (
+                (lambda t: sp.gather_from_sequence_parallel_region(t, False))
+                if name.startswith("gather")
+                else sp.all_gather_from_sequence_parallel_region
+            )
         x = _differentiable(c, c.put(x))
         y = fn(x)
         checks: list[Check] = [("forward", y, want)]
@@ -251,7 +273,11 @@ def _sp(name: str) -> Callable[[Case], list[Check]]:
             y.backward(torch.ones_like(y))
             grad = x.grad
             checks.append(
-                ("grad", grad is not None and grad.shape == x.shape and grad.device == x.device, f"grad: {None if grad is None else (grad.shape, grad.device)}")
+                (
+                    "grad",
+                    grad is not None and grad.shape == x.shape and grad.device == x.device,
+                    f"grad: {None if grad is None else (grad.shape, grad.device)}",
+                )
             )
             if name == "all_to_all":  # the inverse all-to-all of ones is ones
                 checks.append(("grad values", grad, torch.ones(x.shape, dtype=c.dtype)))
@@ -264,12 +290,20 @@ def _ulysses(c: Case) -> list[Check]:
     if c.dtype not in GRAD_DTYPES:
         raise NotApplicable(f"attention needs a floating dtype it computes in; got {c.dtype}")
     full = c.put(_sp_full(c)) / 4
-    want = _local(c, sp.sdpa_bshd(full, full, full).cpu())  # single-process attention on the whole sequence, same device and dtype
+    want = _local(
+        c, sp.sdpa_bshd(full, full, full).cpu()
+    )  # single-process attention on the whole sequence, same device and dtype
     local = _local(c, full)
     got = sp.ulysses_attention(local, local, local).detach().cpu()
     tol = 1e-5 if c.dtype is torch.float32 else 2e-2
     close = got.shape == want.shape and torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
-    return [("attention", close, f"max |diff| {float((got.float() - want.float()).abs().max()) if got.shape == want.shape else got.shape}")]
+    return [
+        (
+            "attention",
+            close,
+            f"max |diff| {float((got.float() - want.float()).abs().max()) if got.shape == want.shape else got.shape}",
+        )
+    ]
 
 
 # name -> (function, varies with dtype, takes async_op, the stats op it counts (None: not checked))

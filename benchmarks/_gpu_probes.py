@@ -1,4 +1,5 @@
-"""The GPU check's probes: what the process group returns, raw NCCL on one GPU, groups, a skipped call, connected modes."""
+"""The GPU check's probes: what the process group returns, raw NCCL on one GPU, groups, a skipped call, connected
+modes."""
 
 from __future__ import annotations
 
@@ -51,12 +52,18 @@ def pg_returns(rec: Recorder, device: torch.device) -> None:
         "reduce_scatter_single": lambda: pg.reduce_scatter_single(t(), t(4 * n), opts(dist.ReduceScatterOptions)),
         "all_to_all_single": lambda: pg.all_to_all_single(t(4 * n), t(4 * n), [], [], opts(dist.AllToAllOptions)),
         "reduce": lambda: pg.reduce([t()], opts(dist.ReduceOptions, rootRank=0, rootTensor=0)),
-        "gather": lambda: pg.gather([[t() for _ in range(n)]] if r == 0 else [], [t()], opts(dist.GatherOptions, rootRank=0)),
-        "scatter": lambda: pg.scatter([t()], [[t() for _ in range(n)]] if r == 0 else [], opts(dist.ScatterOptions, rootRank=0)),
+        "gather": lambda: pg.gather(
+            [[t() for _ in range(n)]] if r == 0 else [], [t()], opts(dist.GatherOptions, rootRank=0)
+        ),
+        "scatter": lambda: pg.scatter(
+            [t()], [[t() for _ in range(n)]] if r == 0 else [], opts(dist.ScatterOptions, rootRank=0)
+        ),
         "barrier": lambda: pg.barrier(barrier),
     }
     if n > 1 and r < 2:
-        calls["send" if r == 0 else "recv"] = (lambda: pg.send([t()], 1, 0)) if r == 0 else (lambda: pg.recv([t()], 0, 0))
+        calls["send" if r == 0 else "recv"] = (
+            (lambda: pg.send([t()], 1, 0)) if r == 0 else (lambda: pg.recv([t()], 0, 0))
+        )
     on_nccl = _is_nccl(pg)
     for name, call in calls.items():
 
@@ -68,33 +75,54 @@ def pg_returns(rec: Recorder, device: torch.device) -> None:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             if on_nccl and work is not None and name not in ("send", "recv"):
-                return "differs", f"returns {kind}; the README says ProcessGroupNCCL returns no work for a blocking call"
+                return (
+                    "differs",
+                    f"returns {kind}; the README says ProcessGroupNCCL returns no work for a blocking call",
+                )
             return ("ok" if on_nccl else "observed"), f"returns {kind}"
 
         rec.run(f"pg.{name}(asyncOp=False)", probe)
 
 
-def smoke(rec: Recorder, backend: str, device: torch.device, rank: int, size: int, store_dir: str, timeout: float = 20) -> None:
-    """Raw torch.distributed: initialise (bound to the device, eagerly), one all_reduce read back on the host, destroy."""
+def smoke(
+    rec: Recorder, backend: str, device: torch.device, rank: int, size: int, store_dir: str, timeout: float = 20
+) -> None:
+    """Raw torch.distributed: initialise (bound to the device, eagerly), one all_reduce read back on the host,
+    destroy."""
 
     def init() -> None:
         device_id = device if device.type == "cuda" else None
         url = f"file://{store_dir}/smoke-store"
-        dist.init_process_group(backend, init_method=url, rank=rank, world_size=size, timeout=timedelta(seconds=timeout), device_id=device_id)
+        dist.init_process_group(
+            backend,
+            init_method=url,
+            rank=rank,
+            world_size=size,
+            timeout=timedelta(seconds=timeout),
+            device_id=device_id,
+        )
 
     def all_reduce() -> tuple[str, str] | None:
         t = torch.full((1024,), float(rank + 1), device=device)
         dist.all_reduce(t)
         got, want = t.cpu(), float(size * (size + 1) // 2)
-        return None if torch.equal(got, torch.full((1024,), want)) else ("wrong", f"got {got[:4].tolist()}, want {want}")
+        return (
+            None if torch.equal(got, torch.full((1024,), want)) else ("wrong", f"got {got[:4].tolist()}, want {want}")
+        )
 
-    rec.run("init_process_group", init, backend=backend, env={k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "TORCH_NCCL"))})
+    rec.run(
+        "init_process_group",
+        init,
+        backend=backend,
+        env={k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "TORCH_NCCL"))},
+    )
     rec.run("all_reduce", all_reduce)
     rec.run("destroy_process_group", dist.destroy_process_group)
 
 
 def sp_gradients(rec: Recorder, device: torch.device) -> None:
-    """The suite's own gradient check of every sequence-parallel op, every gradient layout (single-process autograd as oracle)."""
+    """The suite's own gradient check of every sequence-parallel op, every gradient layout (single-process autograd as
+    oracle)."""
 
     def run() -> tuple[str, str] | None:
         if TESTS not in sys.path:
@@ -105,13 +133,18 @@ def sp_gradients(rec: Recorder, device: torch.device) -> None:
         ctx = CommContext()
         errors = run_checks(ctx.get_world_size(matrix.SP_MODE), ctx.get_local_rank(matrix.SP_MODE), device)
         bad = {k: v for k, v in errors.items() if not v <= TOL}
-        return ("wrong", f"{len(bad)} of {len(errors)} above {TOL}: {dict(list(bad.items())[:8])}") if bad else ("ok", f"{len(errors)} checks within {TOL}")
+        return (
+            ("wrong", f"{len(bad)} of {len(errors)} above {TOL}: {dict(list(bad.items())[:8])}")
+            if bad
+            else ("ok", f"{len(errors)} checks within {TOL}")
+        )
 
     rec.run("sp.gradients (tests' run_checks)", run)
 
 
 def groups(rec: Recorder, device: torch.device) -> None:
-    """Groups the world makes: declared in reverse order, a gloo group with a non-member, a world-backend group with one."""
+    """Groups the world makes: declared in reverse order, a gloo group with a non-member, a world-backend group with
+    one."""
     ctx = CommContext()
     n, me = dist.get_world_size(), dist.get_rank()
     if n < 2:
@@ -152,7 +185,9 @@ def groups(rec: Recorder, device: torch.device) -> None:
     rec.run("init_group([0], use_cpu=True)", lambda: ctx.init_group([0], "HOST", use_cpu=True))
     rec.run("HOST all_reduce (rank 1.. non-members)", lambda: member_only("HOST", [0], torch.ones(2)))
     rec.run(f"init_group([{n - 1}]) on the world's backend", lambda: ctx.init_group([n - 1], "SOLO"))
-    rec.run("SOLO all_reduce (rank 0.. non-members)", lambda: member_only("SOLO", [n - 1], torch.ones(2, device=device)))
+    rec.run(
+        "SOLO all_reduce (rank 0.. non-members)", lambda: member_only("SOLO", [n - 1], torch.ones(2, device=device))
+    )
 
 
 def refusal_travels(rec: Recorder, mode: str, device: torch.device) -> None:
@@ -186,7 +221,8 @@ def refusal_travels(rec: Recorder, mode: str, device: torch.device) -> None:
 
 
 def skip_call(rec: Recorder, device: torch.device, store_dir: str, timeout: float, hold_s: float) -> None:
-    """Rank 0 calls an all_reduce that rank 1 skips, on a group of 2 with a ``timeout`` of its own: what the caller gets, and after how long.
+    """Rank 0 calls an all_reduce that rank 1 skips, on a group of 2 with a ``timeout`` of its own: what the caller
+    gets, and after how long.
 
     Rank 1 holds on (alive, not calling) for up to ``hold_s`` seconds. A
     death of rank 0 is what the parent sees (its exit and when).
@@ -196,7 +232,12 @@ def skip_call(rec: Recorder, device: torch.device, store_dir: str, timeout: floa
     comm = ctx.get_communicator("PROBE")
     done = os.path.join(store_dir, "skip-probe-done")
     warm = torch.ones(4, device=device)
-    rec.run("warm-up all_reduce", lambda: collective.all_reduce(warm, "PROBE") or (None if warm.cpu().tolist() == [2.0] * 4 else ("wrong", str(warm))))
+    rec.run(
+        "warm-up all_reduce",
+        lambda: (
+            collective.all_reduce(warm, "PROBE") or (None if warm.cpu().tolist() == [2.0] * 4 else ("wrong", str(warm)))
+        ),
+    )
     rec.lockstep = None  # the ranks part ways on purpose from here
     if comm.rank != 0:
         rec.note(probe="skipping the call", hold_s=hold_s)
@@ -222,21 +263,31 @@ def skip_call(rec: Recorder, device: torch.device, store_dir: str, timeout: floa
     rec.run("blocking all_reduce a peer skips", blocking, min_s=0)
     if "returned" in outcome:
         rec.note(probe="host read", t=time.time())
-        rec.run("host read of its result (.cpu())", lambda: ("observed", f"returned {t.cpu().tolist()} after {time.time() - started:.1f} s"), min_s=0)
+        rec.run(
+            "host read of its result (.cpu())",
+            lambda: ("observed", f"returned {t.cpu().tolist()} after {time.time() - started:.1f} s"),
+            min_s=0,
+        )
     if bounded:
         ok = outcome.get("raised") == "CommTimeoutError" and 0.5 * timeout <= time.time() - started <= 4 * timeout + 10
-        verdict = ("ok" if ok else "differs", f"README: CommTimeoutError after the group's timeout ({timeout:g} s), the process lives; got {outcome}")
+        verdict = (
+            "ok" if ok else "differs",
+            f"README: CommTimeoutError after the group's timeout ({timeout:g} s), the process lives; got {outcome}",
+        )
     else:
         verdict = (
             "differs",
-            f"README: the process is ended by the watchdog after the timeout; it is still running after {time.time() - started:.1f} s: {outcome}",
+            "README: the process is ended by the watchdog after the timeout; it is still running after "
+            f"{time.time() - started:.1f} s: {outcome}",
         )
     rec.run("against the README's failure table", lambda: verdict, min_s=0)
     rec.run("destroy() after the failure", lambda: ctx.destroy(), min_s=0)
     Path(done).touch()
 
 
-def connect(rec: Recorder, backend: str, device: torch.device, rank: int, size: int, store_dir: str, timeout: float) -> None:
+def connect(
+    rec: Recorder, backend: str, device: torch.device, rank: int, size: int, store_dir: str, timeout: float
+) -> None:
     """A mode connected across processes that are each in a world of their own; then one member is killed."""
     ctx = CommContext()
     if not hasattr(ctx, "connect"):
@@ -247,7 +298,9 @@ def connect(rec: Recorder, backend: str, device: torch.device, rank: int, size: 
     address_file, dying = os.path.join(store_dir, "connect-address"), os.path.join(store_dir, "connect-dying")
     rec.run(
         "own world",
-        lambda: ctx.init_distributed_env(world_size=1, rank=0, backend=backend, dist_url=f"file://{store_dir}/own-world-{rank}", timeout=timeout),
+        lambda: ctx.init_distributed_env(
+            world_size=1, rank=0, backend=backend, dist_url=f"file://{store_dir}/own-world-{rank}", timeout=timeout
+        ),
     )
 
     def join() -> None:
@@ -265,8 +318,17 @@ def connect(rec: Recorder, backend: str, device: torch.device, rank: int, size: 
         ctx.connect("CROSS", rank=rank, world_size=size, address=address, backend=backend, timeout=timeout)
 
     rec.run("connect", join)
-    ops = ["all_reduce", "broadcast", "all_gather", "broadcast_object_list", "broadcast_state_dict", "broadcast_state_dict[load]"]
-    matrix.run_matrix(rec, "CROSS", device, size - 1, ops=ops, dtypes=["float32", "bfloat16"], modes=["plain"], prefix="CROSS:")
+    ops = [
+        "all_reduce",
+        "broadcast",
+        "all_gather",
+        "broadcast_object_list",
+        "broadcast_state_dict",
+        "broadcast_state_dict[load]",
+    ]
+    matrix.run_matrix(
+        rec, "CROSS", device, size - 1, ops=ops, dtypes=["float32", "bfloat16"], modes=["plain"], prefix="CROSS:"
+    )
     if rec.stopped:
         return
     rec.lockstep = None  # one member dies on purpose from here
@@ -291,7 +353,10 @@ def connect(rec: Recorder, backend: str, device: torch.device, rank: int, size: 
         except PeerLostError as err:
             return "ok", f"PeerLostError {time.time() - died:.3f} s after the kill: {str(err)[:200]}"
         except Exception as err:  # noqa: BLE001 - the measurement
-            return "differs", f"{type(err).__name__} (not PeerLostError) {time.time() - died:.3f} s after the kill: {str(err)[:300]}"
+            return (
+                "differs",
+                f"{type(err).__name__} (not PeerLostError) {time.time() - died:.3f} s after the kill: {str(err)[:300]}",
+            )
         return "differs", f"no error {time.time() - died:.1f} s after the kill"
 
     rec.run("broadcast after a member is killed", after_kill, min_s=0)

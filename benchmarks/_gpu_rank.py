@@ -52,12 +52,16 @@ def bounded(rec: Recorder, spec: dict[str, Any], rank: int) -> None:
     """Step 1, ``bounded_wait=True``: the flag reached the communicator, then a few ops."""
     comm = CommContext().get_communicator()
     want = comm.backend == "nccl"
-    rec.run("bounded_wait is on", lambda: None if comm.bounded_wait == want else ("wrong", f"bounded_wait={comm.bounded_wait} on {comm.backend}"))
+    rec.run(
+        "bounded_wait is on",
+        lambda: None if comm.bounded_wait == want else ("wrong", f"bounded_wait={comm.bounded_wait} on {comm.backend}"),
+    )
     matrix.run_matrix(rec, "GLOBAL", _device(spec), spec.get("root", 0), **_matrix(spec))
 
 
 def pairs(rec: Recorder, spec: dict[str, Any], rank: int) -> None:
-    """Step 3: several ranks of the world's backend: returns, the matrix with the last rank as root, gradients, refusals, groups."""
+    """Step 3: several ranks of the world's backend: returns, the matrix with the last rank as root, gradients,
+    refusals, groups."""
     device = _device(spec)
     probes.pg_returns(rec, device)
     matrix.run_matrix(rec, "GLOBAL", device, dist.get_world_size() - 1, **_matrix(spec))
@@ -71,7 +75,9 @@ def branches(rec: Recorder, spec: dict[str, Any], rank: int) -> None:
     device = _device(spec)
     comms.set_cuda_gloo_device(device)
     n = dist.get_world_size()
-    rec.run("init_group(CUDA_GLOO)", lambda: CommContext().init_group(list(range(n)), "CUDA_GLOO", backend=comms.CUDA_GLOO))
+    rec.run(
+        "init_group(CUDA_GLOO)", lambda: CommContext().init_group(list(range(n)), "CUDA_GLOO", backend=comms.CUDA_GLOO)
+    )
     matrix.run_matrix(rec, "CUDA_GLOO", device, n - 1, **_matrix(spec))
     probes.refusal_travels(rec, "CUDA_GLOO", device)
 
@@ -105,7 +111,13 @@ RUNS: dict[str, tuple[Callable[[Recorder, dict[str, Any], int], None], bool]] = 
 def environment(device: torch.device) -> dict[str, Any]:
     """What this rank runs on (recorded once per rank)."""
     info: dict[str, Any] = {"torch": torch.__version__, "pid": os.getpid(), "cuda_available": torch.cuda.is_available()}
-    info.update({k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "TORCH_NCCL", "CUDA_VISIBLE", "LOCAL_", "GLOO_"))})
+    info.update(
+        {
+            k: v
+            for k, v in os.environ.items()
+            if k.startswith(("NCCL_", "TORCH_NCCL", "CUDA_VISIBLE", "LOCAL_", "GLOO_"))
+        }
+    )
     if device.type == "cuda":
         info["device_name"] = torch.cuda.get_device_name(device)
         info["device_count"] = torch.cuda.device_count()
@@ -121,8 +133,14 @@ def main(spec: dict[str, Any], rank: int) -> None:
     faulthandler.enable()  # a crash in C++ still prints the Python stack
     faulthandler.dump_traceback_later(max(1.0, kill_at - time.time() - 2), exit=False)
     size = spec["nproc"]
-    lockstep = Lockstep(dist.FileStore(os.path.join(spec["store"], "lockstep"), size), rank, size, spec.get("lockstep_s", 60)) if size > 1 else None
-    rec = Recorder(spec["cells"].format(rank=rank), rank, deadline=kill_at - spec.get("reserve_s", 5), lockstep=lockstep)
+    lockstep = (
+        Lockstep(dist.FileStore(os.path.join(spec["store"], "lockstep"), size), rank, size, spec.get("lockstep_s", 60))
+        if size > 1
+        else None
+    )
+    rec = Recorder(
+        spec["cells"].format(rank=rank), rank, deadline=kill_at - spec.get("reserve_s", 5), lockstep=lockstep
+    )
     device = _device(spec)
     rec.note(environment=environment(device))
     run, owns_world = RUNS[spec["run"]]
@@ -132,7 +150,13 @@ def main(spec: dict[str, Any], rank: int) -> None:
         url = f"file://{spec['store']}/world"
         bounded = spec.get("bounded", False)
         init = functools.partial(
-            ctx.init_distributed_env, world_size=size, rank=rank, backend=backend, dist_url=url, timeout=spec["timeout"], bounded_wait=bounded
+            ctx.init_distributed_env,
+            world_size=size,
+            rank=rank,
+            backend=backend,
+            dist_url=url,
+            timeout=spec["timeout"],
+            bounded_wait=bounded,
         )
         if rec.run("init_distributed_env", init, backend=backend)["status"] != "ok":
             return

@@ -1,4 +1,5 @@
-"""The GPU check's steps: what each one launches, with what time, and how its runs make its verdict (see ``gpu_check.py``)."""
+"""The GPU check's steps: what each one launches, with what time, and how its runs make its verdict (see
+``gpu_check.py``)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,28 @@ NEEDS = {
     "cuda_branches": "CUDA torch, one GPU (gloo moves CUDA tensors)",
     "bench": "CUDA torch with NCCL, one GPU",
 }
-BOUNDED_OPS = ["all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all_single", "gather", "scatter", "reduce"]
-BOUNDED_OPS += ["barrier", "all_reduce_dict", "broadcast_object_list", "broadcast_state_dict", "broadcast_state_dict[load]"]
-QUICK = {"ops": ["all_reduce", "broadcast", "all_gather_object"], "dtypes": ["float32", "int64"], "modes": ["plain", "debug"]}
+BOUNDED_OPS = [
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+    "reduce",
+]
+BOUNDED_OPS += [
+    "barrier",
+    "all_reduce_dict",
+    "broadcast_object_list",
+    "broadcast_state_dict",
+    "broadcast_state_dict[load]",
+]
+QUICK = {
+    "ops": ["all_reduce", "broadcast", "all_gather_object"],
+    "dtypes": ["float32", "int64"],
+    "modes": ["plain", "debug"],
+}
 """Step 1's matrix under ``--quick`` (the check's own test)."""
 _REPORT_RESERVE_S = 5.0
 
@@ -48,27 +68,48 @@ class Plan:
         return None if left < min_s else min(want_s, left)
 
     def env(self, size: int, nccl_ranks: bool = False) -> Any:
-        """Each rank's environment: its GPU (all on one), ``LOCAL_RANK``, loopback sockets; for NCCL ranks on one GPU a host id each."""
+        """Each rank's environment: its GPU (all on one), ``LOCAL_RANK``, loopback sockets; for NCCL ranks on one GPU a
+        host id each."""
         from rlightning_comm.rendezvous import loopback_interface
 
         lo = loopback_interface() or "lo"
 
         def env(rank: int) -> dict[str, str]:
-            e = {"LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(size), "GLOO_SOCKET_IFNAME": lo, "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN")}
+            e = {
+                "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(size),
+                "GLOO_SOCKET_IFNAME": lo,
+                "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "WARN"),
+            }
             if self.cuda:
                 e["CUDA_VISIBLE_DEVICES"] = self.gpu
             if nccl_ranks and self.cuda:
-                e.update(NCCL_HOSTID=f"rlc-gpu-check-host-{rank}", NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1", NCCL_IB_DISABLE="1", NCCL_SOCKET_IFNAME=lo)
+                e.update(
+                    NCCL_HOSTID=f"rlc-gpu-check-host-{rank}",
+                    NCCL_P2P_DISABLE="1",
+                    NCCL_SHM_DISABLE="1",
+                    NCCL_IB_DISABLE="1",
+                    NCCL_SOCKET_IFNAME=lo,
+                )
             return e
 
         return env
 
-    def launch(self, name: str, run: str, size: int, want_s: float, min_s: float, dies: tuple[int, ...] = (), **spec: Any) -> Launch | dict[str, Any]:
+    def launch(
+        self, name: str, run: str, size: int, want_s: float, min_s: float, dies: tuple[int, ...] = (), **spec: Any
+    ) -> Launch | dict[str, Any]:
         """A started run of the rank program, or the SKIP record of one that no longer fits."""
         granted = self.grant(want_s, min_s)
         if granted is None:
             return {"run": name, "status": "skipped", "reason": "no time left"}
-        spec = {"run": run, "backend": self.backend, "device": self.device, "timeout": 60, "inject_wrong": self.args.inject_wrong, **spec}
+        spec = {
+            "run": run,
+            "backend": self.backend,
+            "device": self.device,
+            "timeout": 60,
+            "inject_wrong": self.args.inject_wrong,
+            **spec,
+        }
         env = self.env(size, nccl_ranks=size > 1 and spec["backend"] == "nccl")
         return Launch(name, spec, size, self.out, granted, env, dies=dies).start()
 
@@ -89,7 +130,11 @@ def _verdict(runs: dict[str, dict[str, Any]], note: str = "") -> dict[str, Any]:
 
 
 def _self_test_note(plan: Plan) -> str:
-    return "" if plan.cuda else "no CUDA: the NCCL and CUDA cells did not run; this ran the step's machinery on gloo with CPU tensors as a self-test"
+    return (
+        ""
+        if plan.cuda
+        else "no CUDA: the NCCL and CUDA cells did not run; this ran the step's machinery on gloo with CPU tensors as a self-test"
+    )
 
 
 def step_nccl_world1(plan: Plan) -> dict[str, Any]:
@@ -130,10 +175,24 @@ def step_cuda_tests(plan: Plan) -> dict[str, Any]:
     out = plan.out / "cuda_tests"
     out.mkdir(parents=True, exist_ok=True)
     xml, selected = out / "junit.xml", out / "selected.txt"
-    argv = [sys.executable, "-m", "pytest", "tests", "-p", "_gpu_pytest_plugin", "-p", "no:cacheprovider", "-v", "-rA", f"--junitxml={xml}"]
+    argv = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "tests",
+        "-p",
+        "_gpu_pytest_plugin",
+        "-p",
+        "no:cacheprovider",
+        "-v",
+        "-rA",
+        f"--junitxml={xml}",
+    ]
     if importlib.util.find_spec("xdist") is not None:
         argv += ["-n", "3"]  # a worker that NCCL's watchdog ends is replaced; the other tests still run
-    result = run_command("pytest", argv, out, granted, {"GPU_CHECK_SELECTED": str(selected), "CUDA_VISIBLE_DEVICES": plan.gpu})
+    result = run_command(
+        "pytest", argv, out, granted, {"GPU_CHECK_SELECTED": str(selected), "CUDA_VISIBLE_DEVICES": plan.gpu}
+    )
     tests = _junit(xml)
     ids = selected.read_text().split() if selected.exists() else []
     outcomes = [t["outcome"] for t in tests.values()]
@@ -143,13 +202,16 @@ def step_cuda_tests(plan: Plan) -> dict[str, Any]:
 
 
 def _death(run: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """Default-mode probe: how rank 0's process ended, seconds after its call, against the README (the watchdog ends it)."""
+    """Default-mode probe: how rank 0's process ended, seconds after its call, against the README (the watchdog ends
+    it)."""
     calls = [n["t0"] for n in run.get("notes", []) if n.get("rank") == 0 and n.get("probe") == "call"]
     rank0 = next((r for r in run.get("ranks", []) if r["rank"] == 0), None)
     if not calls or rank0 is None:
         return {"cell": "process ended", "rank": 0, "status": "error", "detail": "the probe's call was not reached"}
     after = rank0["ended_at"] - calls[0]
-    how = f"exit {rank0['exit']} ({rank0['signal'] or 'no signal'})" + (", killed by the check at its deadline" if rank0["killed_at_deadline"] else "")
+    how = f"exit {rank0['exit']} ({rank0['signal'] or 'no signal'})" + (
+        ", killed by the check at its deadline" if rank0["killed_at_deadline"] else ""
+    )
     ended = rank0["exit"] != 0 and not rank0["killed_at_deadline"]
     status = "ok" if ended and after >= 0.8 * timeout else "differs"
     return {
@@ -168,17 +230,22 @@ def step_nccl_ranks(plan: Plan) -> dict[str, Any]:
         why = smoke.get("reason") or "; ".join(smoke.get("failing", [])) or f"run {smoke['status']}"
         out = _verdict(runs, _self_test_note(plan))
         out.update(
-            status="SKIP" if smoke["status"] == "skipped" else "FAIL", reason=f"the 2-rank smoke test did not pass ({why}); the rest of the step was not run"
+            status="SKIP" if smoke["status"] == "skipped" else "FAIL",
+            reason=f"the 2-rank smoke test did not pass ({why}); the rest of the step was not run",
         )
         return out
     # The probes mostly wait out their timeouts: they run while the pairs and the connected mode do.
     probe = {"probe_timeout": plan.probe_s, "hold_s": plan.probe_s + 75 if plan.cuda else plan.probe_s + 8}
     want = plan.probe_s + (80 if plan.cuda else 40)
-    started = {"skip_bounded": plan.launch("skip_bounded", "skip_call", 2, want, plan.probe_s + 10, bounded=True, **probe)}
+    started = {
+        "skip_bounded": plan.launch("skip_bounded", "skip_call", 2, want, plan.probe_s + 10, bounded=True, **probe)
+    }
     if plan.cuda:  # gloo has no default/bounded difference: one probe is enough there
         started["skip_default"] = plan.launch("skip_default", "skip_call", 2, want, plan.probe_s + 10, **probe)
     runs["pairs"] = _finish(plan.launch("pairs", "pairs", 2, 150, 30, timeout=30))
-    runs["connect"] = _finish(plan.launch("connect", "connect", 2, 60, 25, dies=(1,), timeout=30))  # rank 1 is killed to see what rank 0 gets
+    runs["connect"] = _finish(
+        plan.launch("connect", "connect", 2, 60, 25, dies=(1,), timeout=30)
+    )  # rank 1 is killed to see what rank 0 gets
     for name, launch in started.items():
         runs[name] = _finish(launch)
     if "skip_default" in runs and runs["skip_default"]["status"] != "skipped":
@@ -186,16 +253,29 @@ def step_nccl_ranks(plan: Plan) -> dict[str, Any]:
         runs["skip_default"]["cells"].append(death)
         runs["skip_default"]["status"] = "ok"  # rank 0's death is the expected outcome; the cell judges it
         if death["status"] != "ok":
-            runs["skip_default"].setdefault("failing", []).append(f"rank 0: {death['cell']}: {death['status']}: {death['detail']}")
+            runs["skip_default"].setdefault("failing", []).append(
+                f"rank 0: {death['cell']}: {death['status']}: {death['detail']}"
+            )
     return _verdict(runs, _self_test_note(plan))
 
 
 def step_cuda_branches(plan: Plan) -> dict[str, Any]:
     everything_but_p2p = [op for op in OPS if op not in ("send", "recv")]
-    branches = plan.launch("branches", "branches", 4, 120, 30, backend="gloo", timeout=30, matrix={"ops": everything_but_p2p})
+    branches = plan.launch(
+        "branches", "branches", 4, 120, 30, backend="gloo", timeout=30, matrix={"ops": everything_but_p2p}
+    )
     # gloo's send and recv hand the tensor's address to its TCP transport, which reads host memory: a CUDA tensor may
     # crash the process, so they run apart, where a crash ends only this run.
-    p2p = plan.launch("gloo_p2p", "matrix", 2, 60, 20, backend="gloo", timeout=20, matrix={"ops": ["send", "recv"], "dtypes": ["float32"], "modes": ["plain"]})
+    p2p = plan.launch(
+        "gloo_p2p",
+        "matrix",
+        2,
+        60,
+        20,
+        backend="gloo",
+        timeout=20,
+        matrix={"ops": ["send", "recv"], "dtypes": ["float32"], "modes": ["plain"]},
+    )
     return _verdict({"branches": _finish(branches), "gloo_p2p": _finish(p2p)}, _self_test_note(plan))
 
 
@@ -203,9 +283,24 @@ def bench_commands(out: Path, gpu: str) -> dict[str, tuple[list[str], dict[str, 
     """The bench runs of the last step: argv after ``python -m rlightning_comm.bench``, and their environment."""
     common = ["--factor", "16", "--iters", "10", "--warmup", "3", "--timeout", "60"]
     return {
-        "nccl": (["--backend", "nccl", "--nproc", "1", "--sizes", "1K:64M", *common, "--json", str(out / "bench_nccl.json")], {"CUDA_VISIBLE_DEVICES": gpu}),
+        "nccl": (
+            ["--backend", "nccl", "--nproc", "1", "--sizes", "1K:64M", *common, "--json", str(out / "bench_nccl.json")],
+            {"CUDA_VISIBLE_DEVICES": gpu},
+        ),
         "gloo_cuda": (
-            ["--backend", "gloo", "--device", "cuda", "--nproc", "4", "--sizes", "1K:4M", *common, "--json", str(out / "bench_gloo_cuda.json")],
+            [
+                "--backend",
+                "gloo",
+                "--device",
+                "cuda",
+                "--nproc",
+                "4",
+                "--sizes",
+                "1K:4M",
+                *common,
+                "--json",
+                str(out / "bench_gloo_cuda.json"),
+            ],
             {"CUDA_VISIBLE_DEVICES": gpu},  # all 4 ranks on one GPU
         ),
     }
@@ -222,8 +317,13 @@ def step_bench(plan: Plan) -> dict[str, Any]:
         if granted is None:
             runs[name] = {"status": "skipped", "reason": "no time left"}
             continue
-        result = run_command(f"bench_{name}", [sys.executable, "-m", "rlightning_comm.bench", *argv], plan.out, granted, env)
-        runs[name] = {"status": "ok" if result["exit"] == 0 else ("timeout" if result["killed_at_deadline"] else "crashed"), **result}
+        result = run_command(
+            f"bench_{name}", [sys.executable, "-m", "rlightning_comm.bench", *argv], plan.out, granted, env
+        )
+        runs[name] = {
+            "status": "ok" if result["exit"] == 0 else ("timeout" if result["killed_at_deadline"] else "crashed"),
+            **result,
+        }
     return _verdict(runs)
 
 

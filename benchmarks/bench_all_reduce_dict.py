@@ -1,4 +1,5 @@
-"""``all_reduce_dict`` with 256 scalar keys against one all_reduce per key and against one raw all_reduce of 256 elements.
+"""``all_reduce_dict`` with 256 scalar keys against one all_reduce per key and against one raw all_reduce of 256
+elements.
 
 2 gloo ranks, interleaved rounds (the order of the three paths rotates); in each
 round each path runs ``calls`` times after a barrier. Paths:
@@ -68,7 +69,12 @@ def _task(rank: int, nproc: int, rounds: int) -> dict[str, float]:
         while time.thread_time() < end:
             pass
 
-    paths = {"dict": lambda: collective.all_reduce_dict(values, CommMode.GLOBAL), "per_key": per_key, "raw": lambda: dist.all_reduce(flat), "by_hand": by_hand}
+    paths = {
+        "dict": lambda: collective.all_reduce_dict(values, CommMode.GLOBAL),
+        "per_key": per_key,
+        "raw": lambda: dist.all_reduce(flat),
+        "by_hand": by_hand,
+    }
     if not paths["dict"]() == per_key() == by_hand():  # the same answer every way
         raise RuntimeError("all_reduce_dict disagrees with one all_reduce per key")
     # No network: the Python work alone. The communicator calls its process group directly, so a stand-in group

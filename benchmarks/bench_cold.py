@@ -1,4 +1,5 @@
-"""Cold per-call cost: every tensor collective through the library against raw torch.distributed, as a training loop calls them.
+"""Cold per-call cost: every tensor collective through the library against raw torch.distributed, as a training loop
+calls them.
 
 Between two collectives a training loop waits on the backend, so every call
 starts cold. Here each call runs alone right after a barrier (not timed), and
@@ -48,12 +49,27 @@ def _cases(op: str, nbytes: int, rank: int, n: int):
     comm = CommContext().get_communicator("GLOBAL")
     return {
         "all_reduce": (lambda: collective.all_reduce(chunk, "GLOBAL"), lambda: dist.all_reduce(chunk, group=group)),
-        "all_gather": (lambda: collective.all_gather(many, chunk, "GLOBAL"), lambda: all_gather_single(many, chunk, group=group)),
+        "all_gather": (
+            lambda: collective.all_gather(many, chunk, "GLOBAL"),
+            lambda: all_gather_single(many, chunk, group=group),
+        ),
         "broadcast": (lambda: collective.broadcast(chunk, "GLOBAL", 0), lambda: dist.broadcast(chunk, 0, group=group)),
-        "gather": (lambda: collective.gather(chunk, "GLOBAL", chunks, 0), lambda: dist.gather(chunk, chunks, 0, group=group)),
-        "scatter": (lambda: collective.scatter(chunk, "GLOBAL", chunks, 0), lambda: dist.scatter(chunk, chunks, 0, group=group)),
-        "reduce_scatter": (lambda: comm.reduce_scatter(chunk, many), lambda: reduce_scatter_single(chunk, many, group=group)),
-        "all_to_all_single": (lambda: comm.all_to_all_single(many, spread), lambda: dist.all_to_all_single(many, spread, group=group)),
+        "gather": (
+            lambda: collective.gather(chunk, "GLOBAL", chunks, 0),
+            lambda: dist.gather(chunk, chunks, 0, group=group),
+        ),
+        "scatter": (
+            lambda: collective.scatter(chunk, "GLOBAL", chunks, 0),
+            lambda: dist.scatter(chunk, chunks, 0, group=group),
+        ),
+        "reduce_scatter": (
+            lambda: comm.reduce_scatter(chunk, many),
+            lambda: reduce_scatter_single(chunk, many, group=group),
+        ),
+        "all_to_all_single": (
+            lambda: comm.all_to_all_single(many, spread),
+            lambda: dist.all_to_all_single(many, spread, group=group),
+        ),
         "barrier": (lambda: collective.barrier("GLOBAL"), lambda: dist.barrier(group=group)),
     }[op], group
 
@@ -67,7 +83,9 @@ def _task(
     for op in ops:
         for nbytes in sizes if op != "barrier" else sizes[:1]:
             (lib, raw), group = _cases(op, nbytes, rank, n)
-            sync = (lambda g=group: g.barrier().wait()) if sync_with == "pg" else (lambda g=group: dist.barrier(group=g))
+            sync = (
+                (lambda g=group: g.barrier().wait()) if sync_with == "pg" else (lambda g=group: dist.barrier(group=g))
+            )
             wall: dict[str, list[float]] = {"lib": [], "raw": []}
             cpu: dict[str, list[float]] = {"lib": [], "raw": []}
             for i in range(warmup + rounds):
@@ -90,18 +108,30 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--sizes", default="4,8192,1048576", help="bytes per rank's chunk (default 4 B, 8 KiB, 1 MiB)")
     p.add_argument("--ops", default=",".join(OPS))
-    p.add_argument("--sync", choices=("pg", "dist"), default="pg", help="barrier between calls: the process group's own (default) or torch.distributed's")
+    p.add_argument(
+        "--sync",
+        choices=("pg", "dist"),
+        default="pg",
+        help="barrier between calls: the process group's own (default) or torch.distributed's",
+    )
     args = p.parse_args()
     sizes = tuple(int(s) for s in args.sizes.split(","))
     ops = tuple(args.ops.split(","))
     load = os.getloadavg()
     print(f"# cold per-call cost, library / raw torch.distributed, gloo; {machine()}")
     barrier = "pg.barrier().wait()" if args.sync == "pg" else "torch.distributed.barrier"
-    print(f"# each call alone after a barrier ({barrier}), sides interleaved on the same buffers; medians of {args.rounds} calls; slowest rank's medians")
-    print(f"# load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
-    print("# wall: perf_counter around the call; cpu: the calling thread's CPU time in the call (what the load does not inflate)")
     print(
-        f"{'ranks':>5} {'op':<18} {'bytes':>8} {'library us':>11} {'raw us':>9} {'lib/raw':>8} {'lib-raw us':>11} {'cpu lib us':>11} {'cpu raw us':>11} {'cpu lib/raw':>11}"
+        f"# each call alone after a barrier ({barrier}), sides interleaved on the same buffers; medians of "
+        f"{args.rounds} calls; slowest rank's medians"
+    )
+    print(f"# load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    print(
+        "# wall: perf_counter around the call; cpu: the calling thread's CPU time in the call (what the load does not "
+        "inflate)"
+    )
+    print(
+        f"{'ranks':>5} {'op':<18} {'bytes':>8} {'library us':>11} {'raw us':>9} {'lib/raw':>8} {'lib-raw us':>11} "
+        f"{'cpu lib us':>11} {'cpu raw us':>11} {'cpu lib/raw':>11}"
     )
     for n in (int(r) for r in args.ranks.split(",")):
         res = run_ranks(_task, n, ops, sizes, args.rounds, args.warmup, args.sync)
@@ -109,7 +139,8 @@ def main() -> None:
             lib, raw, cpu_lib, cpu_raw = (max(r[key][j] for r in res) for j in range(4))
             op, nbytes = key
             print(
-                f"{n:>5} {op:<18} {nbytes if op != 'barrier' else '-':>8} {lib * 1e6:>11.1f} {raw * 1e6:>9.1f} {lib / raw:>8.3f} {(lib - raw) * 1e6:>11.1f} "
+                f"{n:>5} {op:<18} {nbytes if op != 'barrier' else '-':>8} {lib * 1e6:>11.1f} {raw * 1e6:>9.1f} "
+                f"{lib / raw:>8.3f} {(lib - raw) * 1e6:>11.1f} "
                 f"{cpu_lib * 1e6:>11.1f} {cpu_raw * 1e6:>11.1f} {cpu_lib / cpu_raw:>11.3f}",
                 flush=True,
             )

@@ -99,7 +99,8 @@ def sync(rounds: int, threads: int) -> None:
     print(f"{machine()}; 3 processes, each in its own gloo world, joined by a connected mode (1 trainer, 2 engines)")
     threads_text = threads or "torch's default"
     print(
-        f"{out['tensors']} tensors, {out['bytes'] / 2**20:.1f} MiB; {rounds} interleaved rounds; intra-op threads per rank: {threads_text}; load before: {load}"
+        f"{out['tensors']} tensors, {out['bytes'] / 2**20:.1f} MiB; {rounds} interleaved rounds; intra-op threads per "
+        f"rank: {threads_text}; load before: {load}"
     )
     print()
     print_speed_table(out["times"], out["identical"])
@@ -110,7 +111,8 @@ def sync(rounds: int, threads: int) -> None:
 
 # ---------------------------------------------------------------------------- loss
 def _loss_member(role: str, rank: int, address: str, pipe) -> None:
-    """Member 0 and 1 run every round; each member 2 runs one. ``pipe`` (its own) carries the go-aheads and its reports."""
+    """Member 0 and 1 run every round; each member 2 runs one. ``pipe`` (its own) carries the go-aheads and its
+    reports."""
     try:
         from rlightning_comm import CommContext, PeerLostError, broadcast_state_dict
 
@@ -217,13 +219,22 @@ def loss(kills: int) -> None:
             pipe.send("stop")
     finally:
         members.close()
-    print(f"{machine()}; a connected mode of 3 (gloo, 127.0.0.1), member 2 SIGKILLed during a 12 MiB transfer, {kills} times; load before: {load}")
+    print(
+        f"{machine()}; a connected mode of 3 (gloo, 127.0.0.1), member 2 SIGKILLed during a 12 MiB transfer, {kills} "
+        f"times; load before: {load}"
+    )
     print()
     print("| what | median ms | min ms | max ms |")
     print("|---|---|---|---|")
     for role, samples in detect.items():
-        print(f"| SIGKILL to PeerLostError on the {role} | {statistics.median(samples) * 1e3:.1f} | {min(samples) * 1e3:.1f} | {max(samples) * 1e3:.1f} |")
-    print(f"| re-form (connect of the next generation) | {statistics.median(reform) * 1e3:.1f} | {min(reform) * 1e3:.1f} | {max(reform) * 1e3:.1f} |")
+        print(
+            f"| SIGKILL to PeerLostError on the {role} | {statistics.median(samples) * 1e3:.1f} | "
+            f"{min(samples) * 1e3:.1f} | {max(samples) * 1e3:.1f} |"
+        )
+    print(
+        f"| re-form (connect of the next generation) | {statistics.median(reform) * 1e3:.1f} | {min(reform) * 1e3:.1f} "
+        f"| {max(reform) * 1e3:.1f} |"
+    )
     print(f"\nload after: {os.getloadavg()}")
 
 
@@ -232,7 +243,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--kills", type=int, default=11)
     parser.add_argument("--only", choices=("sync", "loss"))
-    parser.add_argument("--threads", type=int, default=0, help="torch's intra-op threads per rank in sync (0: torch's default)")
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch's intra-op threads per rank in sync (0: torch's default)"
+    )
     args = parser.parse_args()
     if args.only != "loss":
         sync(args.rounds, args.threads)

@@ -47,7 +47,13 @@ def _task(rank: int, nproc: int, rounds: int) -> dict[str, list[float]]:
                     paths[name]()
                 per_call[name].append((time.perf_counter() - t0) / calls * 1e6)
             ratios.append(per_call["facade"][-1] / per_call["raw"][-1])
-        out[label] = [statistics.median(per_call["facade"]), statistics.median(per_call["raw"]), statistics.median(ratios), min(ratios), max(ratios)]
+        out[label] = [
+            statistics.median(per_call["facade"]),
+            statistics.median(per_call["raw"]),
+            statistics.median(ratios),
+            min(ratios),
+            max(ratios),
+        ]
     return out
 
 
@@ -57,7 +63,9 @@ def main() -> None:
     args = p.parse_args()
     res = run_ranks(_task, 2, args.rounds)
     print(f"# facade vs raw all_reduce, 2 gloo ranks, {args.rounds} interleaved rounds; {machine()}")
-    print(f"{'size':<8} {'facade us':>10} {'raw us':>10} {'median ratio':>13} {'min..max ratio':>16} {'rank 1 ratio':>13}")
+    print(
+        f"{'size':<8} {'facade us':>10} {'raw us':>10} {'median ratio':>13} {'min..max ratio':>16} {'rank 1 ratio':>13}"
+    )
     for label, (f, r, ratio, lo, hi) in res[0].items():
         print(f"{label:<8} {f:>10.1f} {r:>10.1f} {ratio:>13.3f} {lo:>7.3f}..{hi:<7.3f} {res[1][label][2]:>13.3f}")
 

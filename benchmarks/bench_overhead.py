@@ -67,8 +67,16 @@ def _task(rank: int, nproc: int, rounds: int, calls: int) -> dict[str, dict[str,
         setattr(dist.ProcessGroup, name, _stub)
     all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     cases = {
-        "all_reduce": (lambda: collective.all_reduce(t, CommMode.GLOBAL), lambda: dist.all_reduce(t, group=pg), lambda: pg.allreduce([t], ar).wait()),
-        "broadcast": (lambda: collective.broadcast(t, CommMode.GLOBAL, 0), lambda: dist.broadcast(t, 0, group=pg), lambda: pg.broadcast([t], bc).wait()),
+        "all_reduce": (
+            lambda: collective.all_reduce(t, CommMode.GLOBAL),
+            lambda: dist.all_reduce(t, group=pg),
+            lambda: pg.allreduce([t], ar).wait(),
+        ),
+        "broadcast": (
+            lambda: collective.broadcast(t, CommMode.GLOBAL, 0),
+            lambda: dist.broadcast(t, 0, group=pg),
+            lambda: pg.broadcast([t], bc).wait(),
+        ),
         "all_gather": (
             lambda: collective.all_gather(out, t, CommMode.GLOBAL),
             lambda: all_gather_single(out, t, group=pg),
@@ -89,7 +97,11 @@ def _task(rank: int, nproc: int, rounds: int, calls: int) -> dict[str, dict[str,
                     ours.append(f - b)
                     torch_s.append(r - b)
                     base.append(b)
-                per_call[name][clock_name] = [statistics.median(ours), statistics.median(torch_s), statistics.median(base)]
+                per_call[name][clock_name] = [
+                    statistics.median(ours),
+                    statistics.median(torch_s),
+                    statistics.median(base),
+                ]
     ctx.disable_stats()
     ctx.reset_stats()
     return per_call
@@ -102,8 +114,14 @@ def main() -> None:
     args = p.parse_args()
     res = run_ranks(_task, 2, args.rounds, args.calls)
     print(f"# added cost per call, hot loop, 2 gloo ranks, process-group methods stubbed; {machine()}")
-    print(f"# median over {args.rounds} rounds of the mean of {args.calls} calls; rank 0 (rank 1's library figure in brackets)")
-    print(f"{'op':<24} {'clock':>5} {'library added us':>17} {'torch.distributed added us':>27} {'stub call us':>13} {'rank 1 library':>15}")
+    print(
+        f"# median over {args.rounds} rounds of the mean of {args.calls} calls; rank 0 (rank 1's library figure in "
+        "brackets)"
+    )
+    print(
+        f"{'op':<24} {'clock':>5} {'library added us':>17} {'torch.distributed added us':>27} {'stub call us':>13} "
+        f"{'rank 1 library':>15}"
+    )
     for name, clocks in res[0].items():
         for clock, (ours, raw, base) in clocks.items():
             print(f"{name:<24} {clock:>5} {ours:>17.3f} {raw:>27.3f} {base:>13.3f} {res[1][name][clock][0]:>15.3f}")

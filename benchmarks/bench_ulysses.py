@@ -64,7 +64,8 @@ def bench_all_to_all(rank: int, world_size: int) -> None:
     traced = TracedGroup(group.group_name, world_size, rank)
 
     def functional(x: torch.Tensor) -> torch.Tensor:
-        # The compiled path's primitives run eagerly: the same packing, the functional collective instead of the communicator.
+        # The compiled path's primitives run eagerly: the same packing, the functional collective instead of the
+        # communicator.
         h = x.shape[2] // world_size
         return C.all_to_all([x], 2, [[h] * world_size], 1, [[x.shape[1]] * world_size], traced)[0]
 
@@ -75,9 +76,15 @@ def bench_all_to_all(rank: int, world_size: int) -> None:
         "funcol eager": functional,
     }
     if rank == 0:
-        print(f"\nPart 1: the seed's all_to_all(x, 1, 2, group) vs its list of chunks; world size {world_size}, float32, gloo")
+        print(
+            f"\nPart 1: the seed's all_to_all(x, 1, 2, group) vs its list of chunks; world size {world_size}, float32, "
+            "gloo"
+        )
         head = " ".join(f"{m + ' ms':>22}" for m in methods)
-        print(f"{'local shape':>20} {'bytes/rank':>11} {'iters':>5} {head} {'PG/seed':>8} {'mode/seed':>9} {'funcol/PG':>9}")
+        print(
+            f"{'local shape':>20} {'bytes/rank':>11} {'iters':>5} {head} {'PG/seed':>8} {'mode/seed':>9} "
+            f"{'funcol/PG':>9}"
+        )
     for shape in SHAPES:
         x = torch.randn(*shape, generator=torch.Generator().manual_seed(rank))
         want = seed_all_to_all(x, world_size)
@@ -143,10 +150,17 @@ def bench_block(rank: int, world_size: int, seq: int, dim: int, heads: int, step
     first_t = torch.tensor([first], dtype=torch.float64)
     dist.all_reduce(first_t, op=dist.ReduceOp.MAX)
     if rank == 0:
-        print(f"\nPart 2: two-layer Ulysses block, forward+backward, seq {seq} (local {seq // world_size}), dim {dim}, {heads} heads, float32")
+        print(
+            f"\nPart 2: two-layer Ulysses block, forward+backward, seq {seq} (local {seq // world_size}), dim {dim}, "
+            f"{heads} heads, float32"
+        )
         print(f"{'eager ms':>10} {'compiled ms':>12} {'compiled/eager':>15} {'compile s':>10} {'steps':>6}")
         compile_s = first_t.item() - med["compiled"] / 1e3
-        print(f"{med['eager']:10.3f} {med['compiled']:12.3f} {med['compiled'] / med['eager']:15.2f} {compile_s:10.1f} {steps:>6}", flush=True)
+        print(
+            f"{med['eager']:10.3f} {med['compiled']:12.3f} {med['compiled'] / med['eager']:15.2f} {compile_s:10.1f} "
+            f"{steps:>6}",
+            flush=True,
+        )
 
 
 def main_worker(rank: int, world_size: int, url: str, block: bool) -> None:
@@ -166,7 +180,10 @@ def main() -> int:
     parser.add_argument("--no-block", action="store_true", help="skip part 2 (the compiled block)")
     args = parser.parse_args()
     load = os.getloadavg()
-    print(f"torch {torch.__version__}, python {platform.python_version()}, {os.cpu_count()} cpu(s), {time.strftime('%Y-%m-%d %H:%M')}, load {load[0]:.2f}")
+    print(
+        f"torch {torch.__version__}, python {platform.python_version()}, {os.cpu_count()} cpu(s), "
+        f"{time.strftime('%Y-%m-%d %H:%M')}, load {load[0]:.2f}"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(main_worker, args=(args.nprocs, f"file://{tmp}/store", not args.no_block), nprocs=args.nprocs)
     print(f"load after: {os.getloadavg()[0]:.2f}")

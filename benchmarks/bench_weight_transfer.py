@@ -55,10 +55,13 @@ def _model(seed: int) -> dict:
     return state
 
 
-def measure(ways: dict, rank: int, tensors: list, rounds: int, barrier, slowest) -> tuple[dict[str, list[float]], dict[str, bool]]:
+def measure(
+    ways: dict, rank: int, tensors: list, rounds: int, barrier, slowest
+) -> tuple[dict[str, list[float]], dict[str, bool]]:
     """Whether each way but ``"limit"`` leaves ``tensors`` equal to the source's (each rank starting from its own seed),
     then each way's time in interleaved rounds (the order rotates each round, after two warm-up rounds): the slowest
-    rank's, from ``barrier()`` to holding every tensor (``slowest(t)`` reduces a float64 tensor to its maximum in place).
+    rank's, from ``barrier()`` to holding every tensor (``slowest(t)`` reduces a float64 tensor to its maximum in
+    place).
     """
     import torch
 
@@ -71,7 +74,10 @@ def measure(ways: dict, rank: int, tensors: list, rounds: int, barrier, slowest)
             for t, r in zip(tensors, _model(seed=rank).values()):
                 t.copy_(r)  # destinations start different again
         fn()
-        identical[name] = all(torch.equal(t.view(-1).view(torch.uint8), r.view(-1).view(torch.uint8)) for t, r in zip(tensors, reference.values()))
+        identical[name] = all(
+            torch.equal(t.view(-1).view(torch.uint8), r.view(-1).view(torch.uint8))
+            for t, r in zip(tensors, reference.values())
+        )
     names = list(ways)
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds + 2):  # two warm-up rounds
@@ -157,7 +163,11 @@ def _task(rank: int, nproc: int, rounds: int, bucket_bytes: int, threads: int, o
         "sends_per_tensor": sends_per_tensor,
         "limit": limit,
     }
-    ways = {name: fn for name, fn in ways.items() if only is None or name in only or name in ("library", "rlightning", "limit")}
+    ways = {
+        name: fn
+        for name, fn in ways.items()
+        if only is None or name in only or name in ("library", "rlightning", "limit")
+    }
 
     def slowest(elapsed: torch.Tensor) -> None:
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
@@ -171,23 +181,37 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--bucket-mib", type=float, default=64.0, help="the library's bucket_bytes, in MiB")
     parser.add_argument(
-        "--threads", type=int, default=0, help="torch's intra-op threads per rank (0: torch's default; torchrun sets OMP_NUM_THREADS=1 for several ranks)"
+        "--threads",
+        type=int,
+        default=0,
+        help="torch's intra-op threads per rank (0: torch's default; torchrun sets OMP_NUM_THREADS=1 for several ranks)",
     )
-    parser.add_argument("--ways", help="comma-separated ways to run (library, rlightning and limit always run); default: all")
+    parser.add_argument(
+        "--ways", help="comma-separated ways to run (library, rlightning and limit always run); default: all"
+    )
     args = parser.parse_args()
     only = args.ways.split(",") if args.ways else None
     load = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
     started = time.perf_counter()
     out = run_ranks(_task, NPROC, args.rounds, int(args.bucket_mib * 2**20), args.threads, only)[0]
     times = out["times"]
-    print(f"{machine()}; {NPROC} gloo ranks (1 source, {NPROC - 1} destinations); {out['tensors']} tensors, {out['bytes'] / 2**20:.1f} MiB")
+    print(
+        f"{machine()}; {NPROC} gloo ranks (1 source, {NPROC - 1} destinations); {out['tensors']} tensors, "
+        f"{out['bytes'] / 2**20:.1f} MiB"
+    )
     threads = args.threads or "torch's default"
-    print(f"{args.rounds} interleaved rounds, bucket {args.bucket_mib:g} MiB, intra-op threads per rank: {threads}; load before: {load}")
+    print(
+        f"{args.rounds} interleaved rounds, bucket {args.bucket_mib:g} MiB, intra-op threads per rank: {threads}; load "
+        f"before: {load}"
+    )
     print()
     print_speed_table(times, out["identical"])
     vs = statistics.median(rl / lib for rl, lib in zip(times["rlightning"], times["library"]))
     print()
-    print(f"library speed vs rlightning's (median of per-round ratios): {vs:.2f}x; wall {time.perf_counter() - started:.0f} s; load after: {os.getloadavg()}")
+    print(
+        f"library speed vs rlightning's (median of per-round ratios): {vs:.2f}x; wall "
+        f"{time.perf_counter() - started:.0f} s; load after: {os.getloadavg()}"
+    )
     if not all(out["identical"].values()):
         raise SystemExit("a way left a destination different from the source")
 

@@ -78,20 +78,45 @@ def summary_lines(doc: dict[str, Any]) -> list[str]:
         lines.append(f"{name:<14} {step['status']:<5} {step.get('seconds', 0):6.1f} s  {detail}")
         for run_name, run in runs.items():
             if run["status"] not in ("ok", "skipped"):
-                stuck = [f"rank {r['rank']} in {r['unfinished_cell']!r}" for r in run.get("ranks", []) if r.get("unfinished_cell")]
+                stuck = [
+                    f"rank {r['rank']} in {r['unfinished_cell']!r}"
+                    for r in run.get("ranks", [])
+                    if r.get("unfinished_cell")
+                ]
                 lines.append(f"    {run_name}: {run['status']}" + (f" ({', '.join(stuck)})" if stuck else ""))
             lines += [f"    {run_name}: {line}" for line in run.get("failing", [])[:8]]
     return lines
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="GPU check for rlightning_comm: verify the NCCL paths on one GPU in minutes, with a JSON report of every cell")
-    p.add_argument("--out", default="gpu-check-out", help="folder for gpu_check.json, every run's cells and logs (default gpu-check-out)")
-    p.add_argument("--cpu-only", action="store_true", help="skip every CUDA step (automatic without CUDA); the CPU self-tests still run")
-    p.add_argument("--budget-s", type=float, default=520.0, help="the whole check's deadline in seconds; steps that no longer fit are skipped (default 520)")
-    p.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated subset of {','.join(STEPS)} (default all)")
-    p.add_argument("--inject-wrong", action="store_true", help=argparse.SUPPRESS)  # test hook: a world whose all_reduce is wrong
-    p.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)  # test hook: step 1's first run only, on a few cells
+    p = argparse.ArgumentParser(
+        description="GPU check for rlightning_comm: verify the NCCL paths on one GPU in minutes, with a JSON report of every cell"
+    )
+    p.add_argument(
+        "--out",
+        default="gpu-check-out",
+        help="folder for gpu_check.json, every run's cells and logs (default gpu-check-out)",
+    )
+    p.add_argument(
+        "--cpu-only",
+        action="store_true",
+        help="skip every CUDA step (automatic without CUDA); the CPU self-tests still run",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=520.0,
+        help="the whole check's deadline in seconds; steps that no longer fit are skipped (default 520)",
+    )
+    p.add_argument(
+        "--steps", default=",".join(STEPS), help=f"comma-separated subset of {','.join(STEPS)} (default all)"
+    )
+    p.add_argument(
+        "--inject-wrong", action="store_true", help=argparse.SUPPRESS
+    )  # test hook: a world whose all_reduce is wrong
+    p.add_argument(
+        "--quick", action="store_true", help=argparse.SUPPRESS
+    )  # test hook: step 1's first run only, on a few cells
     args = p.parse_args(argv)
     import torch
 
@@ -103,7 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     plan = Plan(args, cuda)
     plan.out.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    doc: dict[str, Any] = {"command": [sys.executable, *sys.argv] if argv is None else ["gpu_check.py", *argv], "root": str(ROOT), "budget_s": args.budget_s}
+    doc: dict[str, Any] = {
+        "command": [sys.executable, *sys.argv] if argv is None else ["gpu_check.py", *argv],
+        "root": str(ROOT),
+        "budget_s": args.budget_s,
+    }
     doc.update(cuda=cuda, environment=environment(cuda), steps={})
     report = plan.out / "gpu_check.json"
     previous = signal.signal(signal.SIGTERM, _stopped)
@@ -130,14 +159,19 @@ def _run_steps(plan: Plan, chosen: list[str], doc: dict[str, Any], report: Path,
             except Exception as err:  # noqa: BLE001 - a step's own failure is recorded; the next step still runs
                 import traceback
 
-                step = {"status": "FAIL", "reason": f"the step itself raised {type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
+                step = {
+                    "status": "FAIL",
+                    "reason": f"the step itself raised {type(err).__name__}: {err}",
+                    "traceback": traceback.format_exc()[-3000:],
+                }
         doc["steps"][name] = {"needs": NEEDS[name], **step, "seconds": round(time.time() - t0, 1)}
         doc["seconds"] = round(time.time() - started, 1)
         report.write_text(json.dumps(doc, indent=1, default=str))  # after every step: a killed check keeps what it did
         print(summary_lines({"steps": {name: doc["steps"][name]}})[0], flush=True)
     print("\n".join(summary_lines(doc)))
     print(
-        f"# {doc['seconds']:.0f} s of {args.budget_s:.0f}; {'CUDA: ' + ', '.join(doc['environment'].get('gpus', [])) if plan.cuda else 'no CUDA'}; report {report}"
+        f"# {doc['seconds']:.0f} s of {args.budget_s:.0f}; "
+        f"{'CUDA: ' + ', '.join(doc['environment'].get('gpus', [])) if plan.cuda else 'no CUDA'}; report {report}"
     )
     return 1 if any(s["status"] == "FAIL" for s in doc["steps"].values()) else 0
 

@@ -51,7 +51,10 @@ def main() -> None:
     collective.broadcast(torch.zeros(16), "RECORDED", src=0)
     # all_reduce_dict packs the dict into one buffer and reduces it through self.all_reduce.
     collective.all_reduce_dict({"loss": 1.0, "acc": 0.5}, "RECORDED")
-    print(f"[rank {ctx.get_global_rank()}] {type(comm).__name__} calls={dict(comm.calls)} bytes={dict(comm.bytes)}", flush=True)
+    print(
+        f"[rank {ctx.get_global_rank()}] {type(comm).__name__} calls={dict(comm.calls)} bytes={dict(comm.bytes)}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -29,7 +29,16 @@ import sys
 import torch
 from torch import nn
 
-from rlightning_comm import CommContext, CommMode, ParallelConfig, broadcast_state_dict, collective, describe_layout, format_layout, launch
+from rlightning_comm import (
+    CommContext,
+    CommMode,
+    ParallelConfig,
+    broadcast_state_dict,
+    collective,
+    describe_layout,
+    format_layout,
+    launch,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -40,7 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--backend", default="gloo", help="communicator backend (gloo, nccl)")
     parser.add_argument("--nproc", type=int, default=4, help="ranks to spawn without a launcher")
     parser.add_argument("--simulated-nodes", type=int, default=2, help="nodes to simulate without a launcher")
-    parser.add_argument("--timeout", type=float, default=120, help="seconds before a collective (or the spawned job) fails")
+    parser.add_argument(
+        "--timeout", type=float, default=120, help="seconds before a collective (or the spawned job) fails"
+    )
     return parser.parse_args(argv)
 
 
@@ -102,7 +113,8 @@ class _Mixed(nn.Module):
 
 
 def _gather_objects(ctx: CommContext, obj: object) -> list[object]:
-    """Every rank's ``obj`` on every rank, through the library's broadcast_object_list (which, unlike torch's, needs no numpy)."""
+    """Every rank's ``obj`` on every rank, through the library's broadcast_object_list (which, unlike torch's, needs no
+    numpy)."""
     out = []
     for r in range(ctx.get_world_size()):
         box = [obj if r == ctx.get_global_rank() else None]
@@ -137,12 +149,18 @@ def _check_weight_transfer(ctx: CommContext, failures: list[str]) -> str:
     return f"broadcast_state_dict from rank {src} to {dsts}: {'bit-identical' if not bad else 'MISMATCH'} ({len(blob)} bytes)"
 
 
-def run(args: argparse.Namespace, dist_url: str = "env://", world_size: int | None = None, rank: int | None = None) -> int:
+def run(
+    args: argparse.Namespace, dist_url: str = "env://", world_size: int | None = None, rank: int | None = None
+) -> int:
     """Build the layout on this rank, check it, print the report on rank 0; return the job-wide exit code."""
     ctx = CommContext()
-    ctx.init_distributed_env(world_size=world_size, rank=rank, backend=args.backend, dist_url=dist_url, timeout=args.timeout)
+    ctx.init_distributed_env(
+        world_size=world_size, rank=rank, backend=args.backend, dist_url=dist_url, timeout=args.timeout
+    )
     world, me = ctx.get_world_size(), ctx.get_global_rank()
-    config = ParallelConfig(tensor_parallel_size=args.tp, sequence_parallel_size=args.sp, order=args.order, bind_train_data_parallel=True)
+    config = ParallelConfig(
+        tensor_parallel_size=args.tp, sequence_parallel_size=args.sp, order=args.order, bind_train_data_parallel=True
+    )
     ctx.init_parallel_groups(config)
     ctx.init_node_groups()
     failures: list[str] = []
@@ -172,7 +190,10 @@ def run(args: argparse.Namespace, dist_url: str = "env://", world_size: int | No
     all_failures = failures + [f for view in views for f in view[2]]
     if me == 0:
         sizes = config.sizes(world)
-        print(f"world {world}, tp {sizes['tp']}, sp {sizes['sp']}, dp {sizes['dp']}, order {config.order}, backend {args.backend}")
+        print(
+            f"world {world}, tp {sizes['tp']}, sp {sizes['sp']}, dp {sizes['dp']}, order {config.order}, backend "
+            f"{args.backend}"
+        )
         width = max(map(len, layout))
         print("\nmode".ljust(width + 3) + "groups (global ranks)")
         for m in layout:
@@ -186,7 +207,16 @@ def run(args: argparse.Namespace, dist_url: str = "env://", world_size: int | No
         print(f"checks: {'all passed' if not all_failures else f'{len(all_failures)} FAILED'}")
         for f in all_failures:
             print(f"  {f}")
-        print("LAYOUT_JSON " + json.dumps({"world_size": world, "groups": {m: [list(g) for g in groups[m]] for m in layout}, "failures": len(all_failures)}))
+        print(
+            "LAYOUT_JSON "
+            + json.dumps(
+                {
+                    "world_size": world,
+                    "groups": {m: [list(g) for g in groups[m]] for m in layout},
+                    "failures": len(all_failures),
+                }
+            )
+        )
         sys.stdout.flush()
     ctx.destroy()
     return 1 if all_failures else 0
@@ -195,7 +225,9 @@ def run(args: argparse.Namespace, dist_url: str = "env://", world_size: int | No
 def _local_rank(args: argparse.Namespace, per_node: int) -> None:
     """One rank started by ``launch.run``: its simulated node's placement, then the checks; exit 1 if any failed."""
     rank = CommContext().get_global_rank()
-    os.environ.update({"LOCAL_RANK": str(rank % per_node), "LOCAL_WORLD_SIZE": str(per_node), "GROUP_RANK": str(rank // per_node)})
+    os.environ.update(
+        {"LOCAL_RANK": str(rank % per_node), "LOCAL_WORLD_SIZE": str(per_node), "GROUP_RANK": str(rank // per_node)}
+    )
     if run(args) != 0:
         raise SystemExit(1)
 
@@ -203,9 +235,18 @@ def _local_rank(args: argparse.Namespace, per_node: int) -> None:
 def spawn_local(args: argparse.Namespace) -> int:
     """Run ``args.nproc`` ranks on this machine, ``args.simulated_nodes`` nodes' worth."""
     if args.nproc < 1 or args.simulated_nodes < 1 or args.nproc % args.simulated_nodes:
-        raise SystemExit(f"--nproc {args.nproc} must be a positive multiple of --simulated-nodes {args.simulated_nodes}")
+        raise SystemExit(
+            f"--nproc {args.nproc} must be a positive multiple of --simulated-nodes {args.simulated_nodes}"
+        )
     try:
-        launch.run(_local_rank, args.nproc, args, args.nproc // args.simulated_nodes, backend=args.backend, timeout=args.timeout)
+        launch.run(
+            _local_rank,
+            args.nproc,
+            args,
+            args.nproc // args.simulated_nodes,
+            backend=args.backend,
+            timeout=args.timeout,
+        )
     except RuntimeError as err:  # a rank failed a check (exit code 1) or died
         print(err, file=sys.stderr)
         return 1

@@ -30,7 +30,9 @@ def main() -> None:
 
     t = torch.tensor([float(rank + 1)])
     collective.all_reduce(t, ParallelMode.DATA_PARALLEL)
-    lines.append(f"all_reduce on my DATA_PARALLEL pair {ctx.get_ranks_in_group(ParallelMode.DATA_PARALLEL)} -> {t.item():g}")
+    lines.append(
+        f"all_reduce on my DATA_PARALLEL pair {ctx.get_ranks_in_group(ParallelMode.DATA_PARALLEL)} -> {t.item():g}"
+    )
 
     out = torch.empty(world, dtype=torch.int64)
     collective.all_gather(out, torch.tensor([rank * 10]), CommMode.GLOBAL)
@@ -41,20 +43,27 @@ def main() -> None:
     lines.append(f"broadcast from rank {world - 1}            -> {t.item():g}")
 
     gather_list = [torch.zeros(1) for _ in range(world)] if rank == 0 else None
-    collective.gather(torch.tensor([rank ** 2.0]), CommMode.GLOBAL, gather_list=gather_list, dst=0)
+    collective.gather(torch.tensor([rank**2.0]), CommMode.GLOBAL, gather_list=gather_list, dst=0)
     if gather_list is not None:
         lines.append(f"gather of rank**2 on rank 0      -> {[g.item() for g in gather_list]}")
 
     t = torch.zeros(1)
-    collective.scatter(t, CommMode.GLOBAL, scatter_list=[torch.tensor([100.0 + i]) for i in range(world)] if rank == 0 else None, src=0)
+    collective.scatter(
+        t, CommMode.GLOBAL, scatter_list=[torch.tensor([100.0 + i]) for i in range(world)] if rank == 0 else None, src=0
+    )
     lines.append(f"scatter from rank 0              -> {t.item():g}")
 
     objs = [{"config": "from rank 0", "lr": 3e-4}] if rank == 0 else [None]
     collective.broadcast_object_list(objs, CommMode.GLOBAL, src=0)
     lines.append(f"broadcast_object_list            -> {objs[0]}")
 
-    metrics = collective.all_reduce_dict({"loss": 0.5 * rank, "tokens": 128, "grad_norm": torch.tensor([rank, 1.0])}, CommMode.GLOBAL)
-    lines.append(f"all_reduce_dict (one collective) -> loss={metrics['loss']:g} tokens={metrics['tokens']:g} grad_norm={metrics['grad_norm'].tolist()}")
+    metrics = collective.all_reduce_dict(
+        {"loss": 0.5 * rank, "tokens": 128, "grad_norm": torch.tensor([rank, 1.0])}, CommMode.GLOBAL
+    )
+    lines.append(
+        f"all_reduce_dict (one collective) -> loss={metrics['loss']:g} tokens={metrics['tokens']:g} "
+        f"grad_norm={metrics['grad_norm'].tolist()}"
+    )
 
     for r in range(world):  # print in rank order
         if r == rank:

@@ -1,4 +1,5 @@
-"""A trainer world and an engine world on a local Ray instance, weights synced over a connected mode; an engine dies and comes back.
+"""A trainer world and an engine world on a local Ray instance, weights synced over a connected mode; an engine dies and
+comes back.
 
 Two worlds, as in RL post-training with an inference engine of its own:
 
@@ -82,7 +83,9 @@ class Member:
     def init_world(self, rank: int, world_size: int, port: int) -> None:
         from rlightning_comm import CommContext
 
-        CommContext().init_distributed_env(world_size=world_size, rank=rank, backend="gloo", dist_url=f"tcp://127.0.0.1:{port}", timeout=60)
+        CommContext().init_distributed_env(
+            world_size=world_size, rank=rank, backend="gloo", dist_url=f"tcp://127.0.0.1:{port}", timeout=60
+        )
 
     def connect(self, member: int, address: str) -> int:
         """Join the connected mode as ``member``; returns the generation formed."""
@@ -101,7 +104,13 @@ class Member:
         try:
             broadcast_state_dict(self.model, MODE, src=0)
         except PeerLostError as err:
-            return {"lost": True, "at": time.time(), "member": err.member, "generation": err.generation, "error": str(err)}
+            return {
+                "lost": True,
+                "at": time.time(),
+                "member": err.member,
+                "generation": err.generation,
+                "error": str(err),
+            }
         return {"lost": False, "ms": (time.perf_counter() - t0) * 1e3, "digest": _digest(self.model)}
 
     def leave(self) -> None:
@@ -161,8 +170,12 @@ def _when_restarted(ray, actor) -> int:
 
 def run(steps: int, kill_step: int) -> int:
     """Run ``steps`` steps, killing engine 1 during the sync of ``kill_step``; returns the exit status."""
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # before ray.init: a local instance binds and talks on 127.0.0.1 only
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # the actors import this checkout
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = (
+        "0"  # before ray.init: a local instance binds and talks on 127.0.0.1 only
+    )
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])
+    )  # the actors import this checkout
     import ray
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True)
@@ -172,16 +185,23 @@ def run(steps: int, kill_step: int) -> int:
         trainer_pids = ray.get([t.pid.remote() for t in trainers], timeout=BOUND)
         port_a, port_b = _free_port(), _free_port()
         ray.get(
-            [t.init_world.remote(r, 2, port_a) for r, t in enumerate(trainers)] + [e.init_world.remote(r, 2, port_b) for r, e in enumerate(engines)],
+            [t.init_world.remote(r, 2, port_a) for r, t in enumerate(trainers)]
+            + [e.init_world.remote(r, 2, port_b) for r, e in enumerate(engines)],
             timeout=BOUND,
         )
         address = ray.get(trainers[0].listen.remote(), timeout=BOUND)
         members = [trainers[0], *engines]
         generation = ray.get([m.connect.remote(i, address) for i, m in enumerate(members)], timeout=BOUND)[0]
-        print(f"trainer world: 2 actors; engine world: 2 actors; {MODE} at {address}: trainer 0 and both engines (generation {generation})")
+        print(
+            f"trainer world: 2 actors; engine world: 2 actors; {MODE} at {address}: trainer 0 and both engines "
+            f"(generation {generation})"
+        )
         failed = False
         for step in range(steps):
-            losses = ray.get([t.train_step.remote(step) for t in trainers] + [e.rollout_step.remote(step) for e in engines], timeout=BOUND)
+            losses = ray.get(
+                [t.train_step.remote(step) for t in trainers] + [e.rollout_step.remote(step) for e in engines],
+                timeout=BOUND,
+            )
             if step == kill_step:
                 victim = ray.get(engines[1].pid.remote(), timeout=BOUND)
                 # Engine 1 enters the sync late, so the trainer and engine 0 are inside theirs when it dies.
@@ -195,24 +215,33 @@ def run(steps: int, kill_step: int) -> int:
                     return 1
                 print(
                     f"step {step}: engine 1 (pid {victim}) killed during the sync; PeerLostError on the trainer "
-                    f"{(survivors[0]['at'] - killed) * 1e3:.0f} ms and on engine 0 {(survivors[1]['at'] - killed) * 1e3:.0f} ms after the kill, "
+                    f"{(survivors[0]['at'] - killed) * 1e3:.0f} ms and on engine 0 "
+                    f"{(survivors[1]['at'] - killed) * 1e3:.0f} ms after the kill, "
                     f"naming member 2 of generation {survivors[0]['generation']}"
                 )
                 t0 = time.perf_counter()
                 restarted = _when_restarted(ray, engines[1])
                 print(f"step {step}: Ray restarted engine 1 as pid {restarted} in {time.perf_counter() - t0:.1f} s")
                 t0 = time.perf_counter()
-                ray.get(engines[0].leave.remote(), timeout=BOUND)  # the engine world lost a member: its survivor leaves it...
+                ray.get(
+                    engines[0].leave.remote(), timeout=BOUND
+                )  # the engine world lost a member: its survivor leaves it...
                 port_b = _free_port()
-                ray.get([e.init_world.remote(r, 2, port_b) for r, e in enumerate(engines)], timeout=BOUND)  # ...and forms it again
+                ray.get(
+                    [e.init_world.remote(r, 2, port_b) for r, e in enumerate(engines)], timeout=BOUND
+                )  # ...and forms it again
                 generation = ray.get([m.connect.remote(i, address) for i, m in enumerate(members)], timeout=BOUND)[0]
-                print(f"step {step}: engine world and {MODE} re-formed (generation {generation}) in {(time.perf_counter() - t0) * 1e3:.0f} ms")
+                print(
+                    f"step {step}: engine world and {MODE} re-formed (generation {generation}) in "
+                    f"{(time.perf_counter() - t0) * 1e3:.0f} ms"
+                )
             results = ray.get([m.sync.remote() for m in members], timeout=BOUND)
             digests = {r.get("digest") for r in results}
             same = len(digests) == 1 and None not in digests
             failed |= not same
             print(
-                f"step {step}: trainer loss {losses[0]:.4f}, engine all-reduce {losses[2]:.0f}, weight sync {results[0]['ms']:.1f} ms, "
+                f"step {step}: trainer loss {losses[0]:.4f}, engine all-reduce {losses[2]:.0f}, weight sync "
+                f"{results[0]['ms']:.1f} ms, "
                 f"engines {'bit-identical to' if same else 'DIFFER from'} the trainer"
             )
         pids = ray.get([t.pid.remote() for t in trainers], timeout=BOUND)

@@ -1,4 +1,5 @@
-"""An RL loop on a local Ray instance: 2 trainer actors and 2 rollout actors in one gloo world, weights synced every step.
+"""An RL loop on a local Ray instance: 2 trainer actors and 2 rollout actors in one gloo world, weights synced every
+step.
 
 The world is built the way RLightning's ``DistributedMixin`` builds it: the
 driver picks the rank of every actor and one master address and port, and each
@@ -65,7 +66,9 @@ def _digest(model) -> str:
 class Worker:
     """What every actor does: join the world and the groups as RLightning's mixins do."""
 
-    def init_distributed_env(self, rank: int, world_size: int, local_rank: int, local_world_size: int, master_addr: str, master_port: int) -> None:
+    def init_distributed_env(
+        self, rank: int, world_size: int, local_rank: int, local_world_size: int, master_addr: str, master_port: int
+    ) -> None:
         os.environ.update(
             RANK=str(rank),
             WORLD_SIZE=str(world_size),
@@ -79,7 +82,8 @@ class Worker:
 
         initialize_distributed_env(rank, world_size, backend="gloo", dist_url="env://", timeout=120)
         self.rank = rank
-        # The trainers start equal (data parallel); each rollout starts different: only the sync makes it equal to its trainer.
+        # The trainers start equal (data parallel); each rollout starts different: only the sync makes it equal to its
+        # trainer.
         self.model = _model(0 if rank < TRAINERS else 1000 + rank)
 
     def init_group(self, ranks: list[int], mode: str) -> None:
@@ -118,8 +122,12 @@ class Trainer(Worker):
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
                 p.add_(g, alpha=-0.05)
-        metrics = collective.all_reduce_dict({"loss": loss.item(), "grad_norm": flat.norm().item()}, ParallelMode.TRAIN_DATA_PARALLEL, op=ReduceOp.AVG)
-        sender = CommContext().get_ranks_in_group(ParallelMode.WEIGHT_TRANSFER)[0]  # the trainer, as RLightning takes it
+        metrics = collective.all_reduce_dict(
+            {"loss": loss.item(), "grad_norm": flat.norm().item()}, ParallelMode.TRAIN_DATA_PARALLEL, op=ReduceOp.AVG
+        )
+        sender = CommContext().get_ranks_in_group(ParallelMode.WEIGHT_TRANSFER)[
+            0
+        ]  # the trainer, as RLightning takes it
         t0 = time.perf_counter()
         broadcast_state_dict(self.model, ParallelMode.WEIGHT_TRANSFER, src=sender)
         sync = time.perf_counter() - t0
@@ -131,7 +139,11 @@ class Rollout(Worker):
     def receive_weights(self) -> None:
         from rlightning_comm import CommContext, ParallelMode, broadcast_state_dict
 
-        broadcast_state_dict(self.model, ParallelMode.WEIGHT_TRANSFER, src=CommContext().get_ranks_in_group(ParallelMode.WEIGHT_TRANSFER)[0])
+        broadcast_state_dict(
+            self.model,
+            ParallelMode.WEIGHT_TRANSFER,
+            src=CommContext().get_ranks_in_group(ParallelMode.WEIGHT_TRANSFER)[0],
+        )
 
 
 class ThreadedRollout(Rollout):
@@ -172,14 +184,21 @@ def _free_port() -> int:
 
 def run(steps: int) -> int:
     """Build the world, run ``steps`` steps; returns the exit status (1 when weights differ)."""
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # before ray.init: a local instance binds and talks on 127.0.0.1 only
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # the actors import this checkout
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = (
+        "0"  # before ray.init: a local instance binds and talks on 127.0.0.1 only
+    )
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])
+    )  # the actors import this checkout
     import ray
 
     ray.init(address="local", num_cpus=TRAINERS + ROLLOUTS, include_dashboard=False, log_to_driver=True)
     try:
         trainers = [ray.remote(num_cpus=1)(Trainer).remote() for _ in range(TRAINERS)]
-        rollouts = [ray.remote(num_cpus=1)(Rollout).remote(), ray.remote(num_cpus=1, max_concurrency=4)(ThreadedRollout).remote()]
+        rollouts = [
+            ray.remote(num_cpus=1)(Rollout).remote(),
+            ray.remote(num_cpus=1, max_concurrency=4)(ThreadedRollout).remote(),
+        ]
         actors = trainers + rollouts  # global ranks: trainers 0..1, rollouts 2..3
         world, port = len(actors), _free_port()
         ray.get([a.init_distributed_env.remote(r, world, r, world, "127.0.0.1", port) for r, a in enumerate(actors)])
@@ -190,9 +209,15 @@ def run(steps: int) -> int:
         for ranks, mode in groups:
             ray.get([a.init_group.remote(ranks, mode) for a in actors])
         updater = ray.get(rollouts[1].start_updater.remote())
-        print(f"world of {world} actors: trainers {list(range(TRAINERS))}, rollouts {list(range(TRAINERS, world))} (rank 3 receives in thread {updater!r})")
+        print(
+            f"world of {world} actors: trainers {list(range(TRAINERS))}, rollouts {list(range(TRAINERS, world))} (rank "
+            f"3 receives in thread {updater!r})"
+        )
         for step in range(steps):
-            done = [t.train_step.remote(step) for t in trainers] + [rollouts[0].receive_weights.remote(), rollouts[1].update_weights.remote()]
+            done = [t.train_step.remote(step) for t in trainers] + [
+                rollouts[0].receive_weights.remote(),
+                rollouts[1].update_weights.remote(),
+            ]
             results = ray.get(done, timeout=120)
             sync = max(r["sync_s"] for r in results[:TRAINERS])
             print(

@@ -53,7 +53,9 @@ class TinyAttentionModel(torch.nn.Module):
                     "qkv": torch.nn.Linear(dim, 3 * dim),
                     "out": torch.nn.Linear(dim, dim),
                     "ln2": torch.nn.LayerNorm(dim),
-                    "mlp": torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim)),
+                    "mlp": torch.nn.Sequential(
+                        torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(), torch.nn.Linear(4 * dim, dim)
+                    ),
                 }
             )
             for _ in range(layers)
@@ -115,7 +117,11 @@ def train(rank: int, world_size: int, steps: int, seq: int) -> bool:
         all_match &= match
         if rank == 0:
             verdict = "match" if match else "MISMATCH"
-            print(f"step {step}: sequence-parallel loss {loss.item():.12f}  single-process loss {ref_loss.item():.12f}  {verdict}", flush=True)
+            print(
+                f"step {step}: sequence-parallel loss {loss.item():.12f}  single-process loss {ref_loss.item():.12f}  "
+                f"{verdict}",
+                flush=True,
+            )
     return all_match
 
 
@@ -128,7 +134,10 @@ def main(steps: int, seq: int) -> None:
     if not train(rank, world_size, steps, seq):
         raise SystemExit(1)
     if rank == 0:
-        print(f"sequence-parallel training on {world_size} ranks matched single-process training for {steps} steps", flush=True)
+        print(
+            f"sequence-parallel training on {world_size} ranks matched single-process training for {steps} steps",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

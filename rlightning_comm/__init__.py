@@ -4,7 +4,14 @@ from rlightning_comm import collective, sequence_parallel
 from rlightning_comm.communicators import Communicator, GlooCommunicator, NcclCommunicator, register_communicator
 from rlightning_comm.config import ParallelConfig
 from rlightning_comm.context import CommContext, initialize_distributed_env
-from rlightning_comm.errors import CommError, CommMismatchError, CommTimeoutError, ModeNotBoundError, ObjectRefusedError, PeerLostError
+from rlightning_comm.errors import (
+    CommError,
+    CommMismatchError,
+    CommTimeoutError,
+    ModeNotBoundError,
+    ObjectRefusedError,
+    PeerLostError,
+)
 from rlightning_comm.failures import WorkHandle
 from rlightning_comm.launch import run
 from rlightning_comm.layout import ModeLayout, describe_layout, format_layout

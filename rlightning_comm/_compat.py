@@ -38,7 +38,8 @@ Safe mode's unpickler resolves exactly these (to checked replacements of its own
 
 
 COALESCING: dict[Any, list[Any]] = dist.distributed_c10d._world.pg_coalesce_state
-"""Process group -> the collectives torch's ``_coalescing_manager`` has recorded for it; a group is a key while a manager is open on it.
+"""Process group -> the collectives torch's ``_coalescing_manager`` has recorded for it; a group is a key while a
+manager is open on it.
 
 The dict object itself (torch only ever mutates it), so testing ``group in
 COALESCING`` costs one lookup. Inside the manager, torch's ``all_reduce``,
@@ -47,8 +48,13 @@ the manager issues them as one coalesced call when it exits.
 """
 
 
-BACKEND_METHODS = {"all_gather_single": "_allgather_base", "reduce_scatter_single": "_reduce_scatter_base", "all_to_all_single": "alltoall_base"}
-"""The methods of a backend object (``ProcessGroupGloo``, ``ProcessGroupNCCL``) that the communicators call by a ``ProcessGroup``'s name.
+BACKEND_METHODS = {
+    "all_gather_single": "_allgather_base",
+    "reduce_scatter_single": "_reduce_scatter_base",
+    "all_to_all_single": "alltoall_base",
+}
+"""The methods of a backend object (``ProcessGroupGloo``, ``ProcessGroupNCCL``) that the communicators call by a
+``ProcessGroup``'s name.
 
 A connected mode's group is a backend object built outside the world (no
 ``ProcessGroup`` wraps it, which would take torch's private ``_register_backend``);
@@ -57,10 +63,13 @@ it takes the same arguments under these names.
 
 
 def gloo_options(timeout: timedelta, host: str | None) -> Any:
-    """Options of a ``ProcessGroupGloo`` with ``timeout`` whose device listens on ``host`` (``None``: torch's default interface)."""
+    """Options of a ``ProcessGroupGloo`` with ``timeout`` whose device listens on ``host`` (``None``: torch's default
+    interface)."""
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timeout
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host) if host else dist.ProcessGroupGloo.create_default_device()]
+    opts._devices = [
+        dist.ProcessGroupGloo.create_device(hostname=host) if host else dist.ProcessGroupGloo.create_default_device()
+    ]
     return opts
 
 
@@ -69,13 +78,16 @@ def default_store() -> dist.Store:
     return dist.distributed_c10d._get_default_store()
 
 
-def rebuild_tensor(storage: torch.storage.TypedStorage, offset: int, size: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
+def rebuild_tensor(
+    storage: torch.storage.TypedStorage, offset: int, size: tuple[int, ...], stride: tuple[int, ...]
+) -> torch.Tensor:
     """A tensor viewing ``storage`` (public API: ``Tensor.set_``, which checks the view stays inside the storage)."""
     return torch.empty(0, dtype=storage.dtype, device=storage.device).set_(storage.untyped(), offset, size, stride)
 
 
 def join_world_split() -> None:
-    """On a world bound to a device, take part in the split of the world's communicator that torch runs on every non-member.
+    """On a world bound to a device, take part in the split of the world's communicator that torch runs on every
+    non-member.
 
     With ``init_process_group(device_id=...)``, torch's ``new_group`` makes
     every rank outside the new group run the world communicator's no-color

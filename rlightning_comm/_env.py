@@ -19,7 +19,9 @@ def env_debug() -> bool:
     """
     value = os.environ.get(DEBUG_ENV, "").strip().lower()
     if value not in _TRUE + _FALSE:
-        raise ValueError(f"environment variable {DEBUG_ENV} must be one of {list(_TRUE + _FALSE)}; got {os.environ[DEBUG_ENV]!r}")
+        raise ValueError(
+            f"environment variable {DEBUG_ENV} must be one of {list(_TRUE + _FALSE)}; got {os.environ[DEBUG_ENV]!r}"
+        )
     return value in _TRUE
 
 
@@ -43,12 +45,16 @@ def argument_from_env(name: str, argument: str) -> int:
     """
     raw = os.environ.get(name)
     if raw is None:
-        raise ValueError(f"{argument} was not given and the environment variable {name} is not set; pass {argument}= or launch with torchrun")
+        raise ValueError(
+            f"{argument} was not given and the environment variable {name} is not set; pass {argument}= or launch with "
+            "torchrun"
+        )
     return parse_int(name, raw)
 
 
 def launcher_int(name: str, caller: str) -> int:
-    """The int the launcher put in environment variable ``name`` (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``), read by ``caller``.
+    """The int the launcher put in environment variable ``name`` (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``), read by
+    ``caller``.
 
     Raises:
         CommError: the variable is not set (this process was not started by a launcher that sets it).
@@ -58,6 +64,7 @@ def launcher_int(name: str, caller: str) -> int:
     if raw is None:
         raise CommError(
             f"{caller} reads the environment variable {name}, which is not set in this process; "
-            f"launch with torchrun, or set {name} before calling it (RLightning's init_distributed_env sets it on each actor)"
+            f"launch with torchrun, or set {name} before calling it (RLightning's init_distributed_env sets it on each "
+            "actor)"
         )
     return parse_int(name, raw)

@@ -23,7 +23,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from rlightning_comm.bench.cli import main as bench_main
 
         return bench_main(rest)
-    print(f"rlightning-comm: error: unknown command {command!r}; expected one of ['bench']\n\n{_USAGE}", file=sys.stderr, end="")
+    print(
+        f"rlightning-comm: error: unknown command {command!r}; expected one of ['bench']\n\n{_USAGE}",
+        file=sys.stderr,
+        end="",
+    )
     return 2
 
 

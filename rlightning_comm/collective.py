@@ -14,12 +14,13 @@ from torch.distributed import ReduceOp
 
 from rlightning_comm.context import CommContext
 from rlightning_comm.modes import CommMode
-from rlightning_comm.sequence_parallel import all_to_all, gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region  # noqa: F401  (the seed's autograd ops)
 
 _context = CommContext()
 
 
-def all_gather(output_tensor: torch.Tensor, input_tensor: torch.Tensor, comm_mode: CommMode | str, async_op: bool = False) -> Any | None:
+def all_gather(
+    output_tensor: torch.Tensor, input_tensor: torch.Tensor, comm_mode: CommMode | str, async_op: bool = False
+) -> Any | None:
     """Gather ``input_tensor`` from every rank of ``comm_mode`` into ``output_tensor`` along dim 0.
 
     See :meth:`Communicator.all_gather`.
@@ -27,12 +28,16 @@ def all_gather(output_tensor: torch.Tensor, input_tensor: torch.Tensor, comm_mod
     return _context.get_communicator(comm_mode).all_gather(output_tensor, input_tensor, async_op)
 
 
-def all_reduce(tensor: torch.Tensor, comm_mode: CommMode | str, op: Any = ReduceOp.SUM, async_op: bool = False) -> Any | None:
+def all_reduce(
+    tensor: torch.Tensor, comm_mode: CommMode | str, op: Any = ReduceOp.SUM, async_op: bool = False
+) -> Any | None:
     """Reduce ``tensor`` in place across ``comm_mode``. See :meth:`Communicator.all_reduce`."""
     return _context.get_communicator(comm_mode).all_reduce(tensor, op, async_op)
 
 
-def all_reduce_dict(dictionary: dict[Any, Any], comm_mode: CommMode | str, op: Any = ReduceOp.SUM, dtype: torch.dtype = torch.float32) -> dict[Any, Any] | None:
+def all_reduce_dict(
+    dictionary: dict[Any, Any], comm_mode: CommMode | str, op: Any = ReduceOp.SUM, dtype: torch.dtype = torch.float32
+) -> dict[Any, Any] | None:
     """Reduce every value of ``dictionary`` across ``comm_mode`` with one collective.
 
     See :meth:`Communicator.all_reduce_dict`.
@@ -45,7 +50,14 @@ def broadcast(tensor: torch.Tensor, comm_mode: CommMode | str, src: int = 0, asy
     return _context.get_communicator(comm_mode).broadcast(tensor, src, async_op)
 
 
-def broadcast_object_list(object_list: list[Any], comm_mode: CommMode | str, src: int = 0, *, safe: bool | None = None, max_bytes: int | None = None) -> None:
+def broadcast_object_list(
+    object_list: list[Any],
+    comm_mode: CommMode | str,
+    src: int = 0,
+    *,
+    safe: bool | None = None,
+    max_bytes: int | None = None,
+) -> None:
     """Broadcast picklable objects from global rank ``src`` over ``comm_mode``, in place.
 
     ``safe=True`` makes this receiver accept only plain data; ``max_bytes``
@@ -54,32 +66,58 @@ def broadcast_object_list(object_list: list[Any], comm_mode: CommMode | str, src
     return _context.get_communicator(comm_mode).broadcast_object_list(object_list, src, safe=safe, max_bytes=max_bytes)
 
 
-def gather(tensor: torch.Tensor, comm_mode: CommMode | str, gather_list: list[torch.Tensor] | None = None, dst: int = 0, async_op: bool = False) -> Any | None:
+def gather(
+    tensor: torch.Tensor,
+    comm_mode: CommMode | str,
+    gather_list: list[torch.Tensor] | None = None,
+    dst: int = 0,
+    async_op: bool = False,
+) -> Any | None:
     """Gather ``tensor`` from every rank of ``comm_mode`` on global rank ``dst``. See :meth:`Communicator.gather`."""
     return _context.get_communicator(comm_mode).gather(tensor, gather_list, dst, async_op)
 
 
 def scatter(
-    tensor: torch.Tensor, comm_mode: CommMode | str, scatter_list: list[torch.Tensor] | None = None, src: int = 0, async_op: bool = False
+    tensor: torch.Tensor,
+    comm_mode: CommMode | str,
+    scatter_list: list[torch.Tensor] | None = None,
+    src: int = 0,
+    async_op: bool = False,
 ) -> Any | None:
-    """Scatter ``scatter_list`` from global rank ``src`` over ``comm_mode`` into ``tensor``. See :meth:`Communicator.scatter`."""
+    """Scatter ``scatter_list`` from global rank ``src`` over ``comm_mode`` into ``tensor``. See
+    :meth:`Communicator.scatter`."""
     return _context.get_communicator(comm_mode).scatter(tensor, scatter_list, src, async_op)
 
 
-def reduce(tensor: torch.Tensor, comm_mode: CommMode | str, dst: int = 0, op: Any = ReduceOp.SUM, async_op: bool = False) -> Any | None:
+def reduce(
+    tensor: torch.Tensor, comm_mode: CommMode | str, dst: int = 0, op: Any = ReduceOp.SUM, async_op: bool = False
+) -> Any | None:
     """Reduce ``tensor`` across ``comm_mode`` into global rank ``dst``'s tensor. See :meth:`Communicator.reduce`."""
     return _context.get_communicator(comm_mode).reduce(tensor, dst, op, async_op)
 
 
 def reduce_scatter(
-    output_tensor: torch.Tensor, input_tensor: torch.Tensor, comm_mode: CommMode | str, op: Any = ReduceOp.SUM, async_op: bool = False
+    output_tensor: torch.Tensor,
+    input_tensor: torch.Tensor,
+    comm_mode: CommMode | str,
+    op: Any = ReduceOp.SUM,
+    async_op: bool = False,
 ) -> Any | None:
-    """Reduce ``input_tensor`` across ``comm_mode``; this rank's dim-0 slice lands in ``output_tensor``. See :meth:`Communicator.reduce_scatter`."""
+    """Reduce ``input_tensor`` across ``comm_mode``; this rank's dim-0 slice lands in ``output_tensor``. See
+    :meth:`Communicator.reduce_scatter`."""
     return _context.get_communicator(comm_mode).reduce_scatter(output_tensor, input_tensor, op, async_op)
 
 
-def all_gather_object(object_list: list[Any], obj: Any, comm_mode: CommMode | str, *, safe: bool | None = None, max_bytes: int | None = None) -> None:
-    """Gather every rank's picklable ``obj`` into ``object_list`` over ``comm_mode``. See :meth:`Communicator.all_gather_object`."""
+def all_gather_object(
+    object_list: list[Any],
+    obj: Any,
+    comm_mode: CommMode | str,
+    *,
+    safe: bool | None = None,
+    max_bytes: int | None = None,
+) -> None:
+    """Gather every rank's picklable ``obj`` into ``object_list`` over ``comm_mode``. See
+    :meth:`Communicator.all_gather_object`."""
     return _context.get_communicator(comm_mode).all_gather_object(object_list, obj, safe=safe, max_bytes=max_bytes)
 
 

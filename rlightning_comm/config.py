@@ -39,13 +39,22 @@ class DistributedConfig(_Frozen):
     @model_validator(mode="after")
     def _rank_in_world(self) -> DistributedConfig:
         if self.rank >= self.world_size:
-            raise ValueError(f"rank must satisfy 0 <= rank < world_size; got rank={self.rank}, world_size={self.world_size}")
+            raise ValueError(
+                f"rank must satisfy 0 <= rank < world_size; got rank={self.rank}, world_size={self.world_size}"
+            )
         return self
 
     def refuse_relaunch(
-        self, world_size: int | None, rank: int | None, backend: str, dist_url: str, timeout: float | timedelta, bounded_wait: bool
+        self,
+        world_size: int | None,
+        rank: int | None,
+        backend: str,
+        dist_url: str,
+        timeout: float | timedelta,
+        bounded_wait: bool,
     ) -> str | None:
-        """Why an ``init_distributed_env`` call inside a launched function does not ask for this, the launcher's world; ``None`` if it does.
+        """Why an ``init_distributed_env`` call inside a launched function does not ask for this, the launcher's world;
+        ``None`` if it does.
 
         Left-out ``world_size`` / ``rank`` and ``env://`` stand for the
         launcher's. Bad values raise ``ValueError`` as they would at first
@@ -63,9 +72,12 @@ class DistributedConfig(_Frozen):
             return None
         differ = ", ".join(f"{k}={v!r}" for k, v in asked.model_dump().items() if v != getattr(self, k))
         return (
-            f"rlightning_comm.launch.run already initialised this process's world with world_size={self.world_size}, rank={self.rank}, "
-            f"backend={self.backend!r}, timeout={self.timeout:g} s, bounded_wait={self.bounded_wait}; init_distributed_env asked for {differ}. "
-            "Inside a launched function the world is ready: drop the call, or pass the backend, timeout and bounded_wait to run()"
+            f"rlightning_comm.launch.run already initialised this process's world with world_size={self.world_size}, "
+            f"rank={self.rank}, "
+            f"backend={self.backend!r}, timeout={self.timeout:g} s, bounded_wait={self.bounded_wait}; "
+            f"init_distributed_env asked for {differ}. "
+            "Inside a launched function the world is ready: drop the call, or pass the backend, timeout and "
+            "bounded_wait to run()"
         )
 
 
@@ -105,12 +117,20 @@ class GroupConfig(_Frozen):
         seen: set[int] = set()
         for part in self.partition:
             if not part:
-                raise ValueError(f"ranks: every group needs at least one rank; got an empty group in {self.as_ranks()!r}")
+                raise ValueError(
+                    f"ranks: every group needs at least one rank; got an empty group in {self.as_ranks()!r}"
+                )
             for r in part:
                 if not 0 <= r < self.world_size:
-                    raise ValueError(f"ranks: rank {r} is out of range for world size {self.world_size}; expected 0 <= rank < {self.world_size}")
+                    raise ValueError(
+                        f"ranks: rank {r} is out of range for world size {self.world_size}; expected 0 <= rank < "
+                        f"{self.world_size}"
+                    )
                 if r in seen:
-                    raise ValueError(f"ranks: rank {r} appears more than once in {self.as_ranks()!r}; groups must be disjoint and ranks unique")
+                    raise ValueError(
+                        f"ranks: rank {r} appears more than once in {self.as_ranks()!r}; groups must be disjoint and "
+                        "ranks unique"
+                    )
                 seen.add(r)
         return self
 
@@ -139,8 +159,10 @@ class GroupConfig(_Frozen):
         """
         if (other.backend, other.timeout, other.world_size) != (self.backend, self.timeout, self.world_size):
             raise CommError(
-                f"mode {mode!r} is already bound to ranks {self.as_ranks()} (backend {self.backend!r}, timeout {self.timeout}s); "
-                f"every group of a mode uses one backend and timeout, got backend {other.backend!r}, timeout {other.timeout}s. "
+                f"mode {mode!r} is already bound to ranks {self.as_ranks()} (backend {self.backend!r}, timeout "
+                f"{self.timeout}s); "
+                f"every group of a mode uses one backend and timeout, got backend {other.backend!r}, timeout "
+                f"{other.timeout}s. "
                 "Call destroy() before binding the mode again"
             )
         owner = {r: part for part in self.partition for r in part}
@@ -151,8 +173,10 @@ class GroupConfig(_Frozen):
             clash = next((r for r in part if r in owner), None)
             if clash is not None:
                 raise CommError(
-                    f"mode {mode!r}: rank {clash} is declared in two different groups, {list(owner[clash])} (declared before) and {list(part)}; "
-                    "a rank belongs to at most one group of a mode (the same ranks in another order are another group). Call destroy() to redeclare the mode"
+                    f"mode {mode!r}: rank {clash} is declared in two different groups, {list(owner[clash])} (declared "
+                    f"before) and {list(part)}; "
+                    "a rank belongs to at most one group of a mode (the same ranks in another order are another "
+                    "group). Call destroy() to redeclare the mode"
                 )
             new.append(part)
         return self.model_copy(update={"partition": self.partition + tuple(new)}), tuple(new)
@@ -190,7 +214,10 @@ class ParallelConfig(_Frozen):
     def _known_order(cls, order: str) -> str:
         axes = order.split("-")
         if sorted(axes) != sorted(_PARALLEL_DIMS):
-            raise ValueError(f"order must name each of 'tp', 'sp', 'dp' once, joined by '-' (for example 'tp-sp-dp' or 'tp-dp-sp'); got {order!r}")
+            raise ValueError(
+                "order must name each of 'tp', 'sp', 'dp' once, joined by '-' (for example 'tp-sp-dp' or 'tp-dp-sp'); "
+                f"got {order!r}"
+            )
         return order
 
     @property
@@ -217,10 +244,14 @@ class ParallelConfig(_Frozen):
         if dp is None:
             if world_size % (tp * sp):
                 raise ValueError(
-                    f"world size {world_size} is not divisible by tensor_parallel_size x sequence_parallel_size = {tp} x {sp} = {tp * sp} "
+                    f"world size {world_size} is not divisible by tensor_parallel_size x sequence_parallel_size = {tp} "
+                    f"x {sp} = {tp * sp} "
                     f"({declared}); pick sizes whose product divides the world size"
                 )
             dp = world_size // (tp * sp)
         elif tp * sp * dp != world_size:
-            raise ValueError(f"tensor x sequence x data parallel sizes {tp} x {sp} x {dp} = {tp * sp * dp} must equal the world size {world_size} ({declared})")
+            raise ValueError(
+                f"tensor x sequence x data parallel sizes {tp} x {sp} x {dp} = {tp * sp * dp} must equal the world "
+                f"size {world_size} ({declared})"
+            )
         return {"tp": tp, "sp": sp, "dp": dp}

@@ -41,7 +41,9 @@ class PeerLostError(CommError):
     """
 
     def __init__(self, message: str, mode: str, generation: int, member: int | None) -> None:
-        super().__init__(message, mode, generation, member)  # every argument in args, so the error pickles (Ray sends errors back)
+        super().__init__(
+            message, mode, generation, member
+        )  # every argument in args, so the error pickles (Ray sends errors back)
 
     @property
     def mode(self) -> str:

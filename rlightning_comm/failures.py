@@ -20,7 +20,14 @@ from rlightning_comm.errors import CommError, CommTimeoutError
 
 # After a timeout gloo closes the group's connections: the next op fails at
 # once with this text, which names a timeout but is not one.
-_BROKEN_MARKERS = ("pair closure", "connection reset", "connection closed", "closed by peer", "broken pipe", "connection refused")
+_BROKEN_MARKERS = (
+    "pair closure",
+    "connection reset",
+    "connection closed",
+    "closed by peer",
+    "broken pipe",
+    "connection refused",
+)
 _TIMEOUT_MARKERS = ("timed out", "timeout")
 # The backend's own argument checks on this rank, which fail before this rank sends anything, so its connections are
 # intact: gloo's algorithm setup and ProcessGroupGloo's validation (a transport enforce is a broken pair instead), and
@@ -45,11 +52,13 @@ _LOCAL_MARKERS = (
     "invalid argument",
 )
 LAUNCH_ERRORS = (RuntimeError, TypeError, ValueError)
-"""What a launch catches: backend failures (``RuntimeError``, ``DistBackendError``) and the backend's own argument refusals."""
+"""What a launch catches: backend failures (``RuntimeError``, ``DistBackendError``) and the backend's own argument
+refusals."""
 
 
 def close_gloo_group(group: Any) -> None:
-    """Close every connection of a gloo ``group`` on this process, so that every member's pending operation with it fails now.
+    """Close every connection of a gloo ``group`` on this process, so that every member's pending operation with it
+    fails now.
 
     For a group a failure has made unusable: its members would otherwise wait
     out the group's timeout on a receive this process will never match. A
@@ -94,12 +103,16 @@ def comm_failure(err: BaseException, mode: str, op: str, timeout: float | None) 
         limit = "its timeout" if timeout is None else f"{timeout:g} s (the group's timeout)"
         return CommTimeoutError(
             f"{op} on mode {mode!r} timed out after {limit}: a peer did not join it "
-            f"(it skipped the call, is blocked elsewhere or died). The group is unusable now; destroy() the context. Backend: {text}"
+            "(it skipped the call, is blocked elsewhere or died). The group is unusable now; destroy() the context. "
+            f"Backend: {text}"
         )
-    if isinstance(err, NotImplementedError) or ("transport" not in lowered and any(m in lowered for m in _LOCAL_MARKERS)):
+    if isinstance(err, NotImplementedError) or (
+        "transport" not in lowered and any(m in lowered for m in _LOCAL_MARKERS)
+    ):
         return CommError(_refused(op, mode, text))
     return CommError(
-        f"{op} on mode {mode!r} failed: a peer is gone or an earlier failure broke the group. The group is unusable now; destroy() the context. Backend: {text}"
+        f"{op} on mode {mode!r} failed: a peer is gone or an earlier failure broke the group. The group is unusable "
+        f"now; destroy() the context. Backend: {text}"
     )
 
 
@@ -112,7 +125,8 @@ def _refused(op: str, mode: str, text: str) -> str:
 
 
 class WorkHandle:
-    """The handle an ``async_op=True`` collective returns: torch's work object whose :meth:`wait` raises the library's errors.
+    """The handle an ``async_op=True`` collective returns: torch's work object whose :meth:`wait` raises the library's
+    errors.
 
     Every other attribute (``is_completed``, ``get_future``, ...) is the
     wrapped torch work's own. A backend that returned no work (``None``: the
@@ -123,12 +137,21 @@ class WorkHandle:
 
     __slots__ = ("_failure", "_mode", "_op", "_timeout", "_work")
 
-    def __init__(self, work: Any, mode: str, op: str, timeout: float | None, failure: Callable[[str, BaseException], CommError] | None = None) -> None:
+    def __init__(
+        self,
+        work: Any,
+        mode: str,
+        op: str,
+        timeout: float | None,
+        failure: Callable[[str, BaseException], CommError] | None = None,
+    ) -> None:
         self._work = work
         self._mode = mode
         self._op = op
         self._timeout = timeout
-        self._failure = failure  # the communicator's own translation (a connected mode names a lost member), else comm_failure
+        self._failure = (
+            failure  # the communicator's own translation (a connected mode names a lost member), else comm_failure
+        )
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
         """Block until the collective completes, as torch's ``Work.wait``.
@@ -144,7 +167,9 @@ class WorkHandle:
             return work.wait(*args, **kwargs)
         except LAUNCH_ERRORS as err:
             failure = self._failure
-            raise (comm_failure(err, self._mode, self._op, self._timeout) if failure is None else failure(self._op, err)) from err
+            raise (
+                comm_failure(err, self._mode, self._op, self._timeout) if failure is None else failure(self._op, err)
+            ) from err
 
     def is_completed(self) -> bool:
         """Whether the collective has completed (torch's ``Work.is_completed``)."""

@@ -69,13 +69,17 @@ def _rank_main(
     env: dict[str, str] | None = None,
     bounded_wait: bool = False,
 ) -> None:
-    if env is not None:  # a local rank: the caller's environment (a forked rank has the fork server's), and torchrun's placement
+    if (
+        env is not None
+    ):  # a local rank: the caller's environment (a forked rank has the fork server's), and torchrun's placement
         os.environ.clear()
         os.environ.update(env)
         os.environ.update(_placement_env(rank, world_size))  # before the world: NCCL picks its GPU from LOCAL_RANK
         pin_gloo_to_loopback()  # every peer is on this host: nothing needs to listen beyond loopback
     ctx = CommContext()
-    ctx.init_distributed_env(world_size=world_size, rank=rank, backend=backend, dist_url=url, timeout=timeout, bounded_wait=bounded_wait)
+    ctx.init_distributed_env(
+        world_size=world_size, rank=rank, backend=backend, dist_url=url, timeout=timeout, bounded_wait=bounded_wait
+    )
     ctx._mark_launched()
     try:
         fn(*args)
@@ -93,12 +97,21 @@ def _check_gpus(backend: str, nproc: int) -> None:
     count = torch.cuda.device_count()
     if nproc > count:
         raise ValueError(
-            f"run(..., backend={backend!r}) puts each local rank on its own GPU (cuda:LOCAL_RANK), so nproc must be at most "
-            f"torch.cuda.device_count() = {count}; got nproc={nproc}. Hint: pass nproc={max(count, 1)}, or backend='gloo' on CPU"
+            f"run(..., backend={backend!r}) puts each local rank on its own GPU (cuda:LOCAL_RANK), so nproc must be at "
+            "most "
+            f"torch.cuda.device_count() = {count}; got nproc={nproc}. Hint: pass nproc={max(count, 1)}, or "
+            "backend='gloo' on CPU"
         )
 
 
-def run(fn: Callable[..., Any], nproc: int = 4, *args: Any, backend: str = "gloo", timeout: float = 1800, bounded_wait: bool = False) -> None:
+def run(
+    fn: Callable[..., Any],
+    nproc: int = 4,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = 1800,
+    bounded_wait: bool = False,
+) -> None:
     """Run ``fn(*args)`` on every rank, with the context initialised.
 
     With no launcher, ``nproc`` local processes are started (forked from a
@@ -143,7 +156,16 @@ def run(fn: Callable[..., Any], nproc: int = 4, *args: Any, backend: str = "gloo
         RuntimeError: a spawned rank failed or did not finish in time.
     """
     if under_launcher():
-        _rank_main(fn, args, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), backend, "env://", timeout, bounded_wait=bounded_wait)
+        _rank_main(
+            fn,
+            args,
+            int(os.environ["RANK"]),
+            int(os.environ["WORLD_SIZE"]),
+            backend,
+            "env://",
+            timeout,
+            bounded_wait=bounded_wait,
+        )
         return
     if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
         raise ValueError(f"nproc must be a positive integer; got {nproc!r}")
@@ -153,7 +175,10 @@ def run(fn: Callable[..., Any], nproc: int = 4, *args: Any, backend: str = "gloo
     ctx = _process_context()
     env = dict(os.environ)
     procs = [
-        ctx.Process(target=_rank_main, args=(fn, args, r, nproc, backend, url, timeout, env, bounded_wait), name=f"rank{r}") for r in range(nproc)
+        ctx.Process(
+            target=_rank_main, args=(fn, args, r, nproc, backend, url, timeout, env, bounded_wait), name=f"rank{r}"
+        )
+        for r in range(nproc)
     ]
     try:
         for p in procs:
@@ -178,4 +203,7 @@ def run(fn: Callable[..., Any], nproc: int = 4, *args: Any, backend: str = "gloo
                 p.kill()
         shutil.rmtree(store, ignore_errors=True)
     if failed or hung:
-        raise RuntimeError(f"local ranks failed: exit codes {failed}; still running (terminated) {hung}. See each rank's traceback above")
+        raise RuntimeError(
+            f"local ranks failed: exit codes {failed}; still running (terminated) {hung}. See each rank's traceback "
+            "above"
+        )

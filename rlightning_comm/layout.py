@@ -17,7 +17,8 @@ class ModeLayout:
     """This rank's view of one bound mode."""
 
     ranks: tuple[int, ...]
-    """Global ranks of this rank's group in group-rank order, as declared (empty on a non-member of a mode with several groups)."""
+    """Global ranks of this rank's group in group-rank order, as declared (empty on a non-member of a mode with several
+    groups)."""
     rank: int | None
     """This rank's index within the group; ``None`` on a non-member."""
     world_size: int
@@ -42,7 +43,9 @@ def describe_layout(context: CommContext | None = None) -> dict[str, ModeLayout]
     for mode in context.bound_modes():
         comm = context.get_communicator(mode)
         rank = comm.rank if comm.is_member else None
-        layout[mode] = ModeLayout(ranks=comm.ranks, rank=rank, world_size=comm.world_size, backend=context.get_group_config(mode).backend)
+        layout[mode] = ModeLayout(
+            ranks=comm.ranks, rank=rank, world_size=comm.world_size, backend=context.get_group_config(mode).backend
+        )
     return layout
 
 

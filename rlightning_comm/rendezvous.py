@@ -55,7 +55,14 @@ def loopback_address(init_method: str) -> tuple[str, int] | None:
         return None  # not an IP literal, or a bad port: torch reports it
 
 
-def init_process_group(backend: str, init_method: str, world_size: int, rank: int, timeout: timedelta, device_id: torch.device | None = None) -> None:
+def init_process_group(
+    backend: str,
+    init_method: str,
+    world_size: int,
+    rank: int,
+    timeout: timedelta,
+    device_id: torch.device | None = None,
+) -> None:
     """``torch.distributed.init_process_group``, with a loopback-only store for a loopback rendezvous address.
 
     The world's store is made here (a loopback ``TCPStore``, or torch's public
@@ -92,12 +99,15 @@ def init_process_group(backend: str, init_method: str, world_size: int, rank: in
             store = dist.TCPStore(host, port, world_size, False, timeout, use_libuv=True)
     # The key layout torch gives the store it makes from a URL, so peers that let torch initialise interoperate.
     store = dist.PrefixStore(_compat.DEFAULT_PG_STORE_PREFIX, store)
-    dist.init_process_group(backend=backend, store=store, world_size=world_size, rank=rank, timeout=timeout, device_id=device_id)
+    dist.init_process_group(
+        backend=backend, store=store, world_size=world_size, rank=rank, timeout=timeout, device_id=device_id
+    )
     _STORES[dist.group.WORLD] = store
 
 
 def listen_fd(host: str, port: int, peers: int, what: str) -> int:
-    """A socket listening on ``host:port`` only (port 0: one the OS picks), as a file descriptor for ``TCPStore(master_listen_fd=...)``.
+    """A socket listening on ``host:port`` only (port 0: one the OS picks), as a file descriptor for
+    ``TCPStore(master_listen_fd=...)``.
 
     Raises:
         CommError: the address cannot be listened on (the message names ``what`` it was for).
@@ -115,7 +125,8 @@ _STORES: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.Store] = weakref.Weak
 
 
 def register_store(group: object, store: dist.Store) -> None:
-    """Record ``store`` as the one every member of ``group`` reaches: a group outside the world, made with a store of its own."""
+    """Record ``store`` as the one every member of ``group`` reaches: a group outside the world, made with a store of
+    its own."""
     _STORES[group] = store
 
 

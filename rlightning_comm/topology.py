@@ -53,7 +53,9 @@ def _orthogonal_groups(shape: Sequence[int], spanned: Sequence[bool]) -> Partiti
         strides.append(strides[-1] * n)
     inner = [i for i, s in enumerate(spanned) if s]
     outer = [i for i, s in enumerate(spanned) if not s]
-    offsets = [sum(c * strides[i] for c, i in zip(coords, inner)) for coords in _first_fastest([shape[i] for i in inner])]
+    offsets = [
+        sum(c * strides[i] for c, i in zip(coords, inner)) for coords in _first_fastest([shape[i] for i in inner])
+    ]
     groups = []
     for coords in _first_fastest([shape[i] for i in outer]):
         base = sum(c * strides[i] for c, i in zip(coords, outer))
@@ -117,21 +119,31 @@ def node_partitions(placements: Sequence[NodePlacement | tuple[int, int, int]]) 
         by_node.setdefault(p.node_rank, []).append(r)
     sizes = {p.local_world_size for p in places}
     if len(sizes) > 1:
-        detail = ", ".join(f"node {n}: LOCAL_WORLD_SIZE {sorted({places[r].local_world_size for r in rs})} on ranks {rs}" for n, rs in sorted(by_node.items()))
+        detail = ", ".join(
+            f"node {n}: LOCAL_WORLD_SIZE {sorted({places[r].local_world_size for r in rs})} on ranks {rs}"
+            for n, rs in sorted(by_node.items())
+        )
         raise ValueError(f"uneven nodes: every rank must report the same LOCAL_WORLD_SIZE; got {detail}")
     local_size = sizes.pop()
     counts = {n: len(rs) for n, rs in by_node.items()}
     if local_size < 1 or any(c != local_size for c in counts.values()):
-        raise ValueError(f"uneven nodes: every node must run LOCAL_WORLD_SIZE={local_size} ranks; got ranks per node {dict(sorted(counts.items()))}")
+        raise ValueError(
+            f"uneven nodes: every node must run LOCAL_WORLD_SIZE={local_size} ranks; got ranks per node "
+            f"{dict(sorted(counts.items()))}"
+        )
     nodes = world // local_size
     if sorted(by_node) != list(range(nodes)):
-        raise ValueError(f"node ranks must be 0 .. {nodes - 1} for {world} ranks, {local_size} per node; got {sorted(by_node)}")
+        raise ValueError(
+            f"node ranks must be 0 .. {nodes - 1} for {world} ranks, {local_size} per node; got {sorted(by_node)}"
+        )
     intra = []
     for n in range(nodes):
         ranks = sorted(by_node[n], key=lambda r: places[r].local_rank)
         locals_ = [places[r].local_rank for r in ranks]
         if locals_ != list(range(local_size)):
-            raise ValueError(f"node {n}: local ranks must be 0 .. {local_size - 1} once each; got {locals_} on ranks {ranks}")
+            raise ValueError(
+                f"node {n}: local ranks must be 0 .. {local_size - 1} once each; got {locals_} on ranks {ranks}"
+            )
         intra.append(tuple(ranks))
     inter = tuple(tuple(intra[n][local] for n in range(nodes)) for local in range(local_size))
     return {"INTRA_NODE": tuple(intra), "INTER_NODE": inter}
@@ -155,7 +167,9 @@ def weight_transfer_ranks(src: int, dst_ranks: Sequence[int], world_size: int) -
         if isinstance(r, bool) or not isinstance(r, int):
             raise TypeError(f"{name} must be an int global rank; got {type(r).__name__} {r!r}")
         if not 0 <= r < world_size:
-            raise ValueError(f"{name}={r} is out of range for world size {world_size}; expected 0 <= rank < {world_size}")
+            raise ValueError(
+                f"{name}={r} is out of range for world size {world_size}; expected 0 <= rank < {world_size}"
+            )
     if not dst_ranks:
         raise ValueError("dst_ranks must name at least one destination rank; got []")
     if len(set(dst_ranks)) != len(dst_ranks):

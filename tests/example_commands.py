@@ -17,7 +17,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+LAUNCHER_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 def commands(example: str) -> list[str]:
@@ -37,7 +45,10 @@ def documented(example: str, launcher: bool = False, *extra: str) -> list[str]:
         AssertionError: the docstring does not show exactly one such command.
     """
     shown = [c for c in commands(example) if c.startswith("torchrun ") == launcher]
-    assert len(shown) == 1, f"examples/{example}: its docstring shows {shown} {'under torchrun' if launcher else 'without a launcher'}; expected one command"
+    assert len(shown) == 1, (
+        f"examples/{example}: its docstring shows {shown} {'under torchrun' if launcher else 'without a launcher'}; "
+        "expected one command"
+    )
     words = shown[0].split()
     head = [sys.executable, "-m", "torch.distributed.run", "--standalone"] if launcher else [sys.executable]
     return [*head, *words[1:], *extra]

@@ -11,12 +11,22 @@ from __future__ import annotations
 import itertools
 
 ORDERS = ["-".join(p) for p in itertools.permutations(("tp", "sp", "dp"))]
-MODE_AXES = {"TENSOR_PARALLEL": {"tp"}, "SEQUENCE_PARALLEL": {"sp"}, "DATA_PARALLEL": {"dp"}, "TRAIN_DATA_PARALLEL": {"sp", "dp"}}
+MODE_AXES = {
+    "TENSOR_PARALLEL": {"tp"},
+    "SEQUENCE_PARALLEL": {"sp"},
+    "DATA_PARALLEL": {"dp"},
+    "TRAIN_DATA_PARALLEL": {"sp", "dp"},
+}
 
 
 def factorizations(world_size: int) -> list[tuple[int, int, int]]:
     """Every (tp, sp, dp) whose product is ``world_size``."""
-    return [(tp, sp, world_size // (tp * sp)) for tp in range(1, world_size + 1) for sp in range(1, world_size + 1) if world_size % (tp * sp) == 0]
+    return [
+        (tp, sp, world_size // (tp * sp))
+        for tp in range(1, world_size + 1)
+        for sp in range(1, world_size + 1)
+        if world_size % (tp * sp) == 0
+    ]
 
 
 def all_layouts(world_size: int) -> list[tuple[int, int, int, str]]:

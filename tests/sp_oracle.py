@@ -65,7 +65,13 @@ class Checks:
 
 
 def assert_all_within(results: list[dict[str, float]], tol: float = TOL) -> None:
-    """Fail with every check, on every rank, whose error is above ``tol`` (or NaN); fail also when nothing was checked."""
-    bad = [f"rank {r}: {name}: {err:.3g}" for r, errs in enumerate(results) for name, err in sorted(errs.items()) if not err <= tol]
+    """Fail with every check, on every rank, whose error is above ``tol`` (or NaN); fail also when nothing was
+    checked."""
+    bad = [
+        f"rank {r}: {name}: {err:.3g}"
+        for r, errs in enumerate(results)
+        for name, err in sorted(errs.items())
+        if not err <= tol
+    ]
     assert all(results), "a rank ran no checks"
     assert not bad, "checks above tolerance:\n" + "\n".join(bad)

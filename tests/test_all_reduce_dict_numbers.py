@@ -1,4 +1,5 @@
-"""all_reduce_dict against raw torch.distributed on the same values (2 gloo ranks): key order, exact counts, clear errors, one copy each way."""
+"""all_reduce_dict against raw torch.distributed on the same values (2 gloo ranks): key order, exact counts, clear
+errors, one copy each way."""
 
 from __future__ import annotations
 
@@ -26,7 +27,12 @@ def _numbers_task(rank, size, url):
     got = collective.all_reduce_dict(ordered, "GLOBAL")
     raw = torch.tensor([values[k] for k in keys], dtype=torch.float64)
     dist.all_reduce(raw)
-    out["float"] = (got == dict(zip(keys, raw.tolist())), list(got) == keys, ordered == before, all(type(v) is float for v in got.values()))
+    out["float"] = (
+        got == dict(zip(keys, raw.tolist())),
+        list(got) == keys,
+        ordered == before,
+        all(type(v) is float for v in got.values()),
+    )
     # int64 reduction with MAX.
     ints = {"a": 3 + rank, "b": -7 * rank, "c": 10**12 + rank}
     got = collective.all_reduce_dict(ints, "GLOBAL", op=dist.ReduceOp.MAX, dtype=torch.int64)
@@ -97,7 +103,8 @@ def test_bad_dtype_is_refused(dtype, error, text):
 
 
 class _Transfers(TorchFunctionMode):
-    """Counts what would cross between host and device: tensors made from host data, copies across devices, host reads."""
+    """Counts what would cross between host and device: tensors made from host data, copies across devices, host
+    reads."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -138,7 +145,9 @@ def test_unpack_reads_the_numbers_in_one_transfer():
     flat, unpack = pack(d, torch.float32, CPU, "M")
     with _Transfers() as seen:
         out = unpack(flat)
-    assert seen.reads == [(4,)] and seen.made == {} and seen.crossings == 0  # one slice, no index tensor sent to the device
+    assert (
+        seen.reads == [(4,)] and seen.made == {} and seen.crossings == 0
+    )  # one slice, no index tensor sent to the device
     assert list(out) == sorted(d)
     assert all(torch.equal(out[k], d[k]) for k in d if isinstance(d[k], torch.Tensor))
     assert [out[k] for k in d if not isinstance(d[k], torch.Tensor)] == [1.0, 3.0, 5.0, 7.0]

@@ -17,7 +17,8 @@ from rlightning_comm.cli import main as top_main
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# nccl-tests' factors, written out by hand for n = 1, 2, 3, 4, 8 (doc/PERFORMANCE.md and src/{gather,scatter,alltoall}.cu).
+# nccl-tests' factors, written out by hand for n = 1, 2, 3, 4, 8 (doc/PERFORMANCE.md and
+# src/{gather,scatter,alltoall}.cu).
 NCCL_TESTS = {
     "all_reduce": [0.0, 1.0, 4 / 3, 1.5, 1.75],
     "all_reduce_dict": [0.0, 1.0, 4 / 3, 1.5, 1.75],
@@ -125,17 +126,24 @@ def _check_rows(rows, group_size):
         assert r["time_us"] > 0 and r["raw_time_us"] > 0
         assert r["time_min_us"] <= r["time_us"] <= r["time_max_us"]
         assert r["algbw_gbps"] == pytest.approx(r["size"] / (r["time_us"] * 1e-6) / 1e9)
-        assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * NCCL_TESTS[r["op"]][[1, 2, 3, 4, 8].index(group_size)])
+        assert r["busbw_gbps"] == pytest.approx(
+            r["algbw_gbps"] * NCCL_TESTS[r["op"]][[1, 2, 3, 4, 8].index(group_size)]
+        )
         assert r["overhead_pct"] == pytest.approx((r["time_us"] / r["raw_time_us"] - 1) * 100)
 
 
 def test_bench_smoke_every_op_json_and_table(tmp_path):
     out = tmp_path / "bench.json"
-    proc = _run(["--nproc", "2", "--sizes", "8:512", "--factor", "8", "--iters", "2", "--warmup", "1", "--json", str(out)], tmp_path)
+    proc = _run(
+        ["--nproc", "2", "--sizes", "8:512", "--factor", "8", "--iters", "2", "--warmup", "1", "--json", str(out)],
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
     rows = doc["rows"]
-    assert [(r["op"], r["size"]) for r in rows] == [(op, s) for op in OPS if op != "barrier" for s in (8, 64, 512)] + [("barrier", 0)]
+    assert [(r["op"], r["size"]) for r in rows] == [(op, s) for op in OPS if op != "barrier" for s in (8, 64, 512)] + [
+        ("barrier", 0)
+    ]
     _check_rows(rows, group_size=2)
     assert doc["wrong"] == 0 and doc["meta"]["world_size"] == 2 and doc["meta"]["backend"] == "gloo"
     # One printed line per row, as nccl-tests prints them, and the verdict.
@@ -161,7 +169,9 @@ def _wrong_task(rank, size, url, path):
     from rlightning_comm.bench.cli import _guarded
     from rlightning_comm.bench.runner import run_rank
 
-    cfg = BenchConfig(sizes=(64,), ops=("all_reduce", "gather"), iters=2, warmup=1, json_path=path, inject_wrong="gather")
+    cfg = BenchConfig(
+        sizes=(64,), ops=("all_reduce", "gather"), iters=2, warmup=1, json_path=path, inject_wrong="gather"
+    )
     return _guarded(run_rank, rank, size, url, cfg)  # what a rank process exits with
 
 
@@ -208,7 +218,11 @@ def test_bench_on_groups_uses_the_group_size_for_busbw(world2, tmp_path):
 
 def test_plot_draws_busbw_per_op(tmp_path):
     pytest.importorskip("matplotlib", reason="matplotlib is the optional 'plot' extra")
-    rows = [{"op": op, "size": s, "busbw_gbps": s / 1e6, "raw_busbw_gbps": s / 2e6} for op in ("all_reduce", "broadcast") for s in (64, 1024, 16384)]
+    rows = [
+        {"op": op, "size": s, "busbw_gbps": s / 1e6, "raw_busbw_gbps": s / 2e6}
+        for op in ("all_reduce", "broadcast")
+        for s in (64, 1024, 16384)
+    ]
     path = tmp_path / "bench.png"
     report.write_plot(str(path), rows, "test")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -221,7 +235,12 @@ def _no_numpy_task(rank, size, url, path):
     real = runner.torch_objects_available
     runner.torch_objects_available = lambda: False
     try:
-        return runner.run_rank(rank, size, url, BenchConfig(sizes=(64,), ops=("all_reduce", "broadcast_object_list"), iters=1, warmup=0, json_path=path))
+        return runner.run_rank(
+            rank,
+            size,
+            url,
+            BenchConfig(sizes=(64,), ops=("all_reduce", "broadcast_object_list"), iters=1, warmup=0, json_path=path),
+        )
     finally:
         runner.torch_objects_available = real  # the world's processes are reused
 
@@ -236,7 +255,12 @@ def test_without_numpy_broadcast_object_list_is_skipped_with_a_reason(world2, tm
 def _repeat_task(rank, size, url, path):
     from rlightning_comm.bench.runner import run_rank
 
-    return run_rank(rank, size, url, BenchConfig(sizes=(64,), ops=("all_reduce", "barrier"), iters=2, warmup=0, repeat=3, json_path=path))
+    return run_rank(
+        rank,
+        size,
+        url,
+        BenchConfig(sizes=(64,), ops=("all_reduce", "barrier"), iters=2, warmup=0, repeat=3, json_path=path),
+    )
 
 
 def test_repeat_reports_the_median_overhead_and_its_spread(world2, tmp_path, capsys):

@@ -90,7 +90,9 @@ def _every_op_matches_raw(rank: int, size: int, url: str, async_op: bool) -> int
 
             chunks = [_data(src, (3,), torch.float32, salt=i) for i in range(size)]
             ours, raw = torch.full((3,), -1.0), torch.full((3,), -1.0)
-            finish(collective.scatter(ours, mode, scatter_list=chunks if rank == src else None, src=src, async_op=async_op))
+            finish(
+                collective.scatter(ours, mode, scatter_list=chunks if rank == src else None, src=src, async_op=async_op)
+            )
             dist.scatter(raw, chunks if rank == src else None, src=src, group=world)
             _same(ours, raw, f"scatter src={src}")
 
@@ -105,7 +107,11 @@ def _every_op_matches_raw(rank: int, size: int, url: str, async_op: bool) -> int
                     _same(torch.view_as_real(ours_c[i]), raw_c[i], f"complex gather dst={src} slot {i}")
             chunks_c = [_data(src, (3,), torch.complex128, salt=i) for i in range(size)]
             ours, raw = torch.zeros(3, dtype=torch.complex128), torch.zeros(3, dtype=torch.complex128)
-            finish(collective.scatter(ours, mode, scatter_list=chunks_c if rank == src else None, src=src, async_op=async_op))
+            finish(
+                collective.scatter(
+                    ours, mode, scatter_list=chunks_c if rank == src else None, src=src, async_op=async_op
+                )
+            )
             dist.scatter(raw, chunks_c if rank == src else None, src=src, group=world)
             _same(ours, raw, f"complex scatter src={src}")
 
@@ -188,7 +194,9 @@ def test_all_reduce_dict_matches_per_key_reduction(world):
 def _dict_uses_one_collective(rank: int, size: int, url: str) -> dict[str, int]:
     init_world(rank, size, url)
     with backend_calls() as calls:
-        out = collective.all_reduce_dict({f"k{i}": (torch.ones(i % 3 + 1) if i % 5 == 0 else i) for i in range(300)}, CommMode.GLOBAL)
+        out = collective.all_reduce_dict(
+            {f"k{i}": (torch.ones(i % 3 + 1) if i % 5 == 0 else i) for i in range(300)}, CommMode.GLOBAL
+        )
     assert out["k7"] == 7.0 * size and torch.equal(out["k5"], torch.full((3,), float(size)))
     return dict(calls)
 
@@ -273,7 +281,9 @@ def _gather_scatter_in_subgroup(rank: int, size: int, url: str) -> None:
         if rank == 3:
             assert [g.item() for g in gl] == [3.0, 1.0], gl
         out = torch.zeros(1)
-        collective.scatter(out, "odds", scatter_list=[torch.tensor([30.0]), torch.tensor([10.0])] if rank == 3 else None, src=3)
+        collective.scatter(
+            out, "odds", scatter_list=[torch.tensor([30.0]), torch.tensor([10.0])] if rank == 3 else None, src=3
+        )
         assert out.item() == rank * 10.0
         assert ctx.get_local_rank("odds") == {3: 0, 1: 1}[rank]
 

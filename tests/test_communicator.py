@@ -11,7 +11,14 @@ from counting import backend_calls
 from torch.distributed import ReduceOp
 from typing_extensions import override
 
-from rlightning_comm import CommContext, Communicator, GlooCommunicator, NcclCommunicator, collective, register_communicator
+from rlightning_comm import (
+    CommContext,
+    Communicator,
+    GlooCommunicator,
+    NcclCommunicator,
+    collective,
+    register_communicator,
+)
 from rlightning_comm.communicators import get_communicator_class, registered_communicators
 
 
@@ -135,7 +142,10 @@ DELEGATION = [
     (lambda m: collective.gather(T, m, [T], 0), ("gather", (T, [T], 0, False))),
     (lambda m: collective.scatter(T, m, [T], 0), ("scatter", (T, [T], 0, False))),
     (lambda m: collective.broadcast_object_list(["x"], m, 0), ("broadcast_object_list", (["x"], 0))),
-    (lambda m: collective.all_reduce_dict({"a": 1}, m, ReduceOp.SUM, torch.float64), ("all_reduce_dict", ({"a": 1}, ReduceOp.SUM, torch.float64))),
+    (
+        lambda m: collective.all_reduce_dict({"a": 1}, m, ReduceOp.SUM, torch.float64),
+        ("all_reduce_dict", ({"a": 1}, ReduceOp.SUM, torch.float64)),
+    ),
     (lambda m: collective.barrier(m), ("barrier", ())),
     (lambda m: collective.reduce(T, m, 0, ReduceOp.MAX, True), ("reduce", (T, 0, ReduceOp.MAX, True))),
     (lambda m: collective.reduce_scatter(T, U, m, ReduceOp.SUM), ("reduce_scatter", (T, U, ReduceOp.SUM, False))),
@@ -176,7 +186,10 @@ def test_a_backend_subclassing_the_base_works_and_keeps_its_capabilities(ctx):
     collective.all_reduce(t, "custom", op=ReduceOp.MAX)
     assert t.item() == 2.0
     assert collective.all_reduce_dict({"a": 3}, "custom") == {"a": 3.0}
-    with pytest.raises(ValueError, match=r"reduce op .*PRODUCT.* is not supported by FromBaseCommunicator .*supported: \['MAX', 'SUM'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"reduce op .*PRODUCT.* is not supported by FromBaseCommunicator .*supported: \['MAX', 'SUM'\]",
+    ):
         collective.all_reduce(t, "custom", op=ReduceOp.PRODUCT)
 
 
@@ -187,7 +200,9 @@ def test_registry_rejects_non_communicators_and_name_clashes():
         register_communicator("gloo")(RecordingCommunicator)
     with pytest.raises(TypeError, match="non-empty str"):
         register_communicator("")
-    assert register_communicator("gloo")(GlooCommunicator) is GlooCommunicator  # re-registering the same class is a no-op
+    assert (
+        register_communicator("gloo")(GlooCommunicator) is GlooCommunicator
+    )  # re-registering the same class is a no-op
     assert {"gloo", "nccl"} <= set(registered_communicators())
 
 
@@ -212,9 +227,29 @@ def _bad_input_calls(ctx):
     comm = ctx.get_communicator(g)
     base_tensor = torch.arange(8.0)
     _raises(TypeError, "tensor must be a torch.Tensor; got list", collective.all_reduce, [1.0], g)
-    _raises(ValueError, r"tensor must be contiguous; got a tensor of shape \(4,\) with stride \(2,\)", collective.all_reduce, base_tensor[::2], g)
-    _raises(ValueError, "not defined on complex tensors", collective.all_reduce, torch.ones(2, dtype=torch.complex64), g, ReduceOp.MAX)
-    _raises(ValueError, "bitwise reduce op .* needs an integer or bool tensor; got torch.float32", collective.all_reduce, torch.ones(2), g, ReduceOp.BAND)
+    _raises(
+        ValueError,
+        r"tensor must be contiguous; got a tensor of shape \(4,\) with stride \(2,\)",
+        collective.all_reduce,
+        base_tensor[::2],
+        g,
+    )
+    _raises(
+        ValueError,
+        "not defined on complex tensors",
+        collective.all_reduce,
+        torch.ones(2, dtype=torch.complex64),
+        g,
+        ReduceOp.MAX,
+    )
+    _raises(
+        ValueError,
+        "bitwise reduce op .* needs an integer or bool tensor; got torch.float32",
+        collective.all_reduce,
+        torch.ones(2),
+        g,
+        ReduceOp.BAND,
+    )
     _raises(
         ValueError,
         "AVG needs a floating-point tensor with GlooCommunicator; got torch.int64",
@@ -224,14 +259,55 @@ def _bad_input_calls(ctx):
         ReduceOp.AVG,
     )
     _raises(ValueError, "not supported by GlooCommunicator", collective.all_reduce, torch.ones(2), g, "SUM")
-    _raises(ValueError, r"output_tensor must have shape \(2, 3\) or \(1, 2, 3\)", collective.all_gather, torch.empty(3, 3), torch.ones(2, 3), g)
-    _raises(ValueError, "torch.float64", collective.all_gather, torch.empty(2, 3, dtype=torch.float64), torch.ones(2, 3), g)
-    _raises(ValueError, r"src=1 is not a global rank of mode 'GLOBAL'; expected one of \[0\]", collective.broadcast, torch.ones(1), g, 1)
-    _raises(TypeError, "src=True is not a global rank of mode 'GLOBAL': expected an int", collective.broadcast, torch.ones(1), g, True)
+    _raises(
+        ValueError,
+        r"output_tensor must have shape \(2, 3\) or \(1, 2, 3\)",
+        collective.all_gather,
+        torch.empty(3, 3),
+        torch.ones(2, 3),
+        g,
+    )
+    _raises(
+        ValueError, "torch.float64", collective.all_gather, torch.empty(2, 3, dtype=torch.float64), torch.ones(2, 3), g
+    )
+    _raises(
+        ValueError,
+        r"src=1 is not a global rank of mode 'GLOBAL'; expected one of \[0\]",
+        collective.broadcast,
+        torch.ones(1),
+        g,
+        1,
+    )
+    _raises(
+        TypeError,
+        "src=True is not a global rank of mode 'GLOBAL': expected an int",
+        collective.broadcast,
+        torch.ones(1),
+        g,
+        True,
+    )
     _raises(ValueError, "dst=-1 is not a global rank", collective.gather, torch.ones(1), g, [torch.ones(1)], -1)
-    _raises(TypeError, "gather_list must be a list of 1 tensors; got NoneType", collective.gather, torch.ones(1), g, None, 0)
-    _raises(ValueError, "gather_list must hold one tensor per rank: expected 1; got 2", collective.gather, torch.ones(1), g, [torch.ones(1)] * 2, 0)
-    _raises(ValueError, r"gather_list\[0\] must match the tensor argument: expected shape \(1,\)", collective.gather, torch.ones(1), g, [torch.ones(2)], 0)
+    _raises(
+        TypeError, "gather_list must be a list of 1 tensors; got NoneType", collective.gather, torch.ones(1), g, None, 0
+    )
+    _raises(
+        ValueError,
+        "gather_list must hold one tensor per rank: expected 1; got 2",
+        collective.gather,
+        torch.ones(1),
+        g,
+        [torch.ones(1)] * 2,
+        0,
+    )
+    _raises(
+        ValueError,
+        r"gather_list\[0\] must match the tensor argument: expected shape \(1,\)",
+        collective.gather,
+        torch.ones(1),
+        g,
+        [torch.ones(2)],
+        0,
+    )
     _raises(
         ValueError,
         r"scatter_list\[0\] must match the tensor argument.*torch.int64",
@@ -243,9 +319,23 @@ def _bad_input_calls(ctx):
     )
     _raises(TypeError, "object_list must be a list", collective.broadcast_object_list, ("a",), g)
     _raises(TypeError, "dictionary must be a Mapping; got list", collective.all_reduce_dict, [1], g)
-    _raises(TypeError, "value for key 'b' must be a number or a tensor; got str", collective.all_reduce_dict, {"a": 1, "b": "x"}, g)
+    _raises(
+        TypeError,
+        "value for key 'b' must be a number or a tensor; got str",
+        collective.all_reduce_dict,
+        {"a": 1, "b": "x"},
+        g,
+    )
     _raises(ValueError, "input_ must hold world_size", comm.reduce_scatter, torch.ones(2), torch.ones(3))
-    _raises(ValueError, "input_split_sizes must have 1 entries summing to dim 0 = 3", comm.all_to_all_single, torch.ones(3), torch.ones(3), None, [2])
+    _raises(
+        ValueError,
+        "input_split_sizes must have 1 entries summing to dim 0 = 3",
+        comm.all_to_all_single,
+        torch.ones(3),
+        torch.ones(3),
+        None,
+        [2],
+    )
 
 
 def test_every_collective_has_a_local_check_with_its_parameters(ctx):
@@ -254,12 +344,24 @@ def test_every_collective_has_a_local_check_with_its_parameters(ctx):
     from rlightning_comm.communicators.base import COLLECTIVES
 
     for op in COLLECTIVES:
-        public, check = inspect.signature(getattr(Communicator, op)), inspect.signature(getattr(Communicator, f"_check_{op}"))
-        assert [(p.name, p.kind, p.default) for p in public.parameters.values()] == [(p.name, p.kind, p.default) for p in check.parameters.values()], op
+        public, check = (
+            inspect.signature(getattr(Communicator, op)),
+            inspect.signature(getattr(Communicator, f"_check_{op}")),
+        )
+        assert [(p.name, p.kind, p.default) for p in public.parameters.values()] == [
+            (p.name, p.kind, p.default) for p in check.parameters.values()
+        ], op
     # A check raises the op's own error and never communicates; on good input it returns None.
     comm = ctx.get_communicator()
     with backend_calls() as started:
-        _raises(TypeError, "output_split_sizes must be a list of 1 ints .*; got int 4", comm._check_all_to_all_single, torch.ones(4), torch.ones(4), 4)
+        _raises(
+            TypeError,
+            "output_split_sizes must be a list of 1 ints .*; got int 4",
+            comm._check_all_to_all_single,
+            torch.ones(4),
+            torch.ones(4),
+            4,
+        )
         assert comm._check_all_to_all_single(torch.ones(4), torch.ones(4), [4], [4]) is None
         assert comm._check_gather(torch.ones(1), [torch.ones(1)], 0) is None
     assert started == {}
@@ -268,7 +370,9 @@ def test_every_collective_has_a_local_check_with_its_parameters(ctx):
 def test_nccl_communicator_refuses_cpu_tensors_before_any_collective(ctx):
     nccl = NcclCommunicator(dist.group.WORLD, [0], "gpu")
     with backend_calls() as started:
-        with pytest.raises(ValueError, match="tensor is on cpu; NcclCommunicator \\(mode 'gpu'\\) expects a CUDA tensor"):
+        with pytest.raises(
+            ValueError, match="tensor is on cpu; NcclCommunicator \\(mode 'gpu'\\) expects a CUDA tensor"
+        ):
             nccl.all_reduce(torch.ones(1))
         with pytest.raises(ValueError, match="not supported by NcclCommunicator"):
             nccl._check_reduce_op(ReduceOp.BAND, torch.int64)
@@ -277,7 +381,14 @@ def test_nccl_communicator_refuses_cpu_tensors_before_any_collective(ctx):
 
 def test_communicator_properties_and_extra_ops(ctx):
     comm = ctx.get_communicator()
-    assert (comm.rank, comm.world_size, comm.ranks, comm.group, comm.mode, comm.is_member) == (0, 1, (0,), dist.group.WORLD, "GLOBAL", True)
+    assert (comm.rank, comm.world_size, comm.ranks, comm.group, comm.mode, comm.is_member) == (
+        0,
+        1,
+        (0,),
+        dist.group.WORLD,
+        "GLOBAL",
+        True,
+    )
     assert "GlooCommunicator(mode='GLOBAL', ranks=[0], member=True)" == repr(comm)
     out = torch.empty(4)
     comm.reduce_scatter(out, torch.arange(4.0))
@@ -290,13 +401,20 @@ def test_communicator_properties_and_extra_ops(ctx):
 def test_debug_mode_and_stats_cover_every_collective():
     import inspect as _inspect
 
-    from rlightning_comm.debug import _checks as debug
     from rlightning_comm.communicators.base import COLLECTIVES
+    from rlightning_comm.debug import _checks as debug
     from rlightning_comm.stats import TRACKED_OPS
 
     # Every public method that takes part in a collective is in the one list both features read.
-    extension_points = {"setup_process", "bind_device", "check_device", "on_device"}  # what subclasses override, not collectives
-    public = {n for n, f in _inspect.getmembers(Communicator, _inspect.isfunction) if not n.startswith("_")} - extension_points
+    extension_points = {
+        "setup_process",
+        "bind_device",
+        "check_device",
+        "on_device",
+    }  # what subclasses override, not collectives
+    public = {
+        n for n, f in _inspect.getmembers(Communicator, _inspect.isfunction) if not n.startswith("_")
+    } - extension_points
     assert set(COLLECTIVES) == public
     assert debug.OPS == TRACKED_OPS == COLLECTIVES
     assert set(debug._DESCRIBE) == set(COLLECTIVES)  # each has a fingerprint
@@ -309,7 +427,9 @@ def test_sequence_parallel_ops_apply_the_communicators_device_rule(ctx, monkeypa
     monkeypatch.setattr(dist, "all_to_all_single", lambda *a, **k: started.append(1))
     # An NCCL communicator that claims two ranks: the op must refuse a CPU tensor before any collective.
     nccl = NcclCommunicator(dist.group.WORLD, [0, 1], "fake-nccl")
-    with pytest.raises(ValueError, match="input_ is on cpu; NcclCommunicator \\(mode 'fake-nccl'\\) expects a CUDA tensor"):
+    with pytest.raises(
+        ValueError, match="input_ is on cpu; NcclCommunicator \\(mode 'fake-nccl'\\) expects a CUDA tensor"
+    ):
         all_to_all(torch.ones(1, 4, 2, 3), 1, 2, nccl)
     assert started == []
 
@@ -337,7 +457,8 @@ def test_a_subclass_that_narrows_check_device_is_held_to_it_on_every_op(ctx):
 
 
 class _NoWorkGroup:
-    """A stand-in process group that does each op of a one-rank group in the call and returns no work, as NCCL does for blocking calls."""
+    """A stand-in process group that does each op of a one-rank group in the call and returns no work, as NCCL does for
+    blocking calls."""
 
     def __init__(self) -> None:
         self.calls: list[str] = []
@@ -376,7 +497,8 @@ class _NoWorkGroup:
 
 
 def test_a_backend_that_returns_no_work_is_waited_on_by_no_one(ctx):
-    # torch's wrappers guard each blocking op with `elif work is not None: work.wait()`; NCCL's blocking calls return None.
+    # torch's wrappers guard each blocking op with `elif work is not None: work.wait()`; NCCL's blocking calls return
+    # None.
     stand_in = _NoWorkGroup()
     comm = GlooCommunicator(stand_in, [0], "no-work")
     x = torch.arange(4.0)
@@ -403,7 +525,16 @@ def test_a_backend_that_returns_no_work_is_waited_on_by_no_one(ctx):
     assert objs == [{"a": 1}]
     handle = comm.all_reduce(ours, async_op=True)
     assert handle.wait() is True and handle.is_completed() is True and handle.get_future().wait() is None
-    assert set(stand_in.calls) == {"allreduce", "broadcast", "all_gather_single", "reduce_scatter_single", "all_to_all_single", "gather", "scatter", "barrier"}
+    assert set(stand_in.calls) == {
+        "allreduce",
+        "broadcast",
+        "all_gather_single",
+        "reduce_scatter_single",
+        "all_to_all_single",
+        "gather",
+        "scatter",
+        "barrier",
+    }
 
 
 def test_inside_torchs_coalescing_manager_calls_join_it_or_are_refused(ctx, monkeypatch):
@@ -414,7 +545,9 @@ def test_inside_torchs_coalescing_manager_calls_join_it_or_are_refused(ctx, monk
     comm = ctx.get_communicator()
     coalesced = []
     real = dist.ProcessGroup.allreduce_coalesced
-    monkeypatch.setattr(dist.ProcessGroup, "allreduce_coalesced", lambda pg, ts, opts: coalesced.append(len(ts)) or real(pg, ts, opts))
+    monkeypatch.setattr(
+        dist.ProcessGroup, "allreduce_coalesced", lambda pg, ts, opts: coalesced.append(len(ts)) or real(pg, ts, opts)
+    )
     a, b = torch.arange(3.0), torch.arange(3.0) + 5
     with backend_calls() as sent:
         with _coalescing_manager(comm.group):
@@ -430,7 +563,9 @@ def test_inside_torchs_coalescing_manager_calls_join_it_or_are_refused(ctx, monk
                 ("all_reduce_dict", lambda: comm.all_reduce_dict({"x": 1.0})),
                 ("broadcast_object_list", lambda: comm.broadcast_object_list([1], 0)),
             ):
-                with pytest.raises(CommError, match=rf"{name} on mode 'GLOBAL' was called inside torch's _coalescing_manager"):
+                with pytest.raises(
+                    CommError, match=rf"{name} on mode 'GLOBAL' was called inside torch's _coalescing_manager"
+                ):
                     call()
         assert coalesced == [2]  # one call for both, when the manager exited
     assert torch.equal(a, torch.arange(3.0)) and torch.equal(b, torch.arange(3.0) + 5)
@@ -473,7 +608,11 @@ def test_registering_an_incomplete_subclass_lists_what_it_lacks():
         register_communicator("incomplete-test")(Incomplete)
     text = str(info.value)
     assert text.startswith("Incomplete cannot be registered:")
-    for problem in ("check_device is missing (still abstract)", "device is missing (still abstract)", "backend is missing"):
+    for problem in (
+        "check_device is missing (still abstract)",
+        "device is missing (still abstract)",
+        "backend is missing",
+    ):
         assert problem in text, text
     assert "incomplete-test" not in registered_communicators()
     with pytest.raises(TypeError, match=r"backend must be a non-empty str naming a torch.distributed backend; got 3"):

@@ -29,7 +29,9 @@ def test_tensor_pickle_names_exactly_the_globals_safe_mode_resolves():
     # What broadcast_object_list sends for a tensor (pickle.dumps, as torch's own sender does).
     named = _globals_named(pickle.dumps(torch.arange(6.0).view(2, 3)[:, 1]))
     rebuild, load = _compat.TENSOR_PICKLE_GLOBALS
-    assert rebuild in named and load in named, f"torch pickles a tensor with {sorted(named)}; _compat.TENSOR_PICKLE_GLOBALS is out of date"
+    assert rebuild in named and load in named, (
+        f"torch pickles a tensor with {sorted(named)}; _compat.TENSOR_PICKLE_GLOBALS is out of date"
+    )
     assert named <= {rebuild, load, ("collections", "OrderedDict"), ("torch", "Size")}, sorted(named)
 
 
@@ -93,7 +95,11 @@ def test_importing_the_library_does_not_import_dynamo():
     import sys
 
     loaded = subprocess.run(
-        [sys.executable, "-c", "import sys, rlightning_comm; print('torch._dynamo' in sys.modules)"], capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-c", "import sys, rlightning_comm; print('torch._dynamo' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     )
     assert loaded.stdout.strip() == "False", loaded.stdout + loaded.stderr
 

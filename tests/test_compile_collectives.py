@@ -1,4 +1,5 @@
-"""torch.compile(fullgraph=True) of the tensor facades and communicator methods on gloo CPU: no graph break, values equal to eager."""
+"""torch.compile(fullgraph=True) of the tensor facades and communicator methods on gloo CPU: no graph break, values
+equal to eager."""
 
 from __future__ import annotations
 
@@ -115,7 +116,9 @@ def _compiled_equals_eager(rank, size, url, names, backend):
     torch._dynamo.reset()
     compiled = torch.compile(fn, fullgraph=True, backend=backend)(x.clone())
     pairs = zip(eager, compiled) if isinstance(eager, list) else [(eager, compiled)]
-    return [bool(e.dtype == c.dtype and e.shape == c.shape and torch.allclose(e, c, rtol=0, atol=1e-9)) for e, c in pairs]
+    return [
+        bool(e.dtype == c.dtype and e.shape == c.shape and torch.allclose(e, c, rtol=0, atol=1e-9)) for e, c in pairs
+    ]
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -25,7 +25,16 @@ import torch.distributed as dist
 from test_ray_example import _wide_listeners
 from world import init_world
 
-from rlightning_comm import CommContext, CommError, CommMismatchError, CommMode, CommTimeoutError, PeerLostError, broadcast_state_dict, collective
+from rlightning_comm import (
+    CommContext,
+    CommError,
+    CommMismatchError,
+    CommMode,
+    CommTimeoutError,
+    PeerLostError,
+    broadcast_state_dict,
+    collective,
+)
 from rlightning_comm.communicators import _rooted, _tensor_collectives
 from rlightning_comm.connect._forming import compare, member_info
 
@@ -105,7 +114,10 @@ def test_one_member_mode_without_a_world_refuses_the_traced_paths(monkeypatch):
         with pytest.raises(CommError, match="cannot run under torch.compile"):
             call()
     monkeypatch.undo()
-    assert ctx.connect(MODE, rank=0, world_size=1, address=address, timeout=10) is not comm and ctx.get_generation(MODE) == 1
+    assert (
+        ctx.connect(MODE, rank=0, world_size=1, address=address, timeout=10) is not comm
+        and ctx.get_generation(MODE) == 1
+    )
     with pytest.raises(PeerLostError, match="generation 0.*connect was called again") as lost:
         comm.all_reduce(t)  # the older generation's communicator refuses
     assert (lost.value.mode, lost.value.generation, lost.value.member) == (MODE, 0, None)
@@ -127,12 +139,18 @@ def test_preflight_names_every_member_that_differs():
         }
 
     assert compare([info(0), info(1), info(2)], 3) is None
-    assert compare([info(2, nccl="x"), info(0), info(1)], 3) == compare([info(0), info(1), info(2, nccl="x")], 3)  # the arrival order is not said
+    assert compare([info(2, nccl="x"), info(0), info(1)], 3) == compare(
+        [info(0), info(1), info(2, nccl="x")], 3
+    )  # the arrival order is not said
     problem = compare([info(0), info(1, nccl="2.21.5"), info(2, NCCL_CUMEM_ENABLE="0")], 3)
     assert "nccl differs: 2.27.3 on rank 0 (pid 0), rank 2 (pid 2); 2.21.5 on rank 1 (pid 1)" in problem
     assert "NCCL_CUMEM_ENABLE differs: None on rank 0 (pid 0), rank 1 (pid 1); 0 on rank 2 (pid 2)" in problem
     problem = compare([info(0), info(1), info(1, world_size=4)], 3)
-    assert "world_size differs" in problem and "rank 1 is claimed 2 times (pid 1, pid 1)" in problem and "no process claimed ranks [2]" in problem
+    assert (
+        "world_size differs" in problem
+        and "rank 1 is claimed 2 times (pid 1, pid 1)" in problem
+        and "no process claimed ranks [2]" in problem
+    )
     assert "rank 5 is out of range for world_size 3" in compare([info(0), info(1), info(5)], 3)
 
 
@@ -148,7 +166,9 @@ def test_an_nccl_member_brings_its_nccl_version_and_cumem_setting(monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_nccl_without_cuda_is_refused_before_anything_is_sent():
     with pytest.raises(RuntimeError, match="needs CUDA"):
-        CommContext().connect(MODE, rank=1, world_size=2, address="127.0.0.1:1", backend="nccl")  # nothing listens on port 1
+        CommContext().connect(
+            MODE, rank=1, world_size=2, address="127.0.0.1:1", backend="nccl"
+        )  # nothing listens on port 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a connected NCCL mode needs a GPU; this machine has none")
@@ -259,10 +279,13 @@ def _sync_against_raw(raw, me: int, seed: int) -> list[str]:
 
 
 def _two_worlds(rank: int, size: int, url: str) -> dict:
-    """Test ranks 0, 1: the trainer world; 2, 3: the engine world; the connected mode: trainer rank 0 (member 0), both engines (1, 2)."""
+    """Test ranks 0, 1: the trainer world; 2, 3: the engine world; the connected mode: trainer rank 0 (member 0), both
+    engines (1, 2)."""
     world, local = divmod(rank, 2)
     ctx = init_world(local, 2, f"{url}-{'trainer' if world == 0 else 'engine'}")
-    if world == 0:  # the trainer world is initialised twice: its processes count world generations apart from the engines'
+    if (
+        world == 0
+    ):  # the trainer world is initialised twice: its processes count world generations apart from the engines'
         ctx.destroy()
         ctx = init_world(local, 2, f"{url}-trainer-again")
     me = {0: 0, 2: 1, 3: 2}.get(rank)
@@ -277,7 +300,13 @@ def _two_worlds(rank: int, size: int, url: str) -> dict:
 
     def connect(member_rank=None, **kwargs):
         kwargs.setdefault("timeout", 30)
-        return ctx.connect(MODE, rank=me if member_rank is None else member_rank, world_size=kwargs.pop("world_size", 3), address=address, **kwargs)
+        return ctx.connect(
+            MODE,
+            rank=me if member_rank is None else member_rank,
+            world_size=kwargs.pop("world_size", 3),
+            address=address,
+            **kwargs,
+        )
 
     if me == 0:
         address = ctx.listen("127.0.0.1:0")
@@ -290,9 +319,17 @@ def _two_worlds(rank: int, size: int, url: str) -> dict:
             world_step(step)
         report["listeners"] = sorted(_wide_listeners([os.getpid()]))
         return report
-    world_groups = dict(dist.distributed_c10d._world.pg_map)  # torch's registry of the world's groups: connect adds nothing
+    world_groups = dict(
+        dist.distributed_c10d._world.pg_map
+    )  # torch's registry of the world's groups: connect adds nothing
     comm = connect()
-    report["ranks"] = (ctx.get_ranks_in_group(MODE), ctx.get_local_rank(MODE), ctx.get_world_size(MODE), ctx.get_world_size(), ctx.get_local_rank())
+    report["ranks"] = (
+        ctx.get_ranks_in_group(MODE),
+        ctx.get_local_rank(MODE),
+        ctx.get_world_size(MODE),
+        ctx.get_world_size(),
+        ctx.get_local_rank(),
+    )
     store = dist.TCPStore(address.split(":")[0], int(address.split(":")[1]), None, False, timedelta(seconds=30))
     raw = dist.ProcessGroupGloo(dist.PrefixStore("oracle", store), me, 3, timedelta(seconds=30))
     report["wrong"] += _equal_to_raw_torch(comm, raw, me)
@@ -315,7 +352,8 @@ def _two_worlds(rank: int, size: int, url: str) -> dict:
     if me != 2:
         t0 = time.monotonic()
         with pytest.raises(
-            CommTimeoutError, match=r"timed out after 2 s .*re-form the mode: every member calls connect\(.WEIGHT_SYNC., ...\) again \(generation 2\)"
+            CommTimeoutError,
+            match=r"timed out after 2 s .*re-form the mode: every member calls connect\(.WEIGHT_SYNC., ...\) again \(generation 2\)",
         ):
             comm.all_reduce(torch.zeros(4))
         report["hung_s"] = time.monotonic() - t0
@@ -325,7 +363,9 @@ def _two_worlds(rank: int, size: int, url: str) -> dict:
     connect()
     report["wrong"] += _sync_against_raw(raw, me, seed=3)
     # Preflight: member 1 declares another world size; every member raises, naming it.
-    with pytest.raises(CommMismatchError, match=r"world_size differs: 3 on rank 0 \(.*\), rank 2 \(.*\); 4 on rank 1 \(") as mismatch:
+    with pytest.raises(
+        CommMismatchError, match=r"world_size differs: 3 on rank 0 \(.*\), rank 2 \(.*\); 4 on rank 1 \("
+    ) as mismatch:
         connect(world_size=4 if me == 1 else 3)
     report["mismatch"] = str(mismatch.value)
     # A member that never arrives: the others raise at the timeout, naming it.
@@ -351,14 +391,17 @@ def test_two_worlds_share_a_connected_mode_equal_to_raw_torch(world4):
     for rank, me in ((0, 0), (2, 1), (3, 2)):
         assert reports[rank]["ranks"] == ([0, 1, 2], me, 3, 2, rank % 2)
         assert reports[rank]["stats"] == (1, 3)
-        assert reports[rank]["generation"] == 5  # after the first, the hung one, its re-forming, the mismatch and the missing member
+        assert (
+            reports[rank]["generation"] == 5
+        )  # after the first, the hung one, its re-forming, the mismatch and the missing member
     for rank in (0, 2):
         assert 2.0 <= reports[rank]["hung_s"] < 15.0
 
 
 # ------------------------------------------------------- a death during a transfer, three times
 def _member(role: str, rank: int, address: str, generations: range, out) -> None:
-    """The trainer (rank 0, hosts the store), the surviving engine (rank 1), or one replacement of engine 2 (one generation)."""
+    """The trainer (rank 0, hosts the store), the surviving engine (rank 1), or one replacement of engine 2 (one
+    generation)."""
     try:
         ctx = CommContext()
         if role == "trainer":
@@ -371,7 +414,18 @@ def _member(role: str, rank: int, address: str, generations: range, out) -> None
             reform_s = time.monotonic() - t0
             state = _model(g if rank == 0 else 50 + rank)
             broadcast_state_dict(state, MODE, src=0)
-            out.send(("synced", role, g, ctx.get_generation(MODE), _digest(state), reform_s, os.getpid(), sorted(_wide_listeners([os.getpid()]))))
+            out.send(
+                (
+                    "synced",
+                    role,
+                    g,
+                    ctx.get_generation(MODE),
+                    _digest(state),
+                    reform_s,
+                    os.getpid(),
+                    sorted(_wide_listeners([os.getpid()])),
+                )
+            )
             if g == 3:  # the last generation: the trainer (the store's host) is killed; the engines' next calls name it
                 if role == "trainer":
                     time.sleep(60)

@@ -7,7 +7,15 @@ import torch
 import torch.distributed as dist
 from world import free_port
 
-from rlightning_comm import CommContext, CommError, CommMode, GlooCommunicator, ModeNotBoundError, ParallelMode, collective
+from rlightning_comm import (
+    CommContext,
+    CommError,
+    CommMode,
+    GlooCommunicator,
+    ModeNotBoundError,
+    ParallelMode,
+    collective,
+)
 
 
 @pytest.fixture
@@ -28,7 +36,16 @@ def test_context_is_a_process_wide_singleton():
 
 def test_modes_compare_equal_to_their_names():
     assert CommMode.GLOBAL == "GLOBAL" and ParallelMode.TENSOR_PARALLEL == CommMode.TENSOR_PARALLEL == "TENSOR_PARALLEL"
-    seed = ["GLOBAL", "INTRA_NODE", "INTER_NODE", "TRAIN_DATA_PARALLEL", "DATA_PARALLEL", "TENSOR_PARALLEL", "SEQUENCE_PARALLEL", "WEIGHT_TRANSFER"]
+    seed = [
+        "GLOBAL",
+        "INTRA_NODE",
+        "INTER_NODE",
+        "TRAIN_DATA_PARALLEL",
+        "DATA_PARALLEL",
+        "TENSOR_PARALLEL",
+        "SEQUENCE_PARALLEL",
+        "WEIGHT_TRANSFER",
+    ]
     # As in the seed, where ParallelMode extends CommMode, every CommMode name is a ParallelMode name too.
     assert [m.value for m in CommMode] == [m.value for m in ParallelMode] == seed
     for name in seed:
@@ -45,7 +62,11 @@ def test_modes_compare_equal_to_their_names():
         ({"world_size": 2, "rank": -1}, ValueError, "rank"),
         ({"world_size": 1, "rank": 0, "timeout": 0}, ValueError, "timeout"),
         ({"world_size": 1, "rank": 0, "timeout": -5}, ValueError, "timeout"),
-        ({"world_size": 1, "rank": 0, "backend": "mpi-ish"}, KeyError, r"No communicator registered as 'mpi-ish'; registered: \[.*'gloo'.*'nccl'"),
+        (
+            {"world_size": 1, "rank": 0, "backend": "mpi-ish"},
+            KeyError,
+            r"No communicator registered as 'mpi-ish'; registered: \[.*'gloo'.*'nccl'",
+        ),
         ({"world_size": 1, "dist_url": "tcp://127.0.0.1:1"}, ValueError, "world_size and rank are required"),
     ],
 )
@@ -64,7 +85,12 @@ def test_nccl_without_cuda_is_a_clear_error(url):
 
 
 def test_env_url_reads_world_size_and_rank_from_the_environment(monkeypatch):
-    for name, value in {"WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+    for name, value in {
+        "WORLD_SIZE": "1",
+        "RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }.items():
         monkeypatch.setenv(name, value)
     comm = CommContext().init_distributed_env(backend="gloo")
     assert isinstance(comm, GlooCommunicator) and comm.world_size == 1 and CommContext().get_global_rank() == 0
@@ -106,7 +132,9 @@ def test_a_world_initialised_by_the_caller_is_adopted_and_left_alone(url):
 
 def test_lookups_accept_enum_and_string_and_list_the_bound_modes_when_missing(ctx):
     assert ctx.get_communicator("GLOBAL") is ctx.get_communicator(CommMode.GLOBAL) is ctx.get_communicator()
-    with pytest.raises(ModeNotBoundError, match=r"No communicator bound for mode 'TENSOR_PARALLEL'; bound modes: \['GLOBAL'\]") as info:
+    with pytest.raises(
+        ModeNotBoundError, match=r"No communicator bound for mode 'TENSOR_PARALLEL'; bound modes: \['GLOBAL'\]"
+    ) as info:
         collective.all_reduce(torch.ones(1), ParallelMode.TENSOR_PARALLEL)
     assert isinstance(info.value, KeyError) and isinstance(info.value, CommError)
     with pytest.raises(TypeError, match="mode must be a CommMode, a ParallelMode or a str; got int 3"):
@@ -117,7 +145,11 @@ def test_lookups_accept_enum_and_string_and_list_the_bound_modes_when_missing(ct
 
 def test_getters(ctx):
     assert ctx.is_initialized() and ctx.get_global_rank() == 0
-    assert ctx.get_world_size() == 1 and ctx.get_local_rank(CommMode.GLOBAL) == 0 and ctx.get_ranks_in_group("GLOBAL") == [0]
+    assert (
+        ctx.get_world_size() == 1
+        and ctx.get_local_rank(CommMode.GLOBAL) == 0
+        and ctx.get_ranks_in_group("GLOBAL") == [0]
+    )
     assert ctx.get_group(CommMode.GLOBAL) is dist.group.WORLD
     ctx.init_group([0], ParallelMode.SEQUENCE_PARALLEL)
     assert ctx.bound_modes() == ["GLOBAL", "SEQUENCE_PARALLEL"]
@@ -190,9 +222,15 @@ def test_seed_getters_read_the_launchers_environment(ctx, monkeypatch):
         ctx.get_in_node_rank()
     for name, getter in (("LOCAL_RANK", ctx.get_in_node_rank), ("LOCAL_WORLD_SIZE", ctx.get_local_world_size)):
         monkeypatch.delenv(name)
-        with pytest.raises(CommError, match=f"reads the environment variable {name}, which is not set in this process; launch with torchrun"):
+        with pytest.raises(
+            CommError,
+            match=f"reads the environment variable {name}, which is not set in this process; launch with torchrun",
+        ):
             getter()
-    for getter, mode in ((ctx.get_intra_node_process_group, "INTRA_NODE"), (ctx.get_inter_node_process_group, "INTER_NODE")):
+    for getter, mode in (
+        (ctx.get_intra_node_process_group, "INTRA_NODE"),
+        (ctx.get_inter_node_process_group, "INTER_NODE"),
+    ):
         with pytest.raises(ModeNotBoundError, match=f"No communicator bound for mode '{mode}'"):
             getter()
         ctx.init_group([0], getattr(ParallelMode, mode))
@@ -214,20 +252,28 @@ def test_initialize_distributed_env_is_the_seeds_function(monkeypatch):
         ("timeout", 1800),
     ]
     # Options beyond the seed's come after it, keyword-only, with defaults: every seed call means what it meant.
-    assert [(n, p.default) for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY] == [("bounded_wait", False)]
+    assert [(n, p.default) for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY] == [
+        ("bounded_wait", False)
+    ]
     with pytest.raises(CommError, match="not initialised"):
         CommContext().is_main_rank()
     for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
         monkeypatch.setenv(name, value)
     comm = initialize_distributed_env(0, 1, "gloo", "env://", 30)
-    assert comm is CommContext().get_communicator() and CommContext().get_group_config().timeout == 30.0 and CommContext().is_main_rank()
+    assert (
+        comm is CommContext().get_communicator()
+        and CommContext().get_group_config().timeout == 30.0
+        and CommContext().is_main_rank()
+    )
 
 
 def test_per_call_declarations_build_up_the_modes_config(ctx):
     first = ctx.init_group([0], "per_call")
     assert ctx.init_group([0], "per_call") is first and ctx.init_group([[0]], "per_call") is first
     assert ctx.get_group_config("per_call").partition == ((0,),) and ctx.get_group_config("per_call").as_ranks() == [0]
-    with pytest.raises(CommError, match=r"mode 'per_call' is already bound to ranks \[0\] \(backend 'gloo', timeout 30.0s\)"):
+    with pytest.raises(
+        CommError, match=r"mode 'per_call' is already bound to ranks \[0\] \(backend 'gloo', timeout 30.0s\)"
+    ):
         ctx.init_group([0], "per_call", timeout=5)
 
 

@@ -156,7 +156,9 @@ def test_debug_mode_every_rank_names_the_same_absent_rank_within_the_timeout(wor
     waited = results[:3]
     assert all("error" in r for r in waited), results
     assert "collective #0 (all_reduce) on mode 'TP': global ranks [3] did not reach it" in waited[0]["error"], waited[0]
-    assert len({r["error"] for r in waited}) == 1, [r["error"] for r in waited]  # the same message on every waiting rank
+    assert len({r["error"] for r in waited}) == 1, [
+        r["error"] for r in waited
+    ]  # the same message on every waiting rank
     assert max(r["elapsed"] for r in waited) >= SHORT_TIMEOUT - 0.05, waited  # the first to give up waited its timeout
     assert all(r["elapsed"] <= SHORT_TIMEOUT + SMALL_BOUND for r in waited), waited
 
@@ -171,7 +173,9 @@ def _different_histories_task(rank, size, url):
 
     if rank == 0:  # this process was in a world of its own first (as a restarted rank or a reused worker may have been)
         private = os.path.join(url.removeprefix("file://").rsplit("/", 1)[0], "private")
-        CommContext().init_distributed_env(world_size=1, rank=0, backend="gloo", dist_url=f"file://{private}", timeout=5)
+        CommContext().init_distributed_env(
+            world_size=1, rank=0, backend="gloo", dist_url=f"file://{private}", timeout=5
+        )
         CommContext().destroy()
     ctx = init_world(rank, size, url, timeout=5)
     ctx.set_debug(True)
@@ -183,7 +187,8 @@ def _different_histories_task(rank, size, url):
 
 
 def test_debug_mode_works_across_ranks_that_initialised_different_numbers_of_worlds(world2):
-    # The checks' keys were namespaced by a count of worlds kept per process: rank 0 then looked for keys rank 1 never wrote.
+    # The checks' keys were namespaced by a count of worlds kept per process: rank 0 then looked for keys rank 1 never
+    # wrote.
     assert world2.run(_different_histories_task, timeout=60) == [True, True]
 
 
@@ -205,7 +210,11 @@ def _count_task(rank, size, url):
         collective.all_gather(torch.empty(4), torch.ones(2), "GLOBAL")
         collective.all_reduce_dict({"a": 1.0}, "GLOBAL")
         collective.barrier("GLOBAL")
-        shadowed = sorted(name for name in ("all_reduce", "broadcast", "all_gather", "all_reduce_dict", "barrier") if name in vars(comm))
+        shadowed = sorted(
+            name
+            for name in ("all_reduce", "broadcast", "all_gather", "all_reduce_dict", "barrier")
+            if name in vars(comm)
+        )
         result = dict(counts), store.num_keys() - before, shadowed
         sync()
         counts.clear()  # after the sync: counting is at the process group, so it sees torch's own barrier too
@@ -296,7 +305,9 @@ def _numbers_task(rank, size, url):
     ctx = init_world(rank, size, url, timeout=30)
     ctx.set_debug(True)
     # Valid calls that used to be flagged: an int against a float, a numpy scalar against a Python float.
-    got = collective.all_reduce_dict({"count": 0 if rank == 0 else 2.5, "x": np.float32(1.5) if rank == 0 else 1.5}, "GLOBAL")
+    got = collective.all_reduce_dict(
+        {"count": 0 if rank == 0 else 2.5, "x": np.float32(1.5) if rank == 0 else 1.5}, "GLOBAL"
+    )
     raw = torch.tensor([0 if rank == 0 else 2.5, 1.5], dtype=torch.float64)
     dist.all_reduce(raw)
     return got == dict(zip(["count", "x"], raw.tolist()))
@@ -317,7 +328,9 @@ def _resync_task(rank, size, url):
     ctx.set_debug(True)
     out = {}
     try:
-        collective.all_reduce(torch.ones(3), "TP" if rank == 0 else "NOT_BOUND")  # rank 1 raises locally, never reaching the check
+        collective.all_reduce(
+            torch.ones(3), "TP" if rank == 0 else "NOT_BOUND"
+        )  # rank 1 raises locally, never reaching the check
     except (CommTimeoutError, ModeNotBoundError) as err:
         out["first"] = type(err).__name__, str(err)
     dist.barrier()  # raw torch: rank 1 waits here until rank 0 has given up

@@ -17,7 +17,9 @@ SPAWNER_OPTIONS = ("--nproc", "--nprocs", "--simulated-nodes")
 
 
 def _run(*cmd: str, timeout: float = 120) -> str:
-    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        cmd, check=False, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, f"{cmd} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     return proc.stdout
 
@@ -62,17 +64,23 @@ def test_every_example_shows_a_command_a_test_runs_and_its_torchrun_form_agrees(
                 next(args)
             else:
                 kept.append(arg)
-        assert under[7:] == kept, f"examples/{example}: the torchrun command takes {under[7:]}, the one without a launcher {kept}"
+        assert under[7:] == kept, (
+            f"examples/{example}: the torchrun command takes {under[7:]}, the one without a launcher {kept}"
+        )
 
 
 def test_custom_backend_example_records_every_call():
     out = _run(*documented("custom_backend.py"))
     for rank in range(2):
-        # 3 all_reduces + 1 from all_reduce_dict; 3 x 256 float32 + 2 float64 (a dict of numbers is reduced in float64) = 3088 bytes.
-        assert f"[rank {rank}] RecordingCommunicator calls={{'all_reduce': 4, 'broadcast': 1}} bytes={{'all_reduce': 3088, 'broadcast': 64}}" in out, out
+        # 3 all_reduces + 1 from all_reduce_dict; 3 x 256 float32 + 2 float64 (a dict of numbers is reduced in float64)
+        # = 3088 bytes.
+        assert (
+            f"[rank {rank}] RecordingCommunicator calls={{'all_reduce': 4, 'broadcast': 1}} "
+            f"bytes={{'all_reduce': 3088, 'broadcast': 64}}" in out
+        ), out
 
 
-NO_NUMPY_SCRIPT = '''
+NO_NUMPY_SCRIPT = """
 from rlightning_comm import CommContext, broadcast_state_dict, collective, run
 
 
@@ -102,11 +110,12 @@ def main():
 
 if __name__ == "__main__":
     run(main, 2)
-'''
+"""
 
 
 def _without_numpy(tmp_path: Path) -> dict[str, str]:
-    """An environment whose processes, and their children and fork servers, cannot import numpy (as with ``--no-deps``)."""
+    """An environment whose processes, and their children and fork servers, cannot import numpy (as with
+    ``--no-deps``)."""
     fake = tmp_path / "no_numpy" / "numpy"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("raise ModuleNotFoundError('numpy is hidden by the test', name='numpy')\n")
@@ -117,13 +126,29 @@ def test_object_collectives_work_without_numpy(tmp_path):
     # torch.distributed's object collectives need numpy to receive; the library's must not.
     script = tmp_path / "no_numpy.py"
     script.write_text(NO_NUMPY_SCRIPT)
-    proc = subprocess.run([sys.executable, str(script)], check=False, cwd=ROOT, env=_without_numpy(tmp_path), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        check=False,
+        cwd=ROOT,
+        env=_without_numpy(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "rank 0 ok" in proc.stdout and "rank 1 ok" in proc.stdout, proc.stdout
 
 
 def test_parallel_layout_example_runs_without_numpy(tmp_path):
-    proc = subprocess.run(documented("parallel_layout.py"), check=False, cwd=ROOT, env=_without_numpy(tmp_path), capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        documented("parallel_layout.py"),
+        check=False,
+        cwd=ROOT,
+        env=_without_numpy(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "Failed to initialize NumPy" in proc.stderr  # numpy really was missing
     assert "checks: all passed" in proc.stdout and "bit-identical" in proc.stdout, proc.stdout

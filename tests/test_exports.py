@@ -102,4 +102,9 @@ def test_the_launcher_is_exported_with_its_signature():
     assert rlightning_comm.run is launch.run
     params = inspect.signature(rlightning_comm.run).parameters
     assert list(params) == ["fn", "nproc", "args", "backend", "timeout", "bounded_wait"]
-    assert (params["nproc"].default, params["backend"].default, params["timeout"].default, params["bounded_wait"].default) == (4, "gloo", 1800, False)
+    assert (
+        params["nproc"].default,
+        params["backend"].default,
+        params["timeout"].default,
+        params["bounded_wait"].default,
+    ) == (4, "gloo", 1800, False)

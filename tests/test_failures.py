@@ -1,4 +1,5 @@
-"""Fault injection: a rank that skips a collective, a rank killed mid-loop; the survivors get the library's errors in bounded time."""
+"""Fault injection: a rank that skips a collective, a rank killed mid-loop; the survivors get the library's errors in
+bounded time."""
 
 from __future__ import annotations
 
@@ -24,7 +25,12 @@ def _expect_failure(fn, kind):
     try:
         fn()
     except kind as err:
-        return {"type": type(err).__name__, "msg": str(err), "cause": type(err.__cause__).__name__, "elapsed": time.monotonic() - start}
+        return {
+            "type": type(err).__name__,
+            "msg": str(err),
+            "cause": type(err.__cause__).__name__,
+            "elapsed": time.monotonic() - start,
+        }
     return None
 
 
@@ -93,7 +99,12 @@ def _kill_task(rank, size, url, victim, out_dir):
         try:
             collective.all_reduce(t, "GLOBAL")
         except CommError as err:
-            report.update(error=type(err).__name__, msg=str(err), elapsed=time.monotonic() - start, cause=type(err.__cause__).__name__)
+            report.update(
+                error=type(err).__name__,
+                msg=str(err),
+                elapsed=time.monotonic() - start,
+                cause=type(err.__cause__).__name__,
+            )
             break
         report["iterations"] = i + 1
     start = time.monotonic()
@@ -136,13 +147,22 @@ def _local_enforce_task(rank, size, url):
     # What the backend itself raises for arguments our checks refuse first (one rank, so no peer waits).
     for name, call in (
         ("rows", lambda: dist.all_to_all_single(torch.empty(4, 2), torch.ones(4, 3), group=group)),
-        ("complex gather", lambda: dist.gather(torch.ones(2, dtype=torch.complex64), [torch.ones(2, dtype=torch.complex64)], dst=0, group=group)),
+        (
+            "complex gather",
+            lambda: dist.gather(
+                torch.ones(2, dtype=torch.complex64), [torch.ones(2, dtype=torch.complex64)], dst=0, group=group
+            ),
+        ),
     ):
         try:
             call()
         except RuntimeError as err:
             texts[name] = str(comm_failure(err, "GLOBAL", name, 30.0))
-    texts["reset"] = str(comm_failure(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection reset by peer"), "GLOBAL", "all_reduce", 30.0))
+    texts["reset"] = str(
+        comm_failure(
+            RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection reset by peer"), "GLOBAL", "all_reduce", 30.0
+        )
+    )
     t = torch.ones(2)
     CommContext().get_communicator("GLOBAL").all_reduce(t)  # the group does still work
     return {"texts": texts, "after": t.tolist()}
@@ -152,5 +172,8 @@ def test_a_local_backend_refusal_says_the_group_still_works_and_a_broken_group_s
     (out,) = world1.run(_local_enforce_task, timeout=60)
     assert out["after"] == [1.0, 1.0]
     for name in ("rows", "complex gather"):
-        assert "was refused by the backend's own check on this rank" in out["texts"][name] and "the group still works here" in out["texts"][name], out
+        assert (
+            "was refused by the backend's own check on this rank" in out["texts"][name]
+            and "the group still works here" in out["texts"][name]
+        ), out
     assert "a peer is gone" in out["texts"]["reset"] and "still works" not in out["texts"]["reset"]

@@ -25,7 +25,11 @@ def _cases(torch, rank):
         n = 1
         for s in shape:
             n *= s
-        return (torch.arange(n, dtype=torch.float64) + 10 * rank + 1).to(dtype).reshape(shape) if n else torch.empty(shape, dtype=dtype)
+        return (
+            (torch.arange(n, dtype=torch.float64) + 10 * rank + 1).to(dtype).reshape(shape)
+            if n
+            else torch.empty(shape, dtype=dtype)
+        )
 
     one_strided = lambda: torch.empty(8).as_strided((1,), (5,)).fill_(rank + 1.0)  # contiguous to torch
 
@@ -54,19 +58,35 @@ def _cases(torch, rank):
         ("all_reduce conj view", "all_reduce", lambda: (full(3, dtype=torch.complex64).conj(),)),
         ("all_reduce nested", "all_reduce", lambda: (nested(torch.strided),)),
         ("all_reduce jagged", "all_reduce", lambda: (nested(torch.jagged),)),
-        ("all_reduce MAX instance", "all_reduce", lambda: (full(3), torch.distributed.ReduceOp(torch.distributed.ReduceOp.MAX))),
+        (
+            "all_reduce MAX instance",
+            "all_reduce",
+            lambda: (full(3), torch.distributed.ReduceOp(torch.distributed.ReduceOp.MAX)),
+        ),
         ("all_reduce PREMUL_SUM", "all_reduce", lambda: (full(3), torch.distributed._make_nccl_premul_sum(2.0))),
         ("all_gather neg input", "all_gather", lambda: (torch.empty(8), torch._neg_view(full(4)))),
         ("all_gather neg output", "all_gather", lambda: (torch._neg_view(torch.zeros(8)), full(4))),
         ("broadcast neg view", "broadcast", lambda: (torch._neg_view(full(3)), 0)),
         ("broadcast conj view", "broadcast", lambda: (full(3, dtype=torch.complex64).conj(), 0)),
-        ("reduce_scatter MAX instance", "reduce_scatter", lambda: (torch.empty(2), full(4), torch.distributed.ReduceOp(torch.distributed.ReduceOp.MAX))),
+        (
+            "reduce_scatter MAX instance",
+            "reduce_scatter",
+            lambda: (torch.empty(2), full(4), torch.distributed.ReduceOp(torch.distributed.ReduceOp.MAX)),
+        ),
         ("all_to_all neg input", "all_to_all_single", lambda: (torch.empty(4), torch._neg_view(full(4)))),
-        ("gather neg tensor", "gather", lambda: (torch._neg_view(full(3)), [torch.empty(3), torch.empty(3)] if rank == 0 else None, 0)),
+        (
+            "gather neg tensor",
+            "gather",
+            lambda: (torch._neg_view(full(3)), [torch.empty(3), torch.empty(3)] if rank == 0 else None, 0),
+        ),
         (
             "scatter conj tensor",
             "scatter",
-            lambda: (torch.zeros(3, dtype=torch.complex64).conj(), [full(3, dtype=torch.complex64)] * 2 if rank == 1 else None, 1),
+            lambda: (
+                torch.zeros(3, dtype=torch.complex64).conj(),
+                [full(3, dtype=torch.complex64)] * 2 if rank == 1 else None,
+                1,
+            ),
         ),
         ("all_gather flat", "all_gather", lambda: (torch.empty(8), full(4))),
         ("all_gather empty", "all_gather", lambda: (torch.empty(0), full(0))),
@@ -76,7 +96,11 @@ def _cases(torch, rank):
         ("all_gather flat output, 2-d input", "all_gather", lambda: (torch.empty(12), full(2, 3))),
         ("all_gather wrong length", "all_gather", lambda: (torch.empty(7), full(4))),
         ("all_gather dtype", "all_gather", lambda: (torch.empty(8, dtype=torch.float64), full(4))),
-        ("all_gather complex", "all_gather", lambda: (torch.empty(4, dtype=torch.complex64), full(2, dtype=torch.complex64))),
+        (
+            "all_gather complex",
+            "all_gather",
+            lambda: (torch.empty(4, dtype=torch.complex64), full(2, dtype=torch.complex64)),
+        ),
         ("all_gather strided input", "all_gather", lambda: (torch.empty(4), full(4)[::2])),
         ("all_gather output a view with a gap", "all_gather", lambda: (torch.empty(16)[::2], full(4))),
         ("reduce_scatter flat", "reduce_scatter", lambda: (torch.empty(2), full(4))),
@@ -85,19 +109,39 @@ def _cases(torch, rank):
         ("reduce_scatter dtype", "reduce_scatter", lambda: (torch.empty(2, dtype=torch.float64), full(4))),
         ("reduce_scatter MAX", "reduce_scatter", lambda: (torch.empty(2), full(4), torch.distributed.ReduceOp.MAX)),
         ("reduce_scatter transposed input", "reduce_scatter", lambda: (torch.empty(3), full(3, 2).t())),
-        ("reduce_scatter complex", "reduce_scatter", lambda: (torch.empty(2, dtype=torch.complex64), full(4, dtype=torch.complex64))),
+        (
+            "reduce_scatter complex",
+            "reduce_scatter",
+            lambda: (torch.empty(2, dtype=torch.complex64), full(4, dtype=torch.complex64)),
+        ),
         (
             "reduce_scatter complex MAX",
             "reduce_scatter",
-            lambda: (torch.empty(2, dtype=torch.complex64), full(4, dtype=torch.complex64), torch.distributed.ReduceOp.MAX),
+            lambda: (
+                torch.empty(2, dtype=torch.complex64),
+                full(4, dtype=torch.complex64),
+                torch.distributed.ReduceOp.MAX,
+            ),
         ),
-        ("all_reduce bool AVG", "all_reduce", lambda: (torch.ones(3, dtype=torch.bool), torch.distributed.ReduceOp.AVG)),
+        (
+            "all_reduce bool AVG",
+            "all_reduce",
+            lambda: (torch.ones(3, dtype=torch.bool), torch.distributed.ReduceOp.AVG),
+        ),
         ("all_to_all flat", "all_to_all_single", lambda: (torch.empty(4), full(4))),
         ("all_to_all 2-d rows", "all_to_all_single", lambda: (torch.empty(2, 3), full(2, 3))),
         ("all_to_all odd length", "all_to_all_single", lambda: (torch.empty(3), full(3))),
-        ("all_to_all splits", "all_to_all_single", lambda: (torch.empty(4), full(4), *([[1, 3], [1, 3]] if rank == 0 else [[3, 1], [3, 1]]))),
+        (
+            "all_to_all splits",
+            "all_to_all_single",
+            lambda: (torch.empty(4), full(4), *([[1, 3], [1, 3]] if rank == 0 else [[3, 1], [3, 1]])),
+        ),
         ("all_to_all dtype", "all_to_all_single", lambda: (torch.empty(4, dtype=torch.int64), full(4))),
-        ("all_to_all complex", "all_to_all_single", lambda: (torch.empty(2, dtype=torch.complex64), full(2, dtype=torch.complex64))),
+        (
+            "all_to_all complex",
+            "all_to_all_single",
+            lambda: (torch.empty(2, dtype=torch.complex64), full(2, dtype=torch.complex64)),
+        ),
         ("broadcast int src", "broadcast", lambda: (full(3), 1)),
         ("broadcast numpy src", "broadcast", lambda: (full(3), __import__("numpy").int64(1))),
         ("broadcast tensor src", "broadcast", lambda: (full(3), torch.tensor(1))),
@@ -106,8 +150,16 @@ def _cases(torch, rank):
         ("broadcast complex", "broadcast", lambda: (full(2, dtype=torch.complex128), 0)),
         ("broadcast strided", "broadcast", lambda: (full(6)[::2], 0)),
         ("gather", "gather", lambda: (full(3), [torch.empty(3), torch.empty(3)] if rank == 0 else None, 0)),
-        ("gather numpy dst", "gather", lambda: (full(3), [torch.empty(3), torch.empty(3)] if rank == 0 else None, __import__("numpy").int64(0))),
-        ("gather tensor dst", "gather", lambda: (full(3), [torch.empty(3), torch.empty(3)] if rank == 0 else None, torch.tensor(0))),
+        (
+            "gather numpy dst",
+            "gather",
+            lambda: (full(3), [torch.empty(3), torch.empty(3)] if rank == 0 else None, __import__("numpy").int64(0)),
+        ),
+        (
+            "gather tensor dst",
+            "gather",
+            lambda: (full(3), [torch.empty(3), torch.empty(3)] if rank == 0 else None, torch.tensor(0)),
+        ),
         ("scatter", "scatter", lambda: (torch.empty(3), [full(3), full(3) + 1] if rank == 1 else None, 1)),
         ("scatter tuple list", "scatter", lambda: (torch.empty(3), (full(3), full(3) + 1) if rank == 1 else None, 1)),
     ]
@@ -121,11 +173,19 @@ def _raw(dist, op, args, group):
 
     if op == "all_reduce":
         return dist.all_reduce(*args[:1], *(args[1:2] or ()), group=group)
-    if op == "all_gather":  # torch's gloo takes neither a 0-d input nor the stacked output: the same bytes as flat views
+    if (
+        op == "all_gather"
+    ):  # torch's gloo takes neither a 0-d input nor the stacked output: the same bytes as flat views
         out, inp = args
-        return all_gather_single(out.view(-1), inp.view(-1), group=group) if out.dim() != inp.dim() else all_gather_single(out, inp, group=group)
+        return (
+            all_gather_single(out.view(-1), inp.view(-1), group=group)
+            if out.dim() != inp.dim()
+            else all_gather_single(out, inp, group=group)
+        )
     if op == "reduce_scatter":
-        out, inp = (torch.view_as_real(t).view(-1) for t in args[:2]) if args[1].is_complex() else args[:2]  # complex: the real pairs' bytes
+        out, inp = (
+            (torch.view_as_real(t).view(-1) for t in args[:2]) if args[1].is_complex() else args[:2]
+        )  # complex: the real pairs' bytes
         return reduce_scatter_single(out, inp, *(args[2:3] or ()), group=group)
     if op == "all_to_all_single":
         return dist.all_to_all_single(*args, group=group)
@@ -188,7 +248,20 @@ def test_fast_path_accepts_exactly_what_the_full_checks_accept(world2) -> None:
     assert not problems, "\n".join(problems)
     # The table covers both sides of the fast path's boundary.
     assert {"all_reduce transposed", "all_gather wrong length", "broadcast bool src", "all_reduce csr"} <= refused
-    assert {"all_reduce one element, stride 5", "all_gather 2-d stacked", "broadcast numpy src", "all_to_all splits"} <= accepted
-    # Views whose memory is not their values, nested tensors and PREMUL_SUM are refused; ReduceOp instances are ops like any.
-    assert {"all_reduce neg view", "all_reduce conj view", "all_reduce nested", "all_reduce jagged", "all_reduce PREMUL_SUM", "gather neg tensor"} <= refused
+    assert {
+        "all_reduce one element, stride 5",
+        "all_gather 2-d stacked",
+        "broadcast numpy src",
+        "all_to_all splits",
+    } <= accepted
+    # Views whose memory is not their values, nested tensors and PREMUL_SUM are refused; ReduceOp instances are ops like
+    # any.
+    assert {
+        "all_reduce neg view",
+        "all_reduce conj view",
+        "all_reduce nested",
+        "all_reduce jagged",
+        "all_reduce PREMUL_SUM",
+        "gather neg tensor",
+    } <= refused
     assert {"all_reduce MAX instance", "reduce_scatter MAX instance"} <= accepted

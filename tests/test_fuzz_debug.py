@@ -50,7 +50,8 @@ KINDS = list(EXPECTED)
 
 
 def _call(kind, rng, me, bad, torch, coll, comm):
-    """Run case ``kind`` as global rank ``me``; the bad rank deviates. Returns what to compare with raw torch, if anything."""
+    """Run case ``kind`` as global rank ``me``; the bad rank deviates. Returns what to compare with raw torch, if
+    anything."""
     from torch.distributed import ReduceOp
 
     is_bad = me == bad
@@ -81,7 +82,9 @@ def _call(kind, rng, me, bad, torch, coll, comm):
     elif kind == "dict key order":
         coll.all_reduce_dict({"loss": 1.0, (frozenset({1}) if is_bad else "x"): 2.0}, "F")
     elif kind == "dict dtype":
-        coll.all_reduce_dict({"loss": 1.0}, "F", dtype=rng.choice(["float32", float, torch.complex64]) if is_bad else torch.float32)
+        coll.all_reduce_dict(
+            {"loss": 1.0}, "F", dtype=rng.choice(["float32", float, torch.complex64]) if is_bad else torch.float32
+        )
     elif kind == "non-tensor":
         coll.all_reduce(rng.choice([[1.0] * n, 1.0, None]) if is_bad else torch.ones(n), "F")
     elif kind == "non-contiguous":
@@ -90,16 +93,26 @@ def _call(kind, rng, me, bad, torch, coll, comm):
         coll.all_reduce(rng.choice(views)() if is_bad else torch.ones(n), "F")
     elif kind == "root list":
         # Only the root reads its list: the bad rank is the root, and its list is wrong.
-        wrong = rng.choice([[torch.zeros(n)], [torch.zeros(n), torch.zeros(n + 1)], [torch.zeros(n), torch.zeros(n, dtype=torch.float64)]])
+        wrong = rng.choice(
+            [
+                [torch.zeros(n)],
+                [torch.zeros(n), torch.zeros(n + 1)],
+                [torch.zeros(n), torch.zeros(n, dtype=torch.float64)],
+            ]
+        )
         if rng.random() < 0.5:
             coll.gather(torch.ones(n), "F", wrong if is_bad else None, dst=bad)
         else:
             coll.scatter(torch.zeros(n), "F", wrong if is_bad else None, src=bad)
     elif kind == "split sizes (local)":
-        comm.all_to_all_single(torch.empty(4), torch.ones(4), [2, 2], rng.choice([[3, 3], [1, 1, 2], [2.0, 2.0]]) if is_bad else [2, 2])
+        comm.all_to_all_single(
+            torch.empty(4), torch.ones(4), [2, 2], rng.choice([[3, 3], [1, 1, 2], [2.0, 2.0]]) if is_bad else [2, 2]
+        )
     elif kind == "split sizes (peers)":
         # Locally fine everywhere, but the bad rank expects 3 rows from its peer, which sends 2.
-        comm.all_to_all_single(torch.empty(4), torch.ones(4), [1, 3] if is_bad and bad == 0 else ([3, 1] if is_bad else [2, 2]), [2, 2])
+        comm.all_to_all_single(
+            torch.empty(4), torch.ones(4), [1, 3] if is_bad and bad == 0 else ([3, 1] if is_bad else [2, 2]), [2, 2]
+        )
     elif kind == "unbound mode":
         coll.all_reduce(torch.ones(n), "NOT_BOUND" if is_bad else "U")
     elif kind == "numbers (valid)":
@@ -111,7 +124,9 @@ def _call(kind, rng, me, bad, torch, coll, comm):
     elif kind == "nested":
         with warnings.catch_warnings():  # the strided layout's "prototype" warning
             warnings.simplefilter("ignore")
-            nested = torch.nested.nested_tensor([torch.ones(n), torch.ones(n + 1)], layout=rng.choice([torch.strided, torch.jagged]))
+            nested = torch.nested.nested_tensor(
+                [torch.ones(n), torch.ones(n + 1)], layout=rng.choice([torch.strided, torch.jagged])
+            )
         coll.all_reduce(nested if is_bad else torch.ones(2 * n + 1), "F")
     elif kind == "meta":
         coll.broadcast(torch.empty(n, device="meta") if is_bad else torch.ones(n), "F", src=0)
@@ -131,7 +146,9 @@ def _fuzz_task(rank, size, url, seed):
 
     from rlightning_comm import collective
 
-    torch.nested.nested_tensor([torch.ones(1)], layout=torch.jagged)  # its first use imports the jagged layout: seconds, not part of any case
+    torch.nested.nested_tensor(
+        [torch.ones(1)], layout=torch.jagged
+    )  # its first use imports the jagged layout: seconds, not part of any case
     ctx = init_world(rank, size, url, timeout=30)
     ctx.init_group([0, 1], "F", timeout=TIMEOUT)
     ctx.init_group([0, 1], "U", timeout=SHORT_TIMEOUT)
@@ -175,7 +192,10 @@ def _outcome(kind, bad, per_rank):
         return "ok" if all(r[4] for r in per_rank) else "WRONG RESULT"
     if all(e is not None and e[0] == "CommMismatchError" for e in errors):
         return "mismatch"
-    if all(e is not None and e[0] == errors[bad][0] != "CommTimeoutError" and f"global rank {bad} refused the call" in e[1] for e in errors):
+    if all(
+        e is not None and e[0] == errors[bad][0] != "CommTimeoutError" and f"global rank {bad} refused the call" in e[1]
+        for e in errors
+    ):
         return "refused"
     others = [e for r, e in enumerate(errors) if r != bad]
     if (

@@ -1,4 +1,5 @@
-"""benchmarks/gpu_check.py on a CPU machine: its CPU mode end to end, and its machinery (oracles, roots, lockstep, probes, kills).
+"""benchmarks/gpu_check.py on a CPU machine: its CPU mode end to end, and its machinery (oracles, roots, lockstep,
+probes, kills).
 
 The check's own cells run here on gloo through the library's real ops; a
 test-only communicator with a wrong ``all_reduce`` must be reported wrong while
@@ -32,7 +33,19 @@ def _module(name: str):
 
 def test_cpu_mode_runs_end_to_end_skips_every_cuda_step_and_reports_a_wrong_op(tmp_path, capsys):
     gpu_check = _module("gpu_check")
-    status = gpu_check.main(["--cpu-only", "--out", str(tmp_path), "--budget-s", "300", "--quick", "--inject-wrong", "--steps", "nccl_world1,cuda_tests,bench"])
+    status = gpu_check.main(
+        [
+            "--cpu-only",
+            "--out",
+            str(tmp_path),
+            "--budget-s",
+            "300",
+            "--quick",
+            "--inject-wrong",
+            "--steps",
+            "nccl_world1,cuda_tests,bench",
+        ]
+    )
     doc = json.loads((tmp_path / "gpu_check.json").read_text())
     assert status == 1 and doc["cuda"] is False
     steps = doc["steps"]
@@ -50,11 +63,15 @@ def test_cpu_mode_runs_end_to_end_skips_every_cuda_step_and_reports_a_wrong_op(t
     cells = {c["cell"]: c for c in run["cells"]}
     assert all({"cell", "rank", "status", "detail"} <= set(c) for c in cells.values())
     reduced = [c for name, c in cells.items() if name.startswith("all_reduce|")]
-    assert len(reduced) == 8 and all(c["status"] == "wrong" and "got" in c["detail"] for c in reduced)  # 2 dtypes x sync/async x plain/debug
+    assert len(reduced) == 8 and all(
+        c["status"] == "wrong" and "got" in c["detail"] for c in reduced
+    )  # 2 dtypes x sync/async x plain/debug
     untouched = [c for name, c in cells.items() if name.startswith(("broadcast|", "all_gather_object|"))]
     assert len(untouched) == 8 + 4 and all(c["status"] == "ok" for c in untouched)
     assert cells["init_distributed_env"]["backend"] == "gpu_check_wrong_gloo" and cells["destroy"]["status"] == "ok"
-    assert all(cells[f"pg.{name}(asyncOp=False)"]["detail"] == "returns Work" for name in ("allreduce", "broadcast", "barrier"))
+    assert all(
+        cells[f"pg.{name}(asyncOp=False)"]["detail"] == "returns Work" for name in ("allreduce", "broadcast", "barrier")
+    )
     out = capsys.readouterr().out
     assert "nccl_world1    FAIL" in out and "all_reduce|float32|sync|plain: wrong" in out
 
@@ -62,19 +79,59 @@ def test_cpu_mode_runs_end_to_end_skips_every_cuda_step_and_reports_a_wrong_op(t
 def _cells_on_two_ranks(rank, size, url):
     import torch.distributed as dist
 
-    matrix, probes, comms, cells = _module("_gpu_matrix"), _module("_gpu_probes"), _module("_gpu_comms"), _module("_gpu_cells")
+    matrix, probes, comms, cells = (
+        _module("_gpu_matrix"),
+        _module("_gpu_probes"),
+        _module("_gpu_comms"),
+        _module("_gpu_cells"),
+    )
     ctx = init_world(rank, size, url, timeout=30)
     store = dist.FileStore(os.path.join(url.removeprefix("file://").rsplit("/", 1)[0], "lockstep"), size)
     rec = cells.Recorder(rank=rank, lockstep=cells.Lockstep(store, rank, size, 30))
-    ops = ["all_reduce", "all_to_all_single[uneven]", "broadcast", "reduce", "gather", "scatter", "send", "recv", "broadcast_state_dict"]
-    ops += ["broadcast_state_dict[load]", "broadcast_object_list", "sp.all_to_all", "sp.reduce_scatter_to_sequence_parallel_region"]  # no async_op
+    ops = [
+        "all_reduce",
+        "all_to_all_single[uneven]",
+        "broadcast",
+        "reduce",
+        "gather",
+        "scatter",
+        "send",
+        "recv",
+        "broadcast_state_dict",
+    ]
+    ops += [
+        "broadcast_state_dict[load]",
+        "broadcast_object_list",
+        "sp.all_to_all",
+        "sp.reduce_scatter_to_sequence_parallel_region",
+    ]  # no async_op
     device = torch.device("cpu")
     matrix.run_matrix(rec, "GLOBAL", device, 1, ops=ops, dtypes=["float32", "complex64"], modes=["plain"])
     ctx.init_group([0, 1], "WRONG", backend=comms.WRONG_GLOO)
-    matrix.run_matrix(rec, "WRONG", device, 1, ops=["all_reduce", "broadcast"], dtypes=["int64"], modes=["plain", "stats"], prefix="WRONG:")
+    matrix.run_matrix(
+        rec,
+        "WRONG",
+        device,
+        1,
+        ops=["all_reduce", "broadcast"],
+        dtypes=["int64"],
+        modes=["plain", "stats"],
+        prefix="WRONG:",
+    )
     ctx.init_group([0, 1], "CUDA_GLOO", backend=comms.CUDA_GLOO)  # the step-4 communicator, staging on the CPU here
-    matrix.run_matrix(rec, "CUDA_GLOO", device, 1, ops=["all_reduce_dict", "broadcast_state_dict"], dtypes=["bfloat16"], modes=["stats"], prefix="CUDA_GLOO:")
-    probes.refusal_travels(rec, "CUDA_GLOO", device)  # NCCL's dtype table: rank 1's uint16 is a refusal every rank learns
+    matrix.run_matrix(
+        rec,
+        "CUDA_GLOO",
+        device,
+        1,
+        ops=["all_reduce_dict", "broadcast_state_dict"],
+        dtypes=["bfloat16"],
+        modes=["stats"],
+        prefix="CUDA_GLOO:",
+    )
+    probes.refusal_travels(
+        rec, "CUDA_GLOO", device
+    )  # NCCL's dtype table: rank 1's uint16 is a refusal every rank learns
     probes.refusal_travels(rec, "GLOBAL", device)  # gloo moves uint16: a mismatch every rank learns
     return rec.cells
 
@@ -85,9 +142,12 @@ def test_the_matrix_passes_the_librarys_ops_with_a_non_zero_root_and_reports_a_w
         for c in cells:
             by_status.setdefault(c["status"], []).append(c["cell"])
         wrong = sorted(by_status.pop("wrong", []))
-        assert wrong == sorted(f"WRONG:all_reduce|int64|{call}|{mode}" for call in ("sync", "async") for mode in ("plain", "stats")), wrong
+        assert wrong == sorted(
+            f"WRONG:all_reduce|int64|{call}|{mode}" for call in ("sync", "async") for mode in ("plain", "stats")
+        ), wrong
         assert set(by_status) == {"ok"}, {k: v[:5] for k, v in by_status.items()}
-        # Binding SEQUENCE_PARALLEL; GLOBAL: 10 ops x 2 dtypes x sync/async, 3 ops x 2 dtypes; WRONG:broadcast; CUDA_GLOO: 3; the refusals
+        # Binding SEQUENCE_PARALLEL; GLOBAL: 10 ops x 2 dtypes x sync/async, 3 ops x 2 dtypes; WRONG:broadcast;
+        # CUDA_GLOO: 3; the refusals
         assert len(by_status["ok"]) == 1 + 10 * 4 + 3 * 2 + 4 + 3 + 2
 
 
@@ -114,7 +174,9 @@ def test_cells_are_classified_by_who_refused(tmp_path):
     rec = cells.Recorder(str(tmp_path / "cells.jsonl"))
     rec.run("library refusal", lambda: CommContext().set_debug("yes"))
     rec.run("script bug", lambda: int("x"))
-    rec.run("backend", lambda: (_ for _ in ()).throw(RuntimeError("x was refused by the backend's own check on this rank")))
+    rec.run(
+        "backend", lambda: (_ for _ in ()).throw(RuntimeError("x was refused by the backend's own check on this rank"))
+    )
     rec.run("not here", lambda: (_ for _ in ()).throw(cells.NotApplicable("needs 2 ranks")))
     rec.deadline = time.time()
     rec.run("late", lambda: None)
@@ -127,7 +189,9 @@ def test_cells_are_classified_by_who_refused(tmp_path):
     ]
     launch = _module("_gpu_launch")
     with open(tmp_path / "cells.jsonl", "a") as f:
-        f.write(json.dumps({"event": "start", "cell": "hangs here", "rank": 0}) + "\n" + '{"event": "cell", "cell": "cut sh')  # a rank killed mid-cell
+        f.write(
+            json.dumps({"event": "start", "cell": "hangs here", "rank": 0}) + "\n" + '{"event": "cell", "cell": "cut sh'
+        )  # a rank killed mid-cell
     done, _, unfinished = launch.read_cells(tmp_path / "cells.jsonl")
     assert [c["cell"] for c in done] == [c["cell"] for c in rec.cells] and unfinished == "hangs here"
 
@@ -180,8 +244,12 @@ def test_the_cuda_tests_step_selects_what_skips_without_cuda():
     plugin = _module("_gpu_pytest_plugin")
     skip = pytest.mark.skipif
     assert plugin.needs_cuda([], "tests/test_nccl.py")
-    assert plugin.needs_cuda([skip(False, reason="CUDA tensors need a GPU; this machine has none").mark], "tests/test_x.py")
-    assert not plugin.needs_cuda([skip(True, reason="needs CUDA").mark], "tests/test_x.py")  # skipped on this machine too
+    assert plugin.needs_cuda(
+        [skip(False, reason="CUDA tensors need a GPU; this machine has none").mark], "tests/test_x.py"
+    )
+    assert not plugin.needs_cuda(
+        [skip(True, reason="needs CUDA").mark], "tests/test_x.py"
+    )  # skipped on this machine too
     assert not plugin.needs_cuda([skip(False, reason="checks the CPU-only error").mark], "tests/test_x.py")
     assert not plugin.needs_cuda([], "tests/test_collective.py")
 

@@ -1,4 +1,5 @@
-"""rlightning_comm.run (``launch.run``): the environment its ranks see, ``init_distributed_env`` inside them, failures, bad arguments."""
+"""rlightning_comm.run (``launch.run``): the environment its ranks see, ``init_distributed_env`` inside them, failures,
+bad arguments."""
 
 from __future__ import annotations
 
@@ -14,7 +15,16 @@ import torch
 from rlightning_comm import launch, run
 from rlightning_comm.errors import CommError
 
-PLACEMENT = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE")
+PLACEMENT = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+)
 
 
 def _report_then_fail_on_rank_one(out_dir: str) -> None:
@@ -33,7 +43,9 @@ def _report_then_fail_on_rank_one(out_dir: str) -> None:
     collective.barrier()
 
 
-def test_local_ranks_get_the_callers_environment_and_torchruns_placement_and_a_failed_rank_stops_the_others(monkeypatch, tmp_path):
+def test_local_ranks_get_the_callers_environment_and_torchruns_placement_and_a_failed_rank_stops_the_others(
+    monkeypatch, tmp_path
+):
     for name in PLACEMENT:
         monkeypatch.delenv(name, raising=False)
     launch._process_context()
@@ -85,7 +97,9 @@ def _launched_task(rank: int, size: int, url: str) -> dict[str, object]:
 
     out: dict[str, object] = {}
     # What each local rank of run() executes, on the suite's reusable ranks.
-    launch._rank_main(lambda: out.update(_init_again(rank, size)), (), rank, size, "gloo", url, 20, env=dict(os.environ))
+    launch._rank_main(
+        lambda: out.update(_init_again(rank, size)), (), rank, size, "gloo", url, 20, env=dict(os.environ)
+    )
     return out
 
 
@@ -93,12 +107,22 @@ def test_init_distributed_env_in_a_launched_function_is_a_no_op_for_its_world_an
     for rank, out in enumerate(world2.run(_launched_task)):
         assert out["same"] is True and out["env"] == str(rank), out
         refused = out["refused"]
-        assert set(refused) == {"default backend", "timeout", "world_size", "rank", "url", "bounded_wait", "bad"}, refused
+        assert set(refused) == {"default backend", "timeout", "world_size", "rank", "url", "bounded_wait", "bad"}, (
+            refused
+        )
         head = f"rlightning_comm.launch.run already initialised this process's world with world_size=2, rank={rank}, backend='gloo', timeout=20 s, bounded_wait=False"
-        assert all(refused[k].startswith(head) for k in ("default backend", "timeout", "world_size", "rank", "url", "bounded_wait")), refused
-        assert "asked for backend='nccl', timeout=1800.0" in refused["default backend"] and "pass the backend, timeout and bounded_wait to run()" in refused["timeout"]
+        assert all(
+            refused[k].startswith(head)
+            for k in ("default backend", "timeout", "world_size", "rank", "url", "bounded_wait")
+        ), refused
+        assert (
+            "asked for backend='nccl', timeout=1800.0" in refused["default backend"]
+            and "pass the backend, timeout and bounded_wait to run()" in refused["timeout"]
+        )
         assert "asked for bounded_wait=True." in refused["bounded_wait"], refused
-        assert "asked for world_size=3." in refused["world_size"] and f"asked for rank={1 - rank}." in refused["rank"], refused
+        assert (
+            "asked for world_size=3." in refused["world_size"] and f"asked for rank={1 - rank}." in refused["rank"]
+        ), refused
         assert "asked for dist_url='tcp://127.0.0.1:1'." in refused["url"] and refused["bad"] == "ValueError", refused
 
 

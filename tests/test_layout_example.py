@@ -1,4 +1,5 @@
-"""examples/parallel_layout.py's checks, run on a reused spawned world: they pass, and they catch a corrupted collective."""
+"""examples/parallel_layout.py's checks, run on a reused spawned world: they pass, and they catch a corrupted
+collective."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "parallel_layout.py
 def _run_example(rank: int, size: int, url: str, corrupt_rank: int | None) -> tuple[int, str]:
     import torch
 
-    from rlightning_comm.weights._pipeline import Pipeline
     from rlightning_comm.communicators.base import Communicator
+    from rlightning_comm.weights._pipeline import Pipeline
 
     spec = importlib.util.spec_from_file_location("parallel_layout_example", EXAMPLE)
     example = importlib.util.module_from_spec(spec)
@@ -44,7 +45,9 @@ def _run_example(rank: int, size: int, url: str, corrupt_rank: int | None) -> tu
             tensor.add_(1)
         return out
 
-    def late_move(self, data):  # broadcast_state_dict's pipeline, whichever way it moves a unit: corrupt once it arrived
+    def late_move(
+        self, data
+    ):  # broadcast_state_dict's pipeline, whichever way it moves a unit: corrupt once it arrived
         return [Late(work, data) for work in original_move(self, data)]
 
     if rank == corrupt_rank:
@@ -52,7 +55,9 @@ def _run_example(rank: int, size: int, url: str, corrupt_rank: int | None) -> tu
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out):
-            code = example.run(example.parse_args(["--tp", "2", "--timeout", "60"]), dist_url=url, world_size=size, rank=rank)
+            code = example.run(
+                example.parse_args(["--tp", "2", "--timeout", "60"]), dist_url=url, world_size=size, rank=rank
+            )
     finally:
         Communicator.broadcast, Pipeline._move = original, original_move  # the world's processes outlive this test
     return code, out.getvalue()

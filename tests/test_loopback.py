@@ -1,4 +1,5 @@
-"""A loopback rendezvous address gives a store that listens on loopback only (torch's own listens on every interface)."""
+"""A loopback rendezvous address gives a store that listens on loopback only (torch's own listens on every
+interface)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def test_loopback_address(monkeypatch, url, env, expected):
 
 
 def _listening_addresses(port=None):
-    """Local addresses of the sockets listening on ``port`` (default: those this process owns), from /proc (IPv4 and IPv6)."""
+    """Local addresses of the sockets listening on ``port`` (default: those this process owns), from /proc (IPv4 and
+    IPv6)."""
     import os
 
     mine = set()
@@ -71,7 +73,13 @@ def _store_task(rank, size, url, port, use_env):
     if use_env:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     ctx = CommContext()
-    ctx.init_distributed_env(world_size=size, rank=rank, backend="gloo", dist_url="env://" if use_env else f"tcp://127.0.0.1:{port}", timeout=30)
+    ctx.init_distributed_env(
+        world_size=size,
+        rank=rank,
+        backend="gloo",
+        dist_url="env://" if use_env else f"tcp://127.0.0.1:{port}",
+        timeout=30,
+    )
     t = torch.ones(2)
     ctx.get_communicator().all_reduce(t)
     return t.tolist(), sorted(_listening_addresses(port))

@@ -36,7 +36,11 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def _launch(args: list[str], tmp_path: Path, nodes: int = 2, per_node: int = 2) -> tuple[list[int | None], list[str]]:
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env["OMP_NUM_THREADS"] = "1"
     procs, logs = [], []
@@ -44,11 +48,34 @@ def _launch(args: list[str], tmp_path: Path, nodes: int = 2, per_node: int = 2) 
         for node in range(nodes):
             log = tmp_path / f"node{node}.log"
             logs.append(log)
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node-rank", str(node), "--nproc-per-node", str(per_node)]
-            cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", "127.0.0.1"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                str(nodes),
+                "--node-rank",
+                str(node),
+                "--nproc-per-node",
+                str(per_node),
+            ]
+            cmd += [
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-conf",
+                f"is_host={int(node == 0)}",
+                "--local-addr",
+                "127.0.0.1",
+            ]
             cmd += ["--max-restarts", "0", str(EXAMPLE), *args]
             with open(log, "w") as out:
-                procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path, start_new_session=True))
+                procs.append(
+                    subprocess.Popen(
+                        cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path, start_new_session=True
+                    )
+                )
         deadline = time.monotonic() + BOUND
         for proc in procs:
             try:
@@ -74,6 +101,8 @@ def test_two_torchrun_nodes_build_and_check_the_full_layout(tmp_path: Path) -> N
     layout = json.loads(lines[0].removeprefix("LAYOUT_JSON "))
     expected = {m: g for m, g in expected_groups(4, 2, 1, 2, "tp-sp-dp").items()}
     # torchrun numbers ranks node by node: ranks 0, 1 on one node, 2, 3 on the other.
-    expected.update(GLOBAL=[[0, 1, 2, 3]], INTRA_NODE=[[0, 1], [2, 3]], INTER_NODE=[[0, 2], [1, 3]], WEIGHT_TRANSFER=[[0, 1, 2, 3]])
+    expected.update(
+        GLOBAL=[[0, 1, 2, 3]], INTRA_NODE=[[0, 1], [2, 3]], INTER_NODE=[[0, 2], [1, 3]], WEIGHT_TRANSFER=[[0, 1, 2, 3]]
+    )
     assert layout == {"world_size": 4, "groups": expected, "failures": 0}, report
     assert "bit-identical" in "".join(outputs), report

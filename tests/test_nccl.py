@@ -15,7 +15,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="NCCL need
 def test_every_op_on_nccl_world_size_one(tmp_path, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     ctx = CommContext()
-    comm = ctx.init_distributed_env(world_size=1, rank=0, backend="nccl", dist_url=f"file://{tmp_path}/store", timeout=60)
+    comm = ctx.init_distributed_env(
+        world_size=1, rank=0, backend="nccl", dist_url=f"file://{tmp_path}/store", timeout=60
+    )
     assert isinstance(comm, NcclCommunicator) and comm.device.type == "cuda"
     dev = comm.device
     g = CommMode.GLOBAL
@@ -44,7 +46,8 @@ def test_every_op_on_nccl_world_size_one(tmp_path, monkeypatch):
     assert objs == [{"a": 1}]
     got = collective.all_reduce_dict({"x": 2, "y": torch.ones(2, device=dev)}, g)
     assert got["x"] == 2.0 and got["y"].device == dev
-    # Weight transfer broadcasts each unit on NCCL: GPU tensors in place, host ones (and a transposed one) through the GPU buckets.
+    # Weight transfer broadcasts each unit on NCCL: GPU tensors in place, host ones (and a transposed one) through the
+    # GPU buckets.
     weights = {
         "w": torch.randn(512, 512, device=dev),
         "w_t": torch.randn(64, 32, device=dev).t(),
@@ -53,5 +56,7 @@ def test_every_op_on_nccl_world_size_one(tmp_path, monkeypatch):
     }
     kept = {name: t.clone() for name, t in weights.items()}
     broadcast_state_dict(weights, g, src=0, bucket_bytes=4096)
-    assert all(torch.equal(weights[name], kept[name]) and weights[name].device == kept[name].device for name in kept)  # the source's tensors are only read
+    assert all(
+        torch.equal(weights[name], kept[name]) and weights[name].device == kept[name].device for name in kept
+    )  # the source's tensors are only read
     collective.barrier(g)

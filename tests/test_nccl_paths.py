@@ -21,7 +21,8 @@ from rlightning_comm.communicators.nccl import BLOCKING_WAIT_ENV
 
 # torch 2.13's WorkNCCL: checkTimeout's text, rethrown by wait() in blocking-wait mode after aborting the communicator.
 NCCL_TIMEOUT = (
-    "[PG ID 1 PG GUID 1 Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE, NumelIn=4, "
+    "[PG ID 1 PG GUID 1 Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE, "
+    "NumelIn=4, "
     "NumelOut=4, Timeout(ms)=1500) ran for 1501 milliseconds before timing out."
 )
 
@@ -41,7 +42,9 @@ class HostNccl(NcclCommunicator):
     @staticmethod
     @override
     def on_device(a: torch.Tensor, b: torch.Tensor) -> bool:
-        return a.is_cpu and b.is_cpu and a.dtype in nccl._FAST and b.dtype in nccl._FAST  # NCCL's own test, devices aside
+        return (
+            a.is_cpu and b.is_cpu and a.dtype in nccl._FAST and b.dtype in nccl._FAST
+        )  # NCCL's own test, devices aside
 
     @override
     def check_device(self, tensor: torch.Tensor, name: str) -> None:
@@ -90,7 +93,9 @@ class StandInNccl:
         return self._launch("barrier", opts)
 
     def reduce_scatter_single(self, output, input_, opts):
-        if input_.is_complex():  # ProcessGroupNCCL._reduce_scatter_base does not view complex as real: no NCCL type for it
+        if (
+            input_.is_complex()
+        ):  # ProcessGroupNCCL._reduce_scatter_base does not view complex as real: no NCCL type for it
             raise TypeError(f"Input tensor data type is not supported for NCCL process group: {input_.dtype}")
         output.copy_(input_.reshape(output.shape))
         return self._launch("reduce_scatter_single", opts)
@@ -114,7 +119,8 @@ def test_bounded_wait_launches_blocking_calls_as_async_and_waits_for_their_work(
         comm.barrier()
         assert comm.all_reduce_dict({"loss": 1.0}) == {"loss": 1.0}
         comm.broadcast_object_list([{"a": 1}], 0)
-    # Default: torch's blocking calls (no work to wait on, as NCCL returns none). Bounded: async launches, each waited once.
+    # Default: torch's blocking calls (no work to wait on, as NCCL returns none). Bounded: async launches, each waited
+    # once.
     assert {a for _, a in default.launched} == {False} and not default.works
     assert {a for _, a in bounded.launched} == {True} and len(bounded.works) == len(bounded.launched) == 6
     assert all(w.waits == 1 for w in bounded.works)
@@ -122,7 +128,9 @@ def test_bounded_wait_launches_blocking_calls_as_async_and_waits_for_their_work(
 
 def test_bounded_wait_turns_nccls_timeout_into_the_librarys_error(world):
     comm = HostNccl(StandInNccl(NCCL_TIMEOUT), [0], "TP", timeout=1.5, bounded_wait=True)
-    with pytest.raises(CommTimeoutError, match=r"all_reduce on mode 'TP' timed out after 1.5 s \(the group's timeout\)") as info:
+    with pytest.raises(
+        CommTimeoutError, match=r"all_reduce on mode 'TP' timed out after 1.5 s \(the group's timeout\)"
+    ) as info:
         comm.all_reduce(torch.ones(4))
     assert isinstance(info.value.__cause__, dist.DistBackendError)
     handle = comm.all_reduce(torch.ones(4), async_op=True)
@@ -135,20 +143,31 @@ def test_bounded_wait_turns_nccls_timeout_into_the_librarys_error(world):
 def test_bounded_wait_is_a_world_setting_that_sets_torchs_blocking_wait(tmp_path, monkeypatch):
     monkeypatch.delenv(BLOCKING_WAIT_ENV, raising=False)
     ctx = CommContext()
-    comm = ctx.init_distributed_env(world_size=1, rank=0, backend="gloo", dist_url=f"file://{tmp_path}/store", timeout=30, bounded_wait=True)
+    comm = ctx.init_distributed_env(
+        world_size=1, rank=0, backend="gloo", dist_url=f"file://{tmp_path}/store", timeout=30, bounded_wait=True
+    )
     import os
 
     assert os.environ[BLOCKING_WAIT_ENV] == "1"  # before any NCCL group this context creates
     assert comm.bounded_wait is False  # gloo's calls wait within the timeout anyway
     with pytest.raises(Exception, match="already initialised"):
         ctx.init_distributed_env(world_size=1, rank=0, backend="gloo", dist_url=f"file://{tmp_path}/store", timeout=30)
-    assert ctx.init_distributed_env(world_size=1, rank=0, backend="gloo", dist_url=f"file://{tmp_path}/store", timeout=30, bounded_wait=True) is comm
+    assert (
+        ctx.init_distributed_env(
+            world_size=1, rank=0, backend="gloo", dist_url=f"file://{tmp_path}/store", timeout=30, bounded_wait=True
+        )
+        is comm
+    )
 
 
 def test_bounded_wait_refuses_an_environment_that_turns_blocking_wait_off(tmp_path, monkeypatch):
     monkeypatch.setenv(BLOCKING_WAIT_ENV, "0")
-    with pytest.raises(ValueError, match=r"bounded_wait=True needs TORCH_NCCL_BLOCKING_WAIT=1 .* sets TORCH_NCCL_BLOCKING_WAIT='0'"):
-        CommContext().init_distributed_env(world_size=1, rank=0, backend="gloo", dist_url=f"file://{tmp_path}/store", timeout=30, bounded_wait=True)
+    with pytest.raises(
+        ValueError, match=r"bounded_wait=True needs TORCH_NCCL_BLOCKING_WAIT=1 .* sets TORCH_NCCL_BLOCKING_WAIT='0'"
+    ):
+        CommContext().init_distributed_env(
+            world_size=1, rank=0, backend="gloo", dist_url=f"file://{tmp_path}/store", timeout=30, bounded_wait=True
+        )
     assert not dist.is_initialized()
 
 
@@ -182,7 +201,9 @@ def _in_thread(fn):
     return out[0]
 
 
-def test_the_device_is_bound_from_local_rank_and_used_by_every_entry_point_whatever_the_calling_thread(world, cuda, monkeypatch):
+def test_the_device_is_bound_from_local_rank_and_used_by_every_entry_point_whatever_the_calling_thread(
+    world, cuda, monkeypatch
+):
     from rlightning_comm.communicators import _values
     from rlightning_comm.stats._recorder import _Recorder
 
@@ -226,7 +247,10 @@ def test_without_local_rank_the_device_is_the_binding_threads_current_one(world,
 
 def test_local_rank_must_name_a_visible_gpu(world, cuda, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "4")
-    with pytest.raises(ValueError, match=r"LOCAL_RANK=4 names no GPU of this process: expected 0 <= LOCAL_RANK < 4 \(torch.cuda.device_count\(\)\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"LOCAL_RANK=4 names no GPU of this process: expected 0 <= LOCAL_RANK < 4 \(torch.cuda.device_count\(\)\)",
+    ):
         NcclCommunicator(dist.group.WORLD, [0], "gpu")
     with pytest.raises(ValueError, match="LOCAL_RANK=4 names no GPU"):  # init_group refuses before any group is created
         world.init_group([0], "GPU", backend="nccl")
@@ -253,7 +277,9 @@ def test_an_nccl_world_is_bound_to_its_device(tmp_path, cuda, monkeypatch):
 
     monkeypatch.setattr(rendezvous, "init_process_group", init)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
-    Context().init_distributed_env(world_size=1, rank=0, backend="nccl", dist_url=f"file://{tmp_path}/store", timeout=30)
+    Context().init_distributed_env(
+        world_size=1, rank=0, backend="nccl", dist_url=f"file://{tmp_path}/store", timeout=30
+    )
     assert seen == [("nccl", torch.device("cuda", 3))] and cuda.state.device == 3
     assert Context().get_communicator().device == torch.device("cuda", 3)
 
@@ -278,7 +304,11 @@ class _Tensorish:
 
 
 def test_nccls_fast_test_passes_only_the_dtypes_it_moves_and_reduces():
-    taken = {dt for dt in (torch.float32, torch.bfloat16, torch.int64, torch.bool) if NcclCommunicator.on_device(_Tensorish(dt), _Tensorish(dt))}
+    taken = {
+        dt
+        for dt in (torch.float32, torch.bfloat16, torch.int64, torch.bool)
+        if NcclCommunicator.on_device(_Tensorish(dt), _Tensorish(dt))
+    }
     assert taken == {torch.float32, torch.bfloat16, torch.int64, torch.bool}
     for dt in (torch.uint16, torch.uint32, torch.uint64, torch.int16, torch.float8_e4m3fn, torch.complex64):
         assert not NcclCommunicator.on_device(_Tensorish(dt), _Tensorish(dt)), dt  # to the full checks
@@ -295,7 +325,10 @@ def test_nccl_refuses_what_it_cannot_move_or_reduce_before_anything_is_sent(worl
             lambda t: comm.all_gather(torch.empty(4, dtype=t.dtype), t),
             lambda t: comm.reduce_scatter(torch.empty(4, dtype=t.dtype), t),
         ):
-            with pytest.raises(ValueError, match=rf"is {dtype}, which HostNccl \(mode 'TP'\) cannot move; expected one of: bfloat16, bool, "):
+            with pytest.raises(
+                ValueError,
+                match=rf"is {dtype}, which HostNccl \(mode 'TP'\) cannot move; expected one of: bfloat16, bool, ",
+            ):
                 call(torch.zeros(4, dtype=dtype))
     with pytest.raises(ValueError, match="dtype is torch.uint16, which HostNccl"):
         comm.all_reduce_dict({"x": 1}, dtype=torch.uint16)
@@ -338,13 +371,19 @@ class _Refusing(StandInNccl):
         (ValueError("Tensors must be CUDA and dense"), ValueError),
         (TypeError("Cannot use ReduceOp.AVG with boolean inputs"), TypeError),
         (RuntimeError("Unsupported Float8 type for NCCL reduction"), CommError),
-        (NotImplementedError("Could not run 'c10d::allreduce_' with arguments from the 'NestedTensorCPU' backend."), CommError),
+        (
+            NotImplementedError("Could not run 'c10d::allreduce_' with arguments from the 'NestedTensorCPU' backend."),
+            CommError,
+        ),
     ],
     ids=["value", "type", "fp8", "not implemented"],
 )
 def test_a_backends_own_refusal_is_reported_as_one_and_the_group_still_works(world, raised, expected):
     comm = HostNccl(_Refusing(raised), [0], "TP")
-    with pytest.raises(expected, match=r"all_reduce on mode 'TP' was refused by the backend's own check on this rank.*the group still works here") as info:
+    with pytest.raises(
+        expected,
+        match=r"all_reduce on mode 'TP' was refused by the backend's own check on this rank.*the group still works here",
+    ) as info:
         comm.all_reduce(torch.ones(4))
     assert "a peer is gone" not in str(info.value) and info.value.__cause__ is raised
     assert not comm._lock._is_owned()  # released: the next call may go
@@ -353,7 +392,10 @@ def test_a_backends_own_refusal_is_reported_as_one_and_the_group_still_works(wor
 def test_a_peer_gone_on_nccl_still_says_so():
     from rlightning_comm.failures import comm_failure
 
-    gone = dist.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:2087, remote process exited or there was a network error, NCCL version 2.27.3")
+    gone = dist.DistBackendError(
+        "NCCL error in: ProcessGroupNCCL.cpp:2087, remote process exited or there was a network error, NCCL version "
+        "2.27.3"
+    )
     assert "a peer is gone" in str(comm_failure(gone, "TP", "all_reduce", 30.0))
 
 

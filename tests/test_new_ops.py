@@ -29,7 +29,11 @@ def _ops_task(rank: int, size: int, url: str) -> dict:
         ctx.init_group(declared, mode)
         raw = dist.new_group(sorted(declared))
         if rank not in declared:
-            results = [collective.reduce(torch.ones(1), mode), collective.send(torch.ones(1), mode, 1), collective.all_gather_object([None], 1, mode)]
+            results = [
+                collective.reduce(torch.ones(1), mode),
+                collective.send(torch.ones(1), mode, 1),
+                collective.all_gather_object([None], 1, mode),
+            ]
             out[mode] = {"non_member": results}
             continue
         n, order, me = len(declared), sorted(declared), declared.index(rank)
@@ -70,7 +74,8 @@ def _ops_task(rank: int, size: int, url: str) -> dict:
         theirs = [None] * n
         dist.all_gather_object(theirs, obj, group=raw)
         got["all_gather_object"] = [o["rank"] for o in ours] == declared and all(
-            a["text"] == b["text"] and torch.equal(a["tensor"], b["tensor"]) for a, b in zip(ours, [theirs[order.index(g)] for g in declared])
+            a["text"] == b["text"] and torch.equal(a["tensor"], b["tensor"])
+            for a, b in zip(ours, [theirs[order.index(g)] for g in declared])
         )
         # Safe mode and max_bytes refuse a peer's object, all or none; the group stays usable.
         kept = ["kept"] * n
@@ -86,7 +91,8 @@ def _ops_task(rank: int, size: int, url: str) -> dict:
         except ObjectRefusedError as err:
             got["max_bytes"] = ("refused", f"from rank {sender}" in str(err))
 
-        # send / recv between every ordered pair, blocking (the lower group rank sends first) and async, against raw torch.
+        # send / recv between every ordered pair, blocking (the lower group rank sends first) and async, against raw
+        # torch.
         pairs_ok = []
         for i, a in enumerate(declared):
             for b in declared[i + 1 :]:
@@ -110,7 +116,10 @@ def _ops_task(rank: int, size: int, url: str) -> dict:
         peer = declared[(me + 1) % n] if me % 2 == 0 else declared[me - 1]
         if n % 2 == 0 or me < n - 1:
             box = torch.zeros(2)
-            works = [collective.recv(box, mode, src=peer, async_op=True), collective.send(torch.full((2,), float(rank)), mode, dst=peer, async_op=True)]
+            works = [
+                collective.recv(box, mode, src=peer, async_op=True),
+                collective.send(torch.full((2,), float(rank)), mode, dst=peer, async_op=True),
+            ]
             for w in works:
                 w.wait()
             pairs_ok.append(torch.equal(box, torch.full((2,), float(peer))))
@@ -139,7 +148,9 @@ def _ops_task(rank: int, size: int, url: str) -> dict:
     dist.all_reduce(ra, group=group)
     dist.all_reduce(rb, group=group)
     out["coalesced"] = torch.equal(a, ra) and torch.equal(b, rb)
-    with _coalescing_manager(group):  # the refusal is caught inside: torch's manager leaves its state behind on an exception
+    with _coalescing_manager(
+        group
+    ):  # the refusal is caught inside: torch's manager leaves its state behind on an exception
         try:
             collective.reduce(a, "ALL", dst=2)
         except CommError as err:
@@ -190,7 +201,10 @@ def _debug_task(rank: int, size: int, url: str) -> dict:
         except ValueError as err:
             out["refused"] = str(err)
         # Both post a receive first, then a send, async: the checks complete in wait() and do not wait on each other.
-        works = [collective.recv(box, "P", src=peer, async_op=True), collective.send(torch.full((3,), float(rank)), "P", dst=peer, async_op=True)]
+        works = [
+            collective.recv(box, "P", src=peer, async_op=True),
+            collective.send(torch.full((3,), float(rank)), "P", dst=peer, async_op=True),
+        ]
         for w in works:
             w.wait()
         out["exchange"] = box.tolist()
@@ -216,7 +230,8 @@ def test_reduce_reduce_scatter_all_gather_object_send_recv_equal_raw_torch(world
                 assert out[mode] == {"non_member": [None, None, None]}
                 continue
             got = out[mode]
-            # reduce to every root (sync and async, SUM / MAX / a ReduceOp instance / complex) equals raw torch on the root.
+            # reduce to every root (sync and async, SUM / MAX / a ReduceOp instance / complex) equals raw torch on the
+            # root.
             assert got["reduce"] and all(got["reduce"]), (rank, mode, got["reduce"])
             # reduce_scatter: this rank's chunk is the declared order's.
             assert got["reduce_scatter"], (rank, mode)
@@ -238,7 +253,10 @@ def test_reduce_reduce_scatter_all_gather_object_send_recv_equal_raw_torch(world
         stats = results[rank]["stats"]
         assert stats["reduce"] == (12, 3 * (24 + 24 + 24 + 48)), stats
         exchanges = 1 if rank != 2 else 0  # of 2 float32, the pairs' of 4
-        assert stats.get("send", (0, 0)) == (sends, 16 * (sends - exchanges) + 8 * exchanges) and stats.get("recv", (0, 0))[0] == receives, stats
+        assert (
+            stats.get("send", (0, 0)) == (sends, 16 * (sends - exchanges) + 8 * exchanges)
+            and stats.get("recv", (0, 0))[0] == receives
+        ), stats
 
 
 def test_debug_mode_checks_each_send_against_its_recv_by_the_pair_alone(world4):

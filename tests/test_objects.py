@@ -32,7 +32,17 @@ class _CreatesFileAsStorage:
         return (_load_from_bytes, (pickle.dumps(_CreatesFile(self.path), protocol=2),))
 
 
-PLAIN = [None, True, 7, 2.5, "text", b"\x00bytes", [1, (2, 3)], {"k": {"nested": [1.0]}, 3: "int key"}, torch.arange(6.0).view(2, 3)[:, 1]]
+PLAIN = [
+    None,
+    True,
+    7,
+    2.5,
+    "text",
+    b"\x00bytes",
+    [1, (2, 3)],
+    {"k": {"nested": [1.0]}, 3: "int key"},
+    torch.arange(6.0).view(2, 3)[:, 1],
+]
 
 
 def _equal(a, b):
@@ -69,7 +79,12 @@ def test_safe_receiver_accepts_plain_data_like_torch(world2):
 
 
 def _payload(kind, path):
-    return {"code": _CreatesFile(path), "storage": [torch.ones(2), _CreatesFileAsStorage(path)], "set": {1, 2}, "complex": 1 + 2j}[kind]
+    return {
+        "code": _CreatesFile(path),
+        "storage": [torch.ones(2), _CreatesFileAsStorage(path)],
+        "set": {1, 2},
+        "complex": 1 + 2j,
+    }[kind]
 
 
 def _refuse_task(rank, size, url, kind, path, safe):
@@ -164,7 +179,9 @@ def _bad_args_task(rank, size, url):
 
 
 def test_bad_arguments_fail_locally(world1):
-    assert world1.run(_bad_args_task, timeout=60) == [["TypeError", "ValueError", "ValueError", "TypeError", "ValueError"]]
+    assert world1.run(_bad_args_task, timeout=60) == [
+        ["TypeError", "ValueError", "ValueError", "TypeError", "ValueError"]
+    ]
 
 
 def _gather_objects_task(rank, size, url):
@@ -197,7 +214,9 @@ def test_object_all_gather_reads_every_size_in_one_transfer(world4):
         assert reads == 1  # one read of all four sizes, not one .item() per rank
 
 
-BYTES_DTYPES = [d for d in ("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "uint16", "uint32", "uint64") if hasattr(torch, d)]
+BYTES_DTYPES = [
+    d for d in ("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu", "uint16", "uint32", "uint64") if hasattr(torch, d)
+]
 
 
 def _bytes_dtype_task(rank, size, url):
@@ -209,7 +228,12 @@ def _bytes_dtype_task(rank, size, url):
 
     def tensors(seed):
         base = (torch.arange(12, dtype=torch.int64) * 7 + seed) % 100
-        return {name: base.to(torch.uint8).view(getattr(torch, name)).reshape(3, 4).t() if getattr(torch, name).itemsize == 1 else base.to(getattr(torch, name)).reshape(3, 4).t() for name in BYTES_DTYPES}
+        return {
+            name: base.to(torch.uint8).view(getattr(torch, name)).reshape(3, 4).t()
+            if getattr(torch, name).itemsize == 1
+            else base.to(getattr(torch, name)).reshape(3, 4).t()
+            for name in BYTES_DTYPES
+        }
 
     out = {}
     for safe in (False, True):
@@ -221,7 +245,9 @@ def _bytes_dtype_task(rank, size, url):
         want = [tensors(0)] + [tensors(r + 1) for r in range(size)]
         got = [objs[0]] + gathered
         out[safe] = objs[1] == "after" and all(
-            g[name].dtype == w[name].dtype and g[name].shape == w[name].shape and torch.equal(g[name].contiguous().view(torch.uint8), w[name].contiguous().view(torch.uint8))
+            g[name].dtype == w[name].dtype
+            and g[name].shape == w[name].shape
+            and torch.equal(g[name].contiguous().view(torch.uint8), w[name].contiguous().view(torch.uint8))
             for g, w in zip(got, want)
             for name in BYTES_DTYPES
         )

@@ -22,7 +22,11 @@ def _every_layout(rank: int, size: int, url: str, layouts: list[tuple[int, int, 
     for i, (tp, sp, dp, order) in enumerate(layouts):
         ctx.init_distributed_env(world_size=size, rank=rank, backend="gloo", dist_url=url)
         config = ParallelConfig(
-            tensor_parallel_size=tp, sequence_parallel_size=sp, data_parallel_size=dp if i % 2 else None, order=order, bind_train_data_parallel=True
+            tensor_parallel_size=tp,
+            sequence_parallel_size=sp,
+            data_parallel_size=dp if i % 2 else None,
+            order=order,
+            bind_train_data_parallel=True,
         )
         comms = ctx.init_parallel_groups(config)
         record = {}
@@ -61,7 +65,9 @@ def _invalid_layouts(rank: int, size: int, url: str) -> dict:
     ctx = init_world(rank, size, url)
     ctx.init_group([0, 1], CommMode.TENSOR_PARALLEL)
     calls = []
-    originals = {name: getattr(dist, name) for name in ("new_group", "all_gather_object", "broadcast", "all_reduce", "barrier")}
+    originals = {
+        name: getattr(dist, name) for name in ("new_group", "all_gather_object", "broadcast", "all_reduce", "barrier")
+    }
 
     def recorder(name):
         def call(*args, **kwargs):
@@ -95,7 +101,13 @@ def _invalid_layouts(rank: int, size: int, url: str) -> dict:
     first = ctx.init_parallel_groups(ParallelConfig(tensor_parallel_size=2))
     again = ctx.init_parallel_groups(ParallelConfig(tensor_parallel_size=2))
     same = all(first[m] is again[m] for m in first)
-    return {"errors": errors, "calls": calls, "bound": bound_after_errors, "same": same, "bound_after": ctx.bound_modes()}
+    return {
+        "errors": errors,
+        "calls": calls,
+        "bound": bound_after_errors,
+        "same": same,
+        "bound_after": ctx.bound_modes(),
+    }
 
 
 def test_invalid_layouts_are_rejected_before_any_group_or_collective(world2) -> None:
@@ -106,7 +118,11 @@ def test_invalid_layouts_are_rejected_before_any_group_or_collective(world2) -> 
     assert out["bound"] == ["GLOBAL", "TENSOR_PARALLEL"]
     assert out["same"] and out["bound_after"] == ["DATA_PARALLEL", "GLOBAL", "SEQUENCE_PARALLEL", "TENSOR_PARALLEL"]
     errors = out["errors"]
-    assert errors["tp3"][0] == "ValueError" and "world size 2" in errors["tp3"][1] and "tensor_parallel_size=3" in errors["tp3"][1]
+    assert (
+        errors["tp3"][0] == "ValueError"
+        and "world size 2" in errors["tp3"][1]
+        and "tensor_parallel_size=3" in errors["tp3"][1]
+    )
     assert errors["tp2sp2"][0] == "ValueError" and "2 x 2 = 4" in errors["tp2sp2"][1]
     assert errors["dp3"][0] == "ValueError" and "1 x 1 x 3 = 3 must equal the world size 2" in errors["dp3"][1]
     assert errors["not_a_config"][0] == "TypeError"
@@ -128,7 +144,13 @@ def _node_groups(rank: int, size: int, url: str, scheme: str) -> dict:
         comms = ctx.init_node_groups(node_rank=node, local_rank=local, local_world_size=2)
     else:
         # What a launcher sets; NODE_RANK is the fallback when GROUP_RANK is absent.
-        os.environ.update({"LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": "2", "GROUP_RANK" if scheme == "contiguous" else "NODE_RANK": str(node)})
+        os.environ.update(
+            {
+                "LOCAL_RANK": str(local),
+                "LOCAL_WORLD_SIZE": "2",
+                "GROUP_RANK" if scheme == "contiguous" else "NODE_RANK": str(node),
+            }
+        )
         comms = ctx.init_node_groups()
     out = {}
     for mode, comm in comms.items():

@@ -30,7 +30,11 @@ def _order_ops(rank: int, size: int, url: str) -> dict:
         comm = ctx.init_group(declared, mode)
         raw = dist.new_group(sorted(declared))  # the oracle: torch's own numbering, by global rank
         if rank not in declared:
-            assert comm.is_member is False and ctx.get_group(mode) is None and collective.all_reduce(torch.ones(1), mode) is None
+            assert (
+                comm.is_member is False
+                and ctx.get_group(mode) is None
+                and collective.all_reduce(torch.ones(1), mode) is None
+            )
             continue
         n, me, order = len(declared), declared.index(rank), sorted(declared)
 
@@ -81,11 +85,14 @@ def _order_ops(rank: int, size: int, url: str) -> dict:
         dist.reduce_scatter(rref, to_sorted(chunks), group=raw)
         assert red.tolist() == rref.tolist() == [float(sum(g * 7 for g in declared) + n * me), float(n * (1 + me))]
 
-        # all_to_all_single with uneven splits: input chunk j goes to declared[j], output chunk i comes from declared[i].
+        # all_to_all_single with uneven splits: input chunk j goes to declared[j], output chunk i comes from
+        # declared[i].
         send = [torch.full((_sizes(me, j),), 1000.0 * rank + j) for j in range(n)]
         recv_sizes = [_sizes(i, me) for i in range(n)]
         got = torch.empty(sum(recv_sizes))
-        comm.all_to_all_single(got, torch.cat(send), output_split_sizes=recv_sizes, input_split_sizes=[len(c) for c in send])
+        comm.all_to_all_single(
+            got, torch.cat(send), output_split_sizes=recv_sizes, input_split_sizes=[len(c) for c in send]
+        )
         raw_send = to_sorted(send)
         raw_recv_sizes = to_sorted(recv_sizes)
         raw_got = torch.empty(sum(raw_recv_sizes))
@@ -95,10 +102,13 @@ def _order_ops(rank: int, size: int, url: str) -> dict:
             raw_pieces[order.index(g)].tolist() for g in declared
         ]
         assert [p[0].item() for p in torch.split(got, recv_sizes)] == [1000.0 * g + me for g in declared]
-        # Sequence-parallel chunks: chunk i of the sequence (length i + 1 here) is declared[i]'s; rank0_only scatters from declared[0].
+        # Sequence-parallel chunks: chunk i of the sequence (length i + 1 here) is declared[i]'s; rank0_only scatters
+        # from declared[0].
         from rlightning_comm import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
 
-        full = gather_from_sequence_parallel_region(torch.full((1, me + 1), float(rank)), False, mode=mode, seq_lens=[i + 1 for i in range(n)])
+        full = gather_from_sequence_parallel_region(
+            torch.full((1, me + 1), float(rank)), False, mode=mode, seq_lens=[i + 1 for i in range(n)]
+        )
         assert full.tolist() == [[float(g) for i, g in enumerate(declared) for _ in range(i + 1)]]
         seq = torch.arange(2.0 * n).reshape(1, 2 * n) + 100 * rank
         mine = scatter_to_sequence_parallel_region(seq, True, mode=mode)
@@ -133,7 +143,8 @@ def _creation_paths(rank: int, size: int, url: str) -> list:
         _groups._KEEPS_ORDER = False  # a torch whose new_group has no sort_ranks
         ctx.init_group([0, 1], "SORTED_OLD")  # a sorted declaration works on any torch
         with pytest.raises(
-            CommError, match=r"mode 'OLD': group \[1, 0\] is declared out of ascending order.*needs torch >= 2.12.*Declare the group as \[0, 1\]"
+            CommError,
+            match=r"mode 'OLD': group \[1, 0\] is declared out of ascending order.*needs torch >= 2.12.*Declare the group as \[0, 1\]",
         ):
             ctx.init_group([1, 0], "OLD")
     finally:

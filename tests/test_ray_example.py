@@ -1,4 +1,5 @@
-"""examples/ray_rl_loop.py on a local Ray instance (skipped without the ``ray`` extra), and the library's independence from Ray."""
+"""examples/ray_rl_loop.py on a local Ray instance (skipped without the ``ray`` extra), and the library's independence
+from Ray."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ BOUND = 240  # seconds: the run takes ~25 s on 2 busy cores
 
 
 def _session(sid: int) -> list[int]:
-    """Every live process of session ``sid``: the driver (started in a session of its own) and Ray's GCS, raylet and workers,
+    """Every live process of session ``sid``: the driver (started in a session of its own) and Ray's GCS, raylet and
+    workers,
     which stay in it even when the driver has exited and they were re-parented."""
     found = []
     for entry in Path("/proc").iterdir():
@@ -35,7 +37,9 @@ def _is_loopback(hex_ip: str) -> bool:
     """An address as /proc/net/tcp{,6} prints it (32-bit words in host order, little-endian here)."""
     if len(hex_ip) == 8:
         return hex_ip[6:] == "7F"  # 127.x.y.z
-    return hex_ip == "00000000000000000000000001000000" or (hex_ip.startswith("0000000000000000FFFF0000") and hex_ip[30:] == "7F")  # ::1, ::ffff:127.x
+    return hex_ip == "00000000000000000000000001000000" or (
+        hex_ip.startswith("0000000000000000FFFF0000") and hex_ip[30:] == "7F"
+    )  # ::1, ::ffff:127.x
 
 
 def _wide_listeners(pids: list[int]) -> set[str]:
@@ -78,19 +82,34 @@ def test_library_never_imports_ray() -> None:
         "print(sorted(n for n in sys.modules if n == 'ray' or n.startswith('ray.')))\n"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}
+        [sys.executable, "-c", code],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
 
 
 def run_example(command: list[str], bound: float = BOUND) -> str:
-    """Run an example's ``command`` (:func:`documented`) in a session of its own, bounded; its output once it exited 0 and listened on loopback only.
+    """Run an example's ``command`` (:func:`documented`) in a session of its own, bounded; its output once it exited 0
+    and listened on loopback only.
 
     Fails the test when it runs past ``bound`` (its processes are killed by id), exits otherwise than 0 (idem, as a
     failed driver may leave Ray's processes behind), or any of its processes listened beyond loopback.
     """
-    proc = subprocess.Popen(command, cwd=ROOT, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     wide: set[str] = set()
     deadline = time.monotonic() + bound
     try:

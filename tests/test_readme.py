@@ -85,15 +85,31 @@ def test_readme_block(block: Block, request: pytest.FixtureRequest, tmp_path: Pa
     ranks, script = RANKS.match(block.first), FILE.match(block.first)
     if ranks:
         size = int(ranks.group(1))
-        assert size in WORLDS, f"README.md line {block.line}: '# runs on {size} ranks': the suite has worlds of {WORLDS} ranks"
+        assert size in WORLDS, (
+            f"README.md line {block.line}: '# runs on {size} ranks': the suite has worlds of {WORLDS} ranks"
+        )
         request.getfixturevalue(f"world{size}").run(_block_task, block.padded(), timeout=TIMEOUT)
     elif script:
         path = tmp_path / script.group(1)
         path.write_text(block.padded())
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+        }
         env["PYTHONPATH"] = str(ROOT)
-        proc = subprocess.run([sys.executable, path.name], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT, check=False)
-        assert proc.returncode == 0, f"README.md line {block.line}: python {path.name} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+        proc = subprocess.run(
+            [sys.executable, path.name],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+            check=False,
+        )
+        assert proc.returncode == 0, (
+            f"README.md line {block.line}: python {path.name} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+        )
     else:
         exec(code, {"__name__": "__readme__"})  # noqa: S102 - running the README's code is what this test is for
 
@@ -109,4 +125,6 @@ def test_the_block_reader_finds_fences_and_keeps_line_numbers():
 def test_the_bench_excerpt_shows_the_columns_the_bench_prints():
     from rlightning_comm.bench.report import _COLUMNS
 
-    assert _COLUMNS in README.read_text().splitlines(), f"README's bench excerpt lacks the bench's column line:\n{_COLUMNS}"
+    assert _COLUMNS in README.read_text().splitlines(), (
+        f"README's bench excerpt lacks the bench's column line:\n{_COLUMNS}"
+    )

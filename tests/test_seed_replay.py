@@ -51,7 +51,11 @@ def _bits(state: dict) -> dict:
     """Every tensor as its dtype and raw bytes: equal means bit-identical."""
     import torch
 
-    return {f"{m}.{n}": (str(t.dtype), t.contiguous().view(-1).view(torch.uint8).tolist()) for m, ts in state.items() for n, t in ts.items()}
+    return {
+        f"{m}.{n}": (str(t.dtype), t.contiguous().view(-1).view(torch.uint8).tolist())
+        for m, ts in state.items()
+        for n, t in ts.items()
+    }
 
 
 def _replay(rank: int, size: int, url: str, port: int) -> dict:
@@ -66,7 +70,14 @@ def _replay(rank: int, size: int, url: str, port: int) -> dict:
 
     node = rank // 2
     # DistributedMixin.init_distributed_env: the actor sets its own environment, then initialises with env://.
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(size),
+        LOCAL_RANK=str(rank % 2),
+        LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     initialize_distributed_env(rank, size, "gloo", "env://", 60)
     ctx = CommContext()
     facts = {"main": ctx.is_main_rank(), "in_node": ctx.get_in_node_rank(), "local_world": ctx.get_local_world_size()}
@@ -91,7 +102,9 @@ def _replay(rank: int, size: int, url: str, port: int) -> dict:
     ctx.init_group(TRAINERS, ParallelMode.TRAIN_DATA_PARALLEL, "gloo")
     facts["tdp_barrier"] = dist_barrier(ParallelMode.TRAIN_DATA_PARALLEL)
     facts["intra"] = (ctx.get_ranks_in_group(ParallelMode.INTRA_NODE), ctx.get_local_rank(ParallelMode.INTRA_NODE))
-    facts["intra_pg_is_group"] = ctx.get_intra_node_process_group() is ctx.get_group(ParallelMode.INTRA_NODE) is not None
+    facts["intra_pg_is_group"] = (
+        ctx.get_intra_node_process_group() is ctx.get_group(ParallelMode.INTRA_NODE) is not None
+    )
     facts["transfer"] = ctx.get_ranks_in_group(ParallelMode.WEIGHT_TRANSFER)
     facts["declared"] = [list(p) for p in ctx.get_group_config(ParallelMode.WEIGHT_TRANSFER).partition]
 
@@ -147,10 +160,14 @@ def _replay(rank: int, size: int, url: str, port: int) -> dict:
     # PPO metrics over the trainers: numpy float64 means, averaged.
     if rank in TRAINERS:
         metrics = {k: np.mean(v) for k, v in PPO_SAMPLES[rank].items()}
-        facts["metrics"] = collective.all_reduce_dict(metrics, comm_mode=ParallelMode.TRAIN_DATA_PARALLEL, op=ReduceOp.AVG)
+        facts["metrics"] = collective.all_reduce_dict(
+            metrics, comm_mode=ParallelMode.TRAIN_DATA_PARALLEL, op=ReduceOp.AVG
+        )
         facts["metric_types"] = sorted({type(v).__name__ for v in facts["metrics"].values()})
     else:
-        facts["metrics"] = collective.all_reduce_dict({"loss": np.float64(9.0)}, comm_mode=ParallelMode.TRAIN_DATA_PARALLEL, op=ReduceOp.AVG)
+        facts["metrics"] = collective.all_reduce_dict(
+            {"loss": np.float64(9.0)}, comm_mode=ParallelMode.TRAIN_DATA_PARALLEL, op=ReduceOp.AVG
+        )
     facts["received"] = received
     facts["expected"] = _bits(expected)
     return facts
@@ -168,7 +185,9 @@ def test_rlightning_call_sequence_runs_unchanged(world4) -> None:
         if rank in TRAINERS:
             assert r["metrics"] == {"kl": 0.375, "loss": 2.5} and r["metric_types"] == ["float"]
             assert r["received"].keys() == {"layer", "full"}
-            assert r["received"]["layer"] == r["received"]["full"] == r["expected"]  # the sender's tensors are only read
+            assert (
+                r["received"]["layer"] == r["received"]["full"] == r["expected"]
+            )  # the sender's tensors are only read
         else:
             assert r["metrics"] is None
             assert r["received"].keys() == {"layer", "full", "sharded_raw", "sharded_facade"}
@@ -196,15 +215,24 @@ def _binding_rules(rank: int, size: int, url: str) -> dict:
     try:
         first = ctx.init_group([0, 1], "M")
         if rank >= 2:  # not declared yet: a non-member that still reports the mode's only group
-            assert ctx.get_group("M") is None and ctx.get_ranks_in_group("M") == [0, 1] and collective.all_reduce(torch.ones(1), "M") is None
+            assert (
+                ctx.get_group("M") is None
+                and ctx.get_ranks_in_group("M") == [0, 1]
+                and collective.all_reduce(torch.ones(1), "M") is None
+            )
         second = ctx.init_group([3, 2], "M")
         assert (second is first) == (rank < 2)  # a group without this rank leaves its binding alone
-        assert ctx.init_group([3, 2], "M") is second and ctx.init_group([[0, 1], [3, 2]], "M") is second  # repeats: no-ops
+        assert (
+            ctx.init_group([3, 2], "M") is second and ctx.init_group([[0, 1], [3, 2]], "M") is second
+        )  # repeats: no-ops
         assert created == [[0, 1], [3, 2]]
         for conflict in ([2, 1], [1, 0]):  # overlapping, and the same ranks in another order
             with pytest.raises(CommError, match=r"mode 'M': rank \d is declared in two different groups"):
                 ctx.init_group(conflict, "M")
-        with pytest.raises(CommError, match=r"mode 'M' is already bound to ranks \[\[0, 1\], \[3, 2\]\].*got backend 'gloo', timeout 5.0s"):
+        with pytest.raises(
+            CommError,
+            match=r"mode 'M' is already bound to ranks \[\[0, 1\], \[3, 2\]\].*got backend 'gloo', timeout 5.0s",
+        ):
             ctx.init_group([[0], [1]], "M", timeout=5)
         assert created == [[0, 1], [3, 2]] and ctx.get_group_config("M").partition == ((0, 1), (3, 2))
         ctx.init_group([0], "N")
@@ -212,7 +240,9 @@ def _binding_rules(rank: int, size: int, url: str) -> dict:
         ctx.init_node_groups(node_rank=rank // 2, local_rank=rank % 2, local_world_size=2)
         intra = ctx.get_communicator("INTRA_NODE")
         ctx.init_group([0, 1], "INTRA_NODE")  # the seed's per-call form after the layout: a no-op
-        assert ctx.get_communicator("INTRA_NODE") is intra and ctx.get_inter_node_process_group() is ctx.get_group("INTER_NODE")
+        assert ctx.get_communicator("INTRA_NODE") is intra and ctx.get_inter_node_process_group() is ctx.get_group(
+            "INTER_NODE"
+        )
         ctx.init_weight_transfer_group(src=1, dst_ranks=[0])
         ctx.init_weight_transfer_group(src=3, dst_ranks=[2])
     finally:
@@ -237,6 +267,11 @@ def test_per_call_binding_rules(world4) -> None:
     results = world4.run(_binding_rules)
     assert [r["M"] for r in results] == [([0, 1], 0, 3.0), ([0, 1], 1, 3.0), ([3, 2], 1, 7.0), ([3, 2], 0, 7.0)]
     assert [r["N_member"] for r in results] == [True, False, True, False]
-    assert [r["N_ranks"] for r in results] == [[0], [], [2], []]  # a non-member of a mode with several groups has no ranks
+    assert [r["N_ranks"] for r in results] == [
+        [0],
+        [],
+        [2],
+        [],
+    ]  # a non-member of a mode with several groups has no ranks
     assert [r["source"] for r in results] == [1, 1, 3, 3]
     assert [r["inter"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]

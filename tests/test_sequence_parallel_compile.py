@@ -31,7 +31,9 @@ def _block(xs: dict[str, torch.Tensor], lens: list[int] | None) -> dict[str, tor
         "gather r0=False": sp.gather_from_sequence_parallel_region(xs["gather r0=False"], False, seq_lens=lens),
         "all_gather": sp.all_gather_from_sequence_parallel_region(xs["all_gather"], seq_lens=lens),
         "reduce_scatter": sp.reduce_scatter_to_sequence_parallel_region(xs["reduce_scatter"], seq_lens=lens),
-        "ulysses_attention": sp.ulysses_attention(xs["ulysses q"], xs["ulysses k"], xs["ulysses v"], is_causal=True, seq_lens=lens),
+        "ulysses_attention": sp.ulysses_attention(
+            xs["ulysses q"], xs["ulysses k"], xs["ulysses v"], is_causal=True, seq_lens=lens
+        ),
     }
 
 
@@ -92,14 +94,20 @@ def _task(rank: int, size: int, url: str, backend: str) -> dict[str, float]:
 
 
 def _check_group_forms(chk: Checks, ctx, rank: int) -> None:
-    """Every form of group compiles: a CommMode, its string, a Communicator, a ProcessGroup (the context's and WORLD)."""
+    """Every form of group compiles: a CommMode, its string, a Communicator, a ProcessGroup (the context's and
+    WORLD)."""
     import torch.distributed as dist
 
     import rlightning_comm.sequence_parallel as sp
     from rlightning_comm import CommMode
 
     (x,) = data(rank, (2, 4, 4, 3))
-    forms = {"mode": CommMode.SEQUENCE_PARALLEL, "communicator": ctx.get_communicator(SP), "group": ctx.get_group(SP), "WORLD": dist.group.WORLD}
+    forms = {
+        "mode": CommMode.SEQUENCE_PARALLEL,
+        "communicator": ctx.get_communicator(SP),
+        "group": ctx.get_group(SP),
+        "WORLD": dist.group.WORLD,
+    }
     for label, form in forms.items():
         torch._dynamo.reset()
 
@@ -127,7 +135,9 @@ def _redeclare_task(rank: int, size: int, url: str) -> dict[str, float]:
     from rlightning_comm import CommContext
 
     def by_mode(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return sp.scatter_to_sequence_parallel_region(x, False, mode="SP"), sp.all_gather_from_sequence_parallel_region(y, mode="SP")
+        return sp.scatter_to_sequence_parallel_region(x, False, mode="SP"), sp.all_gather_from_sequence_parallel_region(
+            y, mode="SP"
+        )
 
     def by_group(x: torch.Tensor, pg) -> torch.Tensor:  # its own function: its recompiles must not hide the other's
         return sp.scatter_to_sequence_parallel_region(x, False, mode=pg)
@@ -147,7 +157,9 @@ def _redeclare_task(rank: int, size: int, url: str) -> dict[str, float]:
         chunk = x.narrow(1, 2 * me, 2)  # the oracle: plain slicing and cat in the declared order
         gathered = torch.cat([ys[g] for g in ranks], 1)
         got = (*compiled(x, ys[rank]), compiled_group(x, ctx.get_group("SP")))
-        for name, value, want in zip(("scatter via mode", "all_gather via mode", "scatter via its ProcessGroup"), got, (chunk, gathered, chunk)):
+        for name, value, want in zip(
+            ("scatter via mode", "all_gather via mode", "scatter via its ProcessGroup"), got, (chunk, gathered, chunk)
+        ):
             chk.equal(f"round {i} {declaration} {name}", value, want)
         ctx.destroy()
     try:
@@ -155,7 +167,10 @@ def _redeclare_task(rank: int, size: int, url: str) -> dict[str, float]:
         raised = ""
     except Exception as err:  # noqa: BLE001 - with fullgraph=True dynamo re-raises what the traced code raised as its own error
         raised = str(err)
-    chk.true("unbound after destroy() raises", "No communicator bound for mode 'SP'" in raised and not CommContext().is_initialized())
+    chk.true(
+        "unbound after destroy() raises",
+        "No communicator bound for mode 'SP'" in raised and not CommContext().is_initialized(),
+    )
     return chk.errors
 
 
@@ -177,14 +192,19 @@ def _shared_roles_task(rank: int, size: int, url: str) -> dict[str, float]:
 
     init_sp(rank, size, url)
     chk = Checks()
-    full_q, full_k, w1, w2 = data(9, *[(2, 6, 4, 3)] * 4)  # every rank builds the full tensors; rank r holds chunk r of the sequence
+    full_q, full_k, w1, w2 = data(
+        9, *[(2, 6, 4, 3)] * 4
+    )  # every rank builds the full tensors; rank r holds chunk r of the sequence
     # The oracle: the same attention on the full sequence on one process, and its autograd.
     oq, ok = full_q.clone().requires_grad_(), full_k.clone().requires_grad_()
     want = (sdpa_bshd(oq, oq, oq), sdpa_bshd(oq, ok, ok, is_causal=True))
     ((want[0] * w1).sum() + (want[1] * w2).sum()).backward()
     local = slice(3 * rank, 3 * rank + 3)
     torch._dynamo.reset()
-    for label, fn in (("eager", _shared_roles), ("compiled", torch.compile(_shared_roles, fullgraph=True, backend="aot_eager"))):
+    for label, fn in (
+        ("eager", _shared_roles),
+        ("compiled", torch.compile(_shared_roles, fullgraph=True, backend="aot_eager")),
+    ):
         q, k = full_q[:, local].clone().requires_grad_(), full_k[:, local].clone().requires_grad_()
         got = fn(q, k)
         ((got[0] * w1[:, local]).sum() + (got[1] * w2[:, local]).sum()).backward()

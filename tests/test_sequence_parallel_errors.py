@@ -68,7 +68,12 @@ def _task_errors(rank: int, size: int, url: str) -> dict[str, tuple[str, str]]:
     x = torch.arange(8.0).view(1, 2, 4) + 10 * rank
     y = all_to_all(x, 1, 2, "SEQUENCE_PARALLEL")
     out["still in step"] = (
-        "ok" if torch.equal(y, torch.cat([torch.arange(8.0).view(1, 2, 4)[..., 2 * rank : 2 * rank + 2] + 10 * r for r in range(size)], 1)) else "wrong",
+        "ok"
+        if torch.equal(
+            y,
+            torch.cat([torch.arange(8.0).view(1, 2, 4)[..., 2 * rank : 2 * rank + 2] + 10 * r for r in range(size)], 1),
+        )
+        else "wrong",
         "",
     )
     return out
@@ -110,7 +115,9 @@ def test_bad_input_raises_clearly_on_every_rank_without_hanging(world2) -> None:
                 assert fragment in got[name][1], f"rank {rank}, {name}: {fragment!r} not in {got[name][1]!r}"
     # Rank 0 alone is the group ONLY_RANK0 (size 1: the identity); rank 1 is not a member and is told so.
     assert results[0]["not a member (mode)"][0] == "no error"
-    assert results[1]["not a member (mode)"][0] == "CommError" and "not a member" in results[1]["not a member (mode)"][1]
+    assert (
+        results[1]["not a member (mode)"][0] == "CommError" and "not a member" in results[1]["not a member (mode)"][1]
+    )
     assert results[1]["not a member (ProcessGroup)"][0] == "CommError"
 
 

@@ -23,7 +23,8 @@ def _loss(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _sum_over_group(grads: list[torch.Tensor], group) -> list[torch.Tensor]:
-    """What the user does with the partial parameter gradients: all-reduce SUM over the SP group (raw torch.distributed)."""
+    """What the user does with the partial parameter gradients: all-reduce SUM over the SP group (raw
+    torch.distributed)."""
     import torch.distributed as dist
 
     out = [g.clone() for g in grads]
@@ -78,7 +79,9 @@ def _check_megatron_chain(chk: Checks, P: int, r: int, S: int) -> None:
     shard = sp.scatter_to_sequence_parallel_region(x, False)
     full = sp.all_gather_from_sequence_parallel_region(shard, seq_lens=lens)
     partial = torch.tanh(full @ a) @ b
-    y = sp.gather_from_sequence_parallel_region(sp.reduce_scatter_to_sequence_parallel_region(partial), False, seq_lens=lens)
+    y = sp.gather_from_sequence_parallel_region(
+        sp.reduce_scatter_to_sequence_parallel_region(partial), False, seq_lens=lens
+    )
     loss = _loss(y, W)
     loss.backward()
     chk.close(tag + "loss", loss.detach(), ref_loss.detach())
@@ -95,12 +98,19 @@ def _check_legacy_alone(chk: Checks, P: int, r: int) -> None:
 
     def scatter_grad(legacy: bool) -> torch.Tensor:
         x = X.clone().requires_grad_()
-        (sp.scatter_to_sequence_parallel_region(x, False, legacy_grad_scale=legacy) * W.tensor_split(P, 1)[r]).sum().backward()
+        (
+            sp.scatter_to_sequence_parallel_region(x, False, legacy_grad_scale=legacy) * W.tensor_split(P, 1)[r]
+        ).sum().backward()
         return x.grad
 
     def gather_grad(legacy: bool) -> torch.Tensor:
         x = X.tensor_split(P, 1)[r].clone().requires_grad_()
-        (sp.gather_from_sequence_parallel_region(x, False, legacy_grad_scale=legacy, seq_lens=sp.sequence_split_sizes(5, P)) * W).sum().backward()
+        (
+            sp.gather_from_sequence_parallel_region(
+                x, False, legacy_grad_scale=legacy, seq_lens=sp.sequence_split_sizes(5, P)
+            )
+            * W
+        ).sum().backward()
         return x.grad
 
     chk.close("legacy scatter grad = exact / P", scatter_grad(True), scatter_grad(False) / P)
@@ -114,25 +124,42 @@ def _gradchecks(chk: Checks, P: int) -> None:
     lens5, lens3 = sp.sequence_split_sizes(5, P), sp.sequence_split_sizes(3, P)
 
     def seed_chain(x):
-        return sp.gather_from_sequence_parallel_region(torch.tanh(sp.scatter_to_sequence_parallel_region(x, False)) * 1.5, False, seq_lens=lens5)
+        return sp.gather_from_sequence_parallel_region(
+            torch.tanh(sp.scatter_to_sequence_parallel_region(x, False)) * 1.5, False, seq_lens=lens5
+        )
 
     def megatron_chain(x):
         scale = 1.0 + torch.distributed.get_rank()  # a different partial on every rank
-        full = sp.all_gather_from_sequence_parallel_region(sp.scatter_to_sequence_parallel_region(x, False), seq_lens=lens5)
-        return sp.gather_from_sequence_parallel_region(sp.reduce_scatter_to_sequence_parallel_region(torch.sin(full) * scale), False, seq_lens=lens5)
+        full = sp.all_gather_from_sequence_parallel_region(
+            sp.scatter_to_sequence_parallel_region(x, False), seq_lens=lens5
+        )
+        return sp.gather_from_sequence_parallel_region(
+            sp.reduce_scatter_to_sequence_parallel_region(torch.sin(full) * scale), False, seq_lens=lens5
+        )
 
     def ulysses_chain(q, k, v):
         parts = [sp.scatter_to_sequence_parallel_region(t, False) for t in (q, k, v)]
-        return sp.gather_from_sequence_parallel_region(sp.ulysses_attention(*parts, is_causal=True, seq_lens=lens3), False, seq_lens=lens3)
+        return sp.gather_from_sequence_parallel_region(
+            sp.ulysses_attention(*parts, is_causal=True, seq_lens=lens3), False, seq_lens=lens3
+        )
 
     (X,) = data(3, (1, 5, 2))
     q, k, v = (t.requires_grad_() for t in data(4, (1, 3, 4, 1), (1, 3, 4, 1), (1, 3, 4, 1)))
     # fast_mode checks the Jacobian along random directions instead of element by element: far fewer
     # collectives, which are slow on a loaded machine with 4 ranks. Element by element up to 2 ranks.
     fast = P > 2
-    chk.true("gradcheck scatter->tanh->gather", torch.autograd.gradcheck(seed_chain, (X.clone().requires_grad_(),), fast_mode=fast))
-    chk.true("gradgradcheck scatter->tanh->gather", torch.autograd.gradgradcheck(seed_chain, (X.clone().requires_grad_(),), fast_mode=fast))
-    chk.true("gradcheck megatron chain", torch.autograd.gradcheck(megatron_chain, (X.clone().requires_grad_(),), fast_mode=fast))
+    chk.true(
+        "gradcheck scatter->tanh->gather",
+        torch.autograd.gradcheck(seed_chain, (X.clone().requires_grad_(),), fast_mode=fast),
+    )
+    chk.true(
+        "gradgradcheck scatter->tanh->gather",
+        torch.autograd.gradgradcheck(seed_chain, (X.clone().requires_grad_(),), fast_mode=fast),
+    )
+    chk.true(
+        "gradcheck megatron chain",
+        torch.autograd.gradcheck(megatron_chain, (X.clone().requires_grad_(),), fast_mode=fast),
+    )
     chk.true("gradcheck ulysses chain", torch.autograd.gradcheck(ulysses_chain, (q, k, v), fast_mode=True))
 
 
@@ -155,7 +182,8 @@ def test_compositions_and_gradcheck(world) -> None:
 
 
 def _task_against_torch(rank: int, size: int, url: str) -> dict[str, float]:
-    """The same op through torch.distributed.nn.functional (world group) and through ours: forward and gradients agree."""
+    """The same op through torch.distributed.nn.functional (world group) and through ours: forward and gradients
+    agree."""
     import torch.distributed as dist
     import torch.distributed.nn.functional as tdnf
 
@@ -173,7 +201,9 @@ def _task_against_torch(rank: int, size: int, url: str) -> dict[str, float]:
     for sizes in ([a] * P, split):
         L = sum(sizes)
         xt, xo = (x[:L].clone().requires_grad_() for _ in range(2))
-        out_t = tdnf.all_to_all_single(torch.empty(P * sizes[rank], c, dtype=x.dtype), xt, [sizes[rank]] * P, sizes, group=world)
+        out_t = tdnf.all_to_all_single(
+            torch.empty(P * sizes[rank], c, dtype=x.dtype), xt, [sizes[rank]] * P, sizes, group=world
+        )
         out_o = sp.all_to_all(xo.view(1, L, c), 0, 1, dist.group.WORLD, scatter_sizes=sizes).reshape(P * sizes[rank], c)
         w = w_out[: P * sizes[rank]]
         (out_t * w).sum().backward()

@@ -64,7 +64,9 @@ def _task_counts(rank: int, size: int, url: str) -> dict:
 def test_one_collective_each_way_and_no_host_sync(world2) -> None:
     for rank, got in enumerate(world2.run(_task_counts, timeout=90)):
         for name, (fwd, bwd) in EXPECTED.items():
-            assert got[name][:2] == (fwd, bwd), f"rank {rank}, {name}: expected {fwd} forward and {bwd} backward collectives; got {got[name][2]}"
+            assert got[name][:2] == (fwd, bwd), (
+                f"rank {rank}, {name}: expected {fwd} forward and {bwd} backward collectives; got {got[name][2]}"
+            )
             assert not got[name][3], f"rank {rank}, {name}: host syncs {got[name][3]}"
 
 
@@ -83,8 +85,12 @@ def _mismatches(rank: int) -> dict:
         "reduce_scatter": lambda: sp.reduce_scatter_to_sequence_parallel_region(torch.zeros(2, 2 * n, 4)),
         "scatter r0=True": lambda: sp.scatter_to_sequence_parallel_region(torch.zeros(2, 2 * n, 4)),
         # The usual way to get there: an uneven default split of 7, then a gather without seq_lens.
-        "gather after uneven scatter": lambda: sp.gather_from_sequence_parallel_region(sp.scatter_to_sequence_parallel_region(data(9, (2, 7, 3))[0], False)),
-        "gather lengths 2 and 5": lambda: sp.gather_from_sequence_parallel_region(data(rank, (2, 2 if rank == 0 else 5, 3))[0]),
+        "gather after uneven scatter": lambda: sp.gather_from_sequence_parallel_region(
+            sp.scatter_to_sequence_parallel_region(data(9, (2, 7, 3))[0], False)
+        ),
+        "gather lengths 2 and 5": lambda: sp.gather_from_sequence_parallel_region(
+            data(rank, (2, 2 if rank == 0 else 5, 3))[0]
+        ),
         "gather dtypes differ": lambda: sp.gather_from_sequence_parallel_region(
             data(0, (2, 3, 4))[0].to(torch.float64 if rank == 0 else torch.float32)
         ),  # no hint
@@ -128,11 +134,20 @@ def test_debug_mode_names_every_ranks_length_before_sending(world2) -> None:
     # A gather-type op without lengths names the argument and the call that gives them, on every rank.
     hints = {
         name: "Hint: seq_lens was not given, so each rank took its own length along dim 1 as every rank's, but the ranks hold [4, 3] "
-        "(in group rank order), as the default split of 7 over a group of 2 leaves them: pass seq_lens=sequence_split_sizes(7, 2) on every rank"
-        for name in ("gather r0=True", "gather r0=False", "all_gather", "ulysses_attention", "gather after uneven scatter")
+        "(in group rank order), as the default split of 7 over a group of 2 leaves them: pass "
+        "seq_lens=sequence_split_sizes(7, 2) on every rank"
+        for name in (
+            "gather r0=True",
+            "gather r0=False",
+            "all_gather",
+            "ulysses_attention",
+            "gather after uneven scatter",
+        )
     }
     hints["all_to_all"] = hints["gather r0=True"].replace("seq_lens", "gather_sizes")
-    hints["gather lengths 2 and 5"] = "but the ranks hold [2, 5] (in group rank order): pass seq_lens=[2, 5] on every rank"
+    hints["gather lengths 2 and 5"] = (
+        "but the ranks hold [2, 5] (in group rank order): pass seq_lens=[2, 5] on every rank"
+    )
     for rank, out in enumerate(results):
         for name in _mismatches(rank):
             assert out[name + " after"] == [3.0, 3.0], f"rank {rank}, {name}: group out of step: {out[name + ' after']}"

@@ -31,7 +31,18 @@ def _loss(kind: str, out: torch.Tensor, scale: float) -> torch.Tensor:
     return (out.transpose(-1, -2) @ a).square().sum() * scale  # a transposed gradient
 
 
-def _check(chk: Checks, tag: str, P: int, r: int, full: torch.Tensor, local: Callable[[torch.Tensor], torch.Tensor], op, oracle, scale, own=None) -> None:
+def _check(
+    chk: Checks,
+    tag: str,
+    P: int,
+    r: int,
+    full: torch.Tensor,
+    local: Callable[[torch.Tensor], torch.Tensor],
+    op,
+    oracle,
+    scale,
+    own=None,
+) -> None:
     """``op(local(x))`` on this rank against autograd of ``sum_j scale(j) * loss(oracle(X, j))`` on the full tensor.
 
     This rank's loss is ``own`` times its term (``scale(r)`` by default).
@@ -69,9 +80,30 @@ def run_checks(P: int, r: int, device: torch.device) -> dict[str, float]:
     once = lambda j: 1.0 if j == 0 else 0.0  # (one loss, computed alike on every rank)
 
     _check(chk, "all_to_all", P, r, X, chunk, lambda x: sp.all_to_all(x, 1, 2, "SEQUENCE_PARALLEL"), heads, per_rank)
-    _check(chk, "all_gather", P, r, X, chunk, lambda x: sp.all_gather_from_sequence_parallel_region(x), lambda t, j: t, per_rank)
+    _check(
+        chk,
+        "all_gather",
+        P,
+        r,
+        X,
+        chunk,
+        lambda x: sp.all_gather_from_sequence_parallel_region(x),
+        lambda t, j: t,
+        per_rank,
+    )
     # rank0_only=False gather: exact when every rank computes the same loss.
-    _check(chk, "gather r0=False", P, r, X, chunk, lambda x: sp.gather_from_sequence_parallel_region(x, False), lambda t, j: t, once, own=1.0)
+    _check(
+        chk,
+        "gather r0=False",
+        P,
+        r,
+        X,
+        chunk,
+        lambda x: sp.gather_from_sequence_parallel_region(x, False),
+        lambda t, j: t,
+        once,
+        own=1.0,
+    )
     # rank0_only=True gather: only the first rank's loss counts.
     first = lambda j: 2.0 if j == 0 else 0.0
     x = chunk(X).clone().requires_grad_()
@@ -82,7 +114,17 @@ def run_checks(P: int, r: int, device: torch.device) -> dict[str, float]:
         (want,) = torch.autograd.grad(sum(_loss(kind, Xf, first(j)) for j in range(P)), Xf)
         chk.close(f"gather r0=True {kind} grad", x.grad, chunk(want))
     # Scatters: X replicated (rank0_only=False), or read on the first rank only (others pass other values).
-    _check(chk, "scatter r0=False", P, r, X, lambda t: t, lambda x: sp.scatter_to_sequence_parallel_region(x, False), lambda t, j: chunk(t, j), per_rank)
+    _check(
+        chk,
+        "scatter r0=False",
+        P,
+        r,
+        X,
+        lambda t: t,
+        lambda x: sp.scatter_to_sequence_parallel_region(x, False),
+        lambda t, j: chunk(t, j),
+        per_rank,
+    )
     for kind in KINDS:
         x = (X if r == 0 else X + 3.0).clone().requires_grad_()
         out = sp.scatter_to_sequence_parallel_region(x)

@@ -1,4 +1,5 @@
-"""Each sequence-parallel op alone: forward values and float64 gradients against single-process torch on the full tensor.
+"""Each sequence-parallel op alone: forward values and float64 gradients against single-process torch on the full
+tensor.
 
 One task per world runs the whole battery (even and uneven lengths, several
 dims, every group form), so the spawned ranks are reused.
@@ -16,7 +17,9 @@ from sp_oracle import SP, Checks, assert_all_within, data, init_sp, with_dim
 LENGTHS = {1: [4, 3], 2: [6, 5, 1], 4: [8, 7, 3]}
 
 
-def _check_all_to_all(chk: Checks, mode, P: int, r: int, seed: int, lens: list[int], gd: int, sd: int, shape, pass_sizes: bool) -> None:
+def _check_all_to_all(
+    chk: Checks, mode, P: int, r: int, seed: int, lens: list[int], gd: int, sd: int, shape, pass_sizes: bool
+) -> None:
     from rlightning_comm.sequence_parallel import all_to_all
 
     tag = f"all_to_all lens={lens} gd={gd} sd={sd} sizes={pass_sizes} "
@@ -32,7 +35,11 @@ def _check_all_to_all(chk: Checks, mode, P: int, r: int, seed: int, lens: list[i
     chk.equal(tag + "forward", y, outs[r])
     chk.close(tag + "grad", x.grad, grads[r])
     chk.equal(tag + "input untouched", x.detach(), xs[r])
-    chk.equal(tag + "non-contiguous input", all_to_all(_strided(xs[r]), gd, sd, mode, gather_sizes=lens if pass_sizes else None), outs[r])
+    chk.equal(
+        tag + "non-contiguous input",
+        all_to_all(_strided(xs[r]), gd, sd, mode, gather_sizes=lens if pass_sizes else None),
+        outs[r],
+    )
 
     # The way back (uneven scatter_sizes): sharded along sd -> sharded along gd.
     ys = [o.detach().clone().requires_grad_() for o in outs]
@@ -53,7 +60,9 @@ def _strided(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _check_regions(chk: Checks, mode, P: int, r: int, seed: int, S: int, dim: int, shape, lens: list[int] | None) -> None:
+def _check_regions(
+    chk: Checks, mode, P: int, r: int, seed: int, S: int, dim: int, shape, lens: list[int] | None
+) -> None:
     import rlightning_comm.sequence_parallel as sp
 
     split = lens or [len(c) for c in torch.arange(S).tensor_split(P)]
@@ -108,10 +117,26 @@ def _check_regions(chk: Checks, mode, P: int, r: int, seed: int, S: int, dim: in
 
     # Non-contiguous inputs give the same values.
     chunk = X.split(split, dim)[r]
-    chk.equal(f"{tag}strided scatter", sp.scatter_to_sequence_parallel_region(_strided(X), False, dim=dim, mode=mode, seq_lens=lens), chunk)
-    chk.equal(f"{tag}strided gather", sp.gather_from_sequence_parallel_region(_strided(chunk), False, dim=dim, mode=mode, seq_lens=gathered), X)
-    chk.equal(f"{tag}strided all_gather", sp.all_gather_from_sequence_parallel_region(_strided(chunk), dim=dim, mode=mode, seq_lens=gathered), X)
-    chk.close(f"{tag}strided reduce_scatter", sp.reduce_scatter_to_sequence_parallel_region(_strided(parts[r]), dim=dim, mode=mode, seq_lens=lens), outs[r])
+    chk.equal(
+        f"{tag}strided scatter",
+        sp.scatter_to_sequence_parallel_region(_strided(X), False, dim=dim, mode=mode, seq_lens=lens),
+        chunk,
+    )
+    chk.equal(
+        f"{tag}strided gather",
+        sp.gather_from_sequence_parallel_region(_strided(chunk), False, dim=dim, mode=mode, seq_lens=gathered),
+        X,
+    )
+    chk.equal(
+        f"{tag}strided all_gather",
+        sp.all_gather_from_sequence_parallel_region(_strided(chunk), dim=dim, mode=mode, seq_lens=gathered),
+        X,
+    )
+    chk.close(
+        f"{tag}strided reduce_scatter",
+        sp.reduce_scatter_to_sequence_parallel_region(_strided(parts[r]), dim=dim, mode=mode, seq_lens=lens),
+        outs[r],
+    )
 
 
 def _battery(chk: Checks, mode, P: int, r: int, seed: int) -> None:
@@ -126,7 +151,9 @@ def _battery(chk: Checks, mode, P: int, r: int, seed: int) -> None:
         defaults = (False, True) if len(set(lens)) == 1 else (True,)
         for pass_sizes in defaults:
             _check_all_to_all(chk, mode, P, r, seed + sum(lens), lens, 1, 2, (2, 0, 4, 3), pass_sizes)  # Ulysses layout
-        _check_all_to_all(chk, mode, P, r, seed + 7, lens, 0, 2, (0, 2, 4), defaults[0])  # gather on the leading dim (no copy)
+        _check_all_to_all(
+            chk, mode, P, r, seed + 7, lens, 0, 2, (0, 2, 4), defaults[0]
+        )  # gather on the leading dim (no copy)
         _check_all_to_all(chk, mode, P, r, seed + 8, lens, 2, 0, (4, 3, 0), defaults[0])  # scatter on the leading dim
 
 
@@ -143,7 +170,12 @@ def _task_battery(rank: int, size: int, url: str) -> dict[str, float]:
 
     (x,) = data(5 + rank, (2, 3, 4, 2))
     want = all_to_all(x, 1, 2, SP)
-    for form in (ctx.get_communicator(SP), ctx.get_group(SP), dist.group.WORLD, CommContext().get_communicator("GLOBAL")):
+    for form in (
+        ctx.get_communicator(SP),
+        ctx.get_group(SP),
+        dist.group.WORLD,
+        CommContext().get_communicator("GLOBAL"),
+    ):
         chk.equal(f"group form {type(form).__name__}", all_to_all(x, 1, 2, form), want)
     return chk.errors
 

@@ -1,4 +1,5 @@
-"""Ulysses attention in a tiny transformer block on 1, 2 and 4 ranks against the same block on one rank, and the example."""
+"""Ulysses attention in a tiny transformer block on 1, 2 and 4 ranks against the same block on one rank, and the
+example."""
 
 from __future__ import annotations
 
@@ -63,7 +64,9 @@ def _check_block(chk: Checks, ctx, P: int, heads: int, kv_heads: int, S: int, sp
     x = X.clone().requires_grad_()
     lens = sp.sequence_split_sizes(S, P)  # unequal lengths are passed: the default is equal lengths
     attend = sp_attend if len(set(lens)) == 1 else partial(sp_attend, seq_lens=lens)
-    y = sp.gather_from_sequence_parallel_region(model(sp.scatter_to_sequence_parallel_region(x, False), attend), False, seq_lens=lens)
+    y = sp.gather_from_sequence_parallel_region(
+        model(sp.scatter_to_sequence_parallel_region(x, False), attend), False, seq_lens=lens
+    )
     loss = (y * W).sum() + y.pow(2).mean()
     loss.backward()
     chk.close(f"{tag} output", y, ry)
@@ -71,7 +74,9 @@ def _check_block(chk: Checks, ctx, P: int, heads: int, kv_heads: int, S: int, sp
     chk.close(f"{tag} input grad", x.grad, rx.grad)
     for (name, p), rp in zip(model.named_parameters(), ref.parameters()):
         grad = p.grad.clone()
-        dist.all_reduce(grad, group=ctx.get_group(SP))  # parameters see one chunk each: their gradients are partial, summed
+        dist.all_reduce(
+            grad, group=ctx.get_group(SP)
+        )  # parameters see one chunk each: their gradients are partial, summed
         chk.close(f"{tag} grad {name}", grad, rp.grad)
 
 
@@ -92,7 +97,9 @@ def _task_block(rank: int, size: int, url: str) -> dict[str, float]:
     _check_block(chk, ctx, size, 4, 4, lengths[-1], causal_sdpa, partial(sp.sdpa_bshd, is_causal=True), "4 heads again")
     if size <= 2:  # grouped-query attention: 2 kv heads shard over at most 2 ranks
         gqa = partial(sp.ulysses_attention, is_causal=True, enable_gqa=True)
-        _check_block(chk, ctx, size, 4, 2, lengths[-1], gqa, partial(sp.sdpa_bshd, is_causal=True, enable_gqa=True), "gqa")
+        _check_block(
+            chk, ctx, size, 4, 2, lengths[-1], gqa, partial(sp.sdpa_bshd, is_causal=True, enable_gqa=True), "gqa"
+        )
     # Lengths given explicitly give the same result.
     lens = sp.sequence_split_sizes(lengths[-1], size)
     given = partial(sp.ulysses_attention, is_causal=True, seq_lens=lens)

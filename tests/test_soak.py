@@ -35,14 +35,30 @@ def _soak_task(rank, size, url, seed):
         mode = rng.choice(modes)
         comm = ctx.get_communicator(mode)
         ranks, me, n = list(comm.ranks), comm.rank, rng.randint(1, 6)
-        kind = rng.choice(["all_reduce", "all_gather", "broadcast", "reduce_scatter", "all_to_all_single", "all_reduce_dict", "gather", "scatter"])
+        kind = rng.choice(
+            [
+                "all_reduce",
+                "all_gather",
+                "broadcast",
+                "reduce_scatter",
+                "all_to_all_single",
+                "all_reduce_dict",
+                "gather",
+                "scatter",
+            ]
+        )
         kinds[kind] = kinds.get(kind, 0) + 1
         if kind == "all_reduce":
             t = value(rank, step, n)
             return kind, collective.all_reduce(t, mode, async_op=True), t, sum(value(r, step, n) for r in ranks)
         if kind == "all_gather":
             out = torch.empty(size * n)
-            return kind, collective.all_gather(out, value(rank, step, n), mode, async_op=True), out, torch.cat([value(r, step, n) for r in ranks])
+            return (
+                kind,
+                collective.all_gather(out, value(rank, step, n), mode, async_op=True),
+                out,
+                torch.cat([value(r, step, n) for r in ranks]),
+            )
         if kind == "broadcast":
             src = rng.choice(ranks)
             t = value(rank, step, n)
@@ -65,8 +81,14 @@ def _soak_task(rank, size, url, seed):
             out = torch.empty(n)
             parts = [value(r, step, n) for r in ranks] if rank == src else None
             return kind, collective.scatter(out, mode, parts, src=src, async_op=True), out, value(rank, step, n)
-        got = collective.all_reduce_dict({"loss": float(rank + step), "tokens": 2**24 + rank, "t": value(rank, step, n)}, mode)
-        expected = {"loss": float(sum(r + step for r in ranks)), "tokens": float(sum(2**24 + r for r in ranks)), "t": sum(value(r, step, n) for r in ranks)}
+        got = collective.all_reduce_dict(
+            {"loss": float(rank + step), "tokens": 2**24 + rank, "t": value(rank, step, n)}, mode
+        )
+        expected = {
+            "loss": float(sum(r + step for r in ranks)),
+            "tokens": float(sum(2**24 + r for r in ranks)),
+            "t": sum(value(r, step, n) for r in ranks),
+        }
         return kind, None, got, expected
 
     def same(got, expected):
@@ -104,5 +126,6 @@ def test_soak_mixed_ops_over_three_modes(world2):
         assert out["ops"] >= OPS and len(out["kinds"]) == 8
     slowest = max(out["seconds"] for out in results)
     print(
-        f"\nsoak: {results[0]['ops']} ops over 3 modes ({BATCH} async in flight, waited out of order), 0 wrong, {results[0]['ops'] / slowest:.0f} ops/s; {results[0]['kinds']}"
+        f"\nsoak: {results[0]['ops']} ops over 3 modes ({BATCH} async in flight, waited out of order), 0 wrong, "
+        f"{results[0]['ops'] / slowest:.0f} ops/s; {results[0]['kinds']}"
     )

@@ -1,4 +1,5 @@
-"""Per-mode communication stats on 2 gloo ranks: counts and bytes against what the test sent, async timing, reset, no wrapper when off."""
+"""Per-mode communication stats on 2 gloo ranks: counts and bytes against what the test sent, async timing, reset, no
+wrapper when off."""
 
 from __future__ import annotations
 
@@ -157,7 +158,8 @@ def test_stats_compose_with_debug_mode(world2):
 
 
 class _YieldingBytes(int):
-    """A byte count whose addition runs Python code and lets another thread in: a read-modify-write race shows at once."""
+    """A byte count whose addition runs Python code and lets another thread in: a read-modify-write race shows at
+    once."""
 
     def __radd__(self, other):
         time.sleep(0)

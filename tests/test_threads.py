@@ -1,4 +1,5 @@
-"""Threads: any thread may call, one call at a time; an overlapping call is refused (never a silent mispairing); the context stays consistent."""
+"""Threads: any thread may call, one call at a time; an overlapping call is refused (never a silent mispairing); the
+context stays consistent."""
 
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ class _Pool:
         import queue
 
         self.inboxes = [queue.SimpleQueue() for _ in range(n)]
-        self.threads = [threading.Thread(target=self._serve, args=(box,), name=f"pool-{i}", daemon=True) for i, box in enumerate(self.inboxes)]
+        self.threads = [
+            threading.Thread(target=self._serve, args=(box,), name=f"pool-{i}", daemon=True)
+            for i, box in enumerate(self.inboxes)
+        ]
         for t in self.threads:
             t.start()
 
@@ -77,7 +81,12 @@ def _pool_task(rank, size, url):
         collective.broadcast(x, "GLOBAL", src=size - 1)  # back on the main thread
     finally:
         pool.close()
-    return {"mismatches": mismatches, "calls": calls, "alive": sum(t.is_alive() for t in pool.threads), "broadcast": x.tolist()}
+    return {
+        "mismatches": mismatches,
+        "calls": calls,
+        "alive": sum(t.is_alive() for t in pool.threads),
+        "broadcast": x.tolist(),
+    }
 
 
 def test_sequential_calls_from_a_pool_of_live_threads_work(world2):
@@ -128,7 +137,10 @@ def _overlap_task(rank, size, url):
 
 def test_an_overlapping_call_from_another_thread_is_refused_and_the_first_loses_nothing(world2):
     r0, r1 = world2.run(_overlap_task, timeout=60)
-    assert "all_reduce on mode 'GLOBAL' from thread 'MainThread' overlaps a call that thread 'first' has in flight" in r0["late"], r0
+    assert (
+        "all_reduce on mode 'GLOBAL' from thread 'MainThread' overlaps a call that thread 'first' has in flight"
+        in r0["late"]
+    ), r0
     assert "nothing was sent" in r0["late"]
     assert r0["late_calls"] == {} and r0["late_tensor"] == [100.0] * 3 and not r0["first_alive"]
     assert r0["first"] == r1["first"] == [3.0] * 3
@@ -164,10 +176,16 @@ def _backward_hook_task(rank, size, url, device):
     dist.all_reduce(raw, group=group)
     expected = raw * (rank + 2)
     box = {}
-    th = threading.Thread(target=lambda: box.setdefault("w", step()), name="trainer")  # backward from another thread, too
+    th = threading.Thread(
+        target=lambda: box.setdefault("w", step()), name="trainer"
+    )  # backward from another thread, too
     th.start()
     th.join(30)
-    return {"main": torch.equal(w.grad, expected), "thread": torch.equal(box["w"].grad, expected), "hook_thread": seen["thread"]}
+    return {
+        "main": torch.equal(w.grad, expected),
+        "thread": torch.equal(box["w"].grad, expected),
+        "hook_thread": seen["thread"],
+    }
 
 
 def test_a_collective_inside_backward_works(world2):
@@ -175,7 +193,9 @@ def test_a_collective_inside_backward_works(world2):
         assert out["main"] and out["thread"], out
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: autograd runs a CUDA backward on its own device thread")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA: autograd runs a CUDA backward on its own device thread"
+)
 def test_a_collective_inside_backward_works_on_autograd_device_threads(world2):
     for out in world2.run(_backward_hook_task, "cuda", timeout=60):
         assert out["main"] and out["thread"], out
@@ -201,7 +221,10 @@ def _per_mode_task(rank, size, url):
         return got
 
     boxes = {}
-    threads = [threading.Thread(target=lambda m=m, s=s: boxes.__setitem__(m, loop(m, s)), name=f"thread-{m}") for m, s in (("A", 1), ("B", 1000))]
+    threads = [
+        threading.Thread(target=lambda m=m, s=s: boxes.__setitem__(m, loop(m, s)), name=f"thread-{m}")
+        for m, s in (("A", 1), ("B", 1000))
+    ]
     for th in threads:
         th.start()
     for th in threads:
@@ -338,13 +361,18 @@ def _raw_group_overlap_task(rank, size, url):
     out["first"] = first_out.tolist()
     raw = [torch.empty(1, 2, 2, dtype=torch.float64) for _ in range(size)]
     dist.all_to_all(raw, [c.contiguous() for c in x.chunk(size, 2)], group=pg)  # the oracle: torch's list form
-    out["after_equal"] = torch.equal(sp.all_to_all(x, 1, 2, pg), torch.cat(raw, 1))  # in step: nothing of the late call was sent
+    out["after_equal"] = torch.equal(
+        sp.all_to_all(x, 1, 2, pg), torch.cat(raw, 1)
+    )  # in step: nothing of the late call was sent
     return out
 
 
 def test_a_raw_process_group_shares_its_mode_claim(world2):
     r0, r1 = world2.run(_raw_group_overlap_task, timeout=60)
-    assert "all_to_all_single on mode 'process group " in r0["late"] and "overlaps a call that thread 'first' has in flight" in r0["late"], r0
+    assert (
+        "all_to_all_single on mode 'process group " in r0["late"]
+        and "overlaps a call that thread 'first' has in flight" in r0["late"]
+    ), r0
     assert r0["late_calls"] == {} and not r0["first_alive"]
     assert r0["first"] == [1.0, 1.0, 2.0, 2.0] and r1["first"] == [1.0, 1.0, 2.0, 2.0]
     assert r0["after_equal"] and r1["after_equal"]

@@ -18,7 +18,11 @@ def test_every_layout_matches_the_coordinate_oracle(world_size: int) -> None:
         expected = expected_groups(world_size, tp, sp, dp, order)
         for derive in (True, False):
             config = ParallelConfig(
-                tensor_parallel_size=tp, sequence_parallel_size=sp, data_parallel_size=None if derive else dp, order=order, bind_train_data_parallel=True
+                tensor_parallel_size=tp,
+                sequence_parallel_size=sp,
+                data_parallel_size=None if derive else dp,
+                order=order,
+                bind_train_data_parallel=True,
             )
             got = parallel_partitions(config, world_size)
             assert set(got) == set(MODE_AXES)
@@ -28,7 +32,9 @@ def test_every_layout_matches_the_coordinate_oracle(world_size: int) -> None:
 
 def test_megatron_example_layout() -> None:
     # The README's table: world 8, tp 2, sp 2, order tp-sp-dp.
-    got = parallel_partitions(ParallelConfig(tensor_parallel_size=2, sequence_parallel_size=2, bind_train_data_parallel=True), 8)
+    got = parallel_partitions(
+        ParallelConfig(tensor_parallel_size=2, sequence_parallel_size=2, bind_train_data_parallel=True), 8
+    )
     assert got["TENSOR_PARALLEL"] == ((0, 1), (2, 3), (4, 5), (6, 7))
     assert got["SEQUENCE_PARALLEL"] == ((0, 2), (1, 3), (4, 6), (5, 7))
     assert got["DATA_PARALLEL"] == ((0, 4), (1, 5), (2, 6), (3, 7))

@@ -1,4 +1,5 @@
-"""broadcast_state_dict on real gloo worlds: bit-identical destinations, a bounded number of collectives, errors on every rank."""
+"""broadcast_state_dict on real gloo worlds: bit-identical destinations, a bounded number of collectives, errors on
+every rank."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ BIG = (300, 300)  # 360 KB of float32: at least 256 KiB, so it travels in place 
 
 
 def digests(named) -> dict[str, str]:
-    """sha256 of each tensor's logical values (conjugate and negative views resolved), in logical order: equal digests mean bit-identical values."""
+    """sha256 of each tensor's logical values (conjugate and negative views resolved), in logical order: equal digests
+    mean bit-identical values."""
     out = {}
     for name, t in named:
         values = t.detach().cpu().resolve_conj().resolve_neg().reshape(-1).clone(memory_format=torch.contiguous_format)
@@ -31,11 +33,21 @@ def _random(shape, dtype, gen) -> torch.Tensor:
 
 
 def _state(rank: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Every awkward case in one state dict; on rank 2 the layouts differ from the source's (same names, dtypes and shapes)."""
+    """Every awkward case in one state dict; on rank 2 the layouts differ from the source's (same names, dtypes and
+    shapes)."""
     gen = torch.Generator().manual_seed(rank)
     state = {
         f"{str(d).removeprefix('torch.')}": _random((5, 7), d, gen)
-        for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int8, torch.bool, torch.complex64)
+        for d in (
+            torch.float32,
+            torch.bfloat16,
+            torch.float16,
+            torch.float64,
+            torch.int64,
+            torch.int8,
+            torch.bool,
+            torch.complex64,
+        )
     }
     state["scalar"] = _random((), torch.float32, gen)
     state["scalar_bf16"] = _random((), torch.bfloat16, gen)
@@ -62,7 +74,9 @@ def _state(rank: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     if rank == 1:  # plain destinations for the source's views
         for name in ("c_conj", "c_big_conj", "neg", "neg_big"):
             state[name] = state[name].resolve_conj().resolve_neg().clone()
-    if rank == 2:  # contiguity differs per rank: this destination holds transposed storage where the source is contiguous
+    if (
+        rank == 2
+    ):  # contiguity differs per rank: this destination holds transposed storage where the source is contiguous
         # Random, not empty: a reused process may hand empty() the very bytes an earlier transfer left there.
         state["big"] = _random((BIG[1], BIG[0]), torch.float32, gen).t()
         state["big_t"] = _random(BIG, torch.float32, gen)
@@ -78,7 +92,12 @@ def _transfer_everything(rank: int, size: int, url: str, bucket_bytes: int) -> d
     before = digests(state.items())
     broadcast_state_dict(state, bucket_bytes=bucket_bytes)
     tied = state["embed"].data_ptr() == state["lm_head"].data_ptr()
-    return {"before": before, "after": digests(state.items()), "tied": tied, "views_share_base": state["q"].data_ptr() == base.data_ptr()}
+    return {
+        "before": before,
+        "after": digests(state.items()),
+        "tied": tied,
+        "views_share_base": state["q"].data_ptr() == base.data_ptr(),
+    }
 
 
 @pytest.mark.parametrize("bucket_bytes", [16384, 1 << 20])
@@ -140,7 +159,9 @@ def test_collectives_per_call_are_bounded_by_buckets_not_tensors(world2) -> None
     assert results[1]["final"] == results[0]["final"]
     for rank, result in enumerate(results):
         # 4 units from the source; 1 message of the exchange each way; 1 "posted" message and 2 receipts to the source
-        moved = {"gloo:send": 4 + 1, "gloo:recv": 1 + 1 + 2} if rank == 0 else {"gloo:send": 1 + 1 + 2, "gloo:recv": 4 + 1}
+        moved = (
+            {"gloo:send": 4 + 1, "gloo:recv": 1 + 1 + 2} if rank == 0 else {"gloo:send": 1 + 1 + 2, "gloo:recv": 4 + 1}
+        )
         agreed = {"gloo:broadcast": 2, "gloo:send": moved["gloo:send"] + 1, "gloo:recv": moved["gloo:recv"] + 1}
         first, steady, changed = result["counts"]
         assert first == agreed
@@ -160,7 +181,12 @@ def _transfer_cuda_over_gloo(rank: int, size: int, url: str) -> dict:
     before = digests(state.items())
     for bucket_bytes in (16384, 1 << 20):
         broadcast_state_dict(state, bucket_bytes=bucket_bytes)
-    return {"before": before, "after": digests(state.items()), "devices": devices, "devices_after": {name: str(t.device) for name, t in state.items()}}
+    return {
+        "before": before,
+        "after": digests(state.items()),
+        "devices": devices,
+        "devices_after": {name: str(t.device) for name, t in state.items()},
+    }
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA tensors need a GPU; this machine has none")
@@ -176,10 +202,18 @@ def _instrumented(rank: int, size: int, url: str) -> dict:
     ctx = init_world(rank, size, url)
     ctx.init_weight_transfer_group(src=0, dst_ranks=[1])
     gen = torch.Generator().manual_seed(rank)
-    state = {"big": torch.randn(*BIG, generator=gen), "small": torch.randn(10, generator=gen), "ids": torch.arange(7) * rank}
-    # Conjugate views on the source into plain destination tensors: a broadcast of the view's bytes refused it, a copy of
+    state = {
+        "big": torch.randn(*BIG, generator=gen),
+        "small": torch.randn(10, generator=gen),
+        "ids": torch.arange(7) * rank,
+    }
+    # Conjugate views on the source into plain destination tensors: a broadcast of the view's bytes refused it, a copy
+    # of
     # its memory sent the conjugate.
-    small, big = torch.randn(4, generator=gen, dtype=torch.complex64), torch.randn(*BIG, generator=gen, dtype=torch.complex64)
+    small, big = (
+        torch.randn(4, generator=gen, dtype=torch.complex64),
+        torch.randn(*BIG, generator=gen, dtype=torch.complex64),
+    )
     state["cz"], state["cz_big"] = (small.conj(), big.conj()) if rank == 0 else (small, big)
     out = {"sent": digests(state.items())}
     if rank == 0:  # stats on the source only: every member must still choose the same way to move the units
@@ -231,7 +265,13 @@ def _async_and_threads(rank: int, size: int, url: str) -> dict:
     collective.all_reduce(other, CommMode.GLOBAL)  # other work on another mode while the transfer is in flight
     handle.wait()
     handle.wait()  # a second wait returns at once
-    out = {"pending": pending, "done": handle.is_completed(), "async": digests(state.items()), "sent": sent, "other": other.tolist()}
+    out = {
+        "pending": pending,
+        "done": handle.is_completed(),
+        "async": digests(state.items()),
+        "sent": sent,
+        "other": other.tolist(),
+    }
     # The next transfer is received from a second live thread (a weight-updater thread), the main thread waiting for it.
     with torch.no_grad():
         for t in state.values():
@@ -297,7 +337,8 @@ def _named_list_with_non_member(rank: int, size: int, url: str) -> dict:
 def test_named_tensor_list_and_non_member(world4) -> None:
     results = world4.run(_named_list_with_non_member)
     assert [r["handle"] for r in results] == [True, False, True, True]  # the non-member (rank 1) gets None
-    # Group ranks follow the declared order [src] + dst_ranks: the source is group rank 0; rank 1 is outside (no rank there).
+    # Group ranks follow the declared order [src] + dst_ranks: the source is group rank 0; rank 1 is outside (no rank
+    # there).
     assert [r["view"] for r in results] == [
         {"ranks": (2, 0, 3), "rank": 1, "world_size": 3, "backend": "gloo"},
         {"ranks": (2, 0, 3), "rank": None, "world_size": 3, "backend": "gloo"},
@@ -383,21 +424,42 @@ NOT_A_STATE_DICT = "a Mapping of names to tensors, an nn.Module, a list of (name
 @pytest.mark.parametrize(
     ("case", "kind", "text"),
     [
-        ("shape", "ValueError", "rank 2: these tensors do not match the source's (1 differ: 'a': source torch.float32 [3], here torch.float32 [4])"),
+        (
+            "shape",
+            "ValueError",
+            "rank 2: these tensors do not match the source's (1 differ: 'a': source torch.float32 [3], here "
+            "torch.float32 [4])",
+        ),
         ("missing", "ValueError", "rank 3: these tensors do not match the source's (1 missing here: b)"),
         ("dtype", "ValueError", "'b': source torch.int64 [2], here torch.int32 [2]"),
         ("source_not_tensor", "TypeError", "rank 0: 'b' must be a torch.Tensor; got list"),
         ("bucket_zero", "ValueError", "rank 2: bucket_bytes must be a positive int; got 0"),
-        ("src_outside", "ValueError", "rank 3: src=7 is not a global rank of mode 'WEIGHT_TRANSFER'; expected one of [0, 1, 2, 3]"),
+        (
+            "src_outside",
+            "ValueError",
+            "rank 3: src=7 is not a global rank of mode 'WEIGHT_TRANSFER'; expected one of [0, 1, 2, 3]",
+        ),
         ("src_differs", "ValueError", "the ranks name different sources (rank 0: 0, rank 1: 1, rank 2: 0, rank 3: 0)"),
         ("not_a_state_dict", "TypeError", f"rank 3: state_dict must be {NOT_A_STATE_DICT}"),
-        ("expanded", "ValueError", "rank 2: 'a' (shape [3], strides [0]) has elements that share memory (an expanded or zero-stride view)"),
+        (
+            "expanded",
+            "ValueError",
+            "rank 2: 'a' (shape [3], strides [0]) has elements that share memory (an expanded or zero-stride view)",
+        ),
         ("zero_stride", "ValueError", "rank 1: 'm' (shape [2, 3], strides [0, 1]) has elements that share memory"),
         ("nested_dst", "ValueError", "rank 3: 'a' must be a dense tensor; got a nested tensor"),
         ("nested_src", "ValueError", "rank 0: 'a' must be a dense tensor; got a nested tensor"),
         ("meta_src", "ValueError", "rank 0: 'm' is a meta tensor: it has no data to send"),
-        ("overlap", "ValueError", "rank 1: 'm' and 'a' share memory here, but on the source they are not one tied tensor"),
-        ("tied_here", "ValueError", "rank 2: 'a' and 'c' are one tensor here, but on the source they are not one tied tensor"),
+        (
+            "overlap",
+            "ValueError",
+            "rank 1: 'm' and 'a' share memory here, but on the source they are not one tied tensor",
+        ),
+        (
+            "tied_here",
+            "ValueError",
+            "rank 2: 'a' and 'c' are one tensor here, but on the source they are not one tied tensor",
+        ),
         ("source_load", "TypeError", "rank 0: the source passed a callable: a load callable is for destinations"),
     ],
 )
@@ -426,8 +488,12 @@ def _declared_source(rank: int, size: int, url: str) -> int:
 
     ctx = init_world(rank, size, url)
     ctx.init_weight_transfer_group(src=1, dst_ranks=[0])
-    assert ctx.get_transfer_source() == 1 and ctx.get_local_rank("WEIGHT_TRANSFER") == 1 - rank  # the source is group rank 0
-    with pytest.raises(CommError, match=r"rank 0 is declared in two different groups, \[1, 0\] \(declared before\) and \[0, 1\]"):
+    assert (
+        ctx.get_transfer_source() == 1 and ctx.get_local_rank("WEIGHT_TRANSFER") == 1 - rank
+    )  # the source is group rank 0
+    with pytest.raises(
+        CommError, match=r"rank 0 is declared in two different groups, \[1, 0\] \(declared before\) and \[0, 1\]"
+    ):
         ctx.init_weight_transfer_group(src=0, dst_ranks=[1])
     t = torch.full((3,), float(rank))
     broadcast_state_dict({"t": t})  # the default src is the declared source

@@ -52,7 +52,8 @@ class Counting:
 
 
 def _own_group(rank: int, size: int, url: str, cls: type, name: str):
-    """A communicator on a gloo group built from a store of its own, with no world at all; the mode's ranks are 0..size-1."""
+    """A communicator on a gloo group built from a store of its own, with no world at all; the mode's ranks are
+    0..size-1."""
     import torch.distributed as dist
 
     path = url.removeprefix("file://") + f".{name}"
@@ -106,13 +107,19 @@ def test_a_group_outside_the_world_and_the_device_backends_path(world4) -> None:
     for name in ("P2P", "BCAST"):
         assert source[f"{name}.after"] == source[f"{name}.before"]
         for rank, r in enumerate(results[1:], start=1):
-            assert r[f"{name}.before"] != source[f"{name}.before"] and r[f"{name}.after"] == source[f"{name}.before"], (name, rank)
-    # The device backends' path, steady state: one all-gather for the handshake, a broadcast per unit (3: "big" in place,
+            assert r[f"{name}.before"] != source[f"{name}.before"] and r[f"{name}.after"] == source[f"{name}.before"], (
+                name,
+                rank,
+            )
+    # The device backends' path, steady state: one all-gather for the handshake, a broadcast per unit (3: "big" in
+    # place,
     # "big_t" staged, one bucket of the rest), nothing point to point.
     for r in results:
         first, steady = r["BCAST.counts"]
         assert steady == {"allgather": 1, "broadcast": 3}, steady
-        assert first == {"allgather": 2, "broadcast": 3 + 2}, first  # and the manifest (2 broadcasts), and a second round
+        assert first == {"allgather": 2, "broadcast": 3 + 2}, (
+            first
+        )  # and the manifest (2 broadcasts), and a second round
     # Over gloo point to point: the exchange through group rank 0 and the units are sends and receives only.
     for rank, r in enumerate(results):
         steady = r["P2P.counts"][1]
@@ -120,8 +127,8 @@ def test_a_group_outside_the_world_and_the_device_backends_path(world4) -> None:
 
 
 def _cuda_stand_in(rank: int, size: int, url: str) -> dict:
-    from rlightning_comm.weights._handshake import kept
     from rlightning_comm.weights._broadcast import transfer
+    from rlightning_comm.weights._handshake import kept
 
     comm = _own_group(rank, size, url, CudaStandIn, "CUDA")
     state = _state(rank, "cuda:0")

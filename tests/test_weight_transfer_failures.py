@@ -1,4 +1,5 @@
-"""broadcast_state_dict failing midway: every member's error says what it left (partly written tensors, buckets loaded, partial destinations)."""
+"""broadcast_state_dict failing midway: every member's error says what it left (partly written tensors, buckets loaded,
+partial destinations)."""
 
 from __future__ import annotations
 
@@ -69,15 +70,23 @@ def _injected(rank: int, size: int, url: str) -> dict:
 def test_a_failure_midway_says_what_each_member_holds(world4) -> None:
     source, in_place, loader, faulty = world4.run(_injected, timeout=60)
     assert faulty["type"] == "CommError" and "injected: the connection to the source broke" in faulty["msg"], faulty
-    units = re.search(r"this destination's tensors were partly written \((\d+) of (\d+) units had arrived\)", faulty["msg"])
+    units = re.search(
+        r"this destination's tensors were partly written \((\d+) of (\d+) units had arrived\)", faulty["msg"]
+    )
     assert units and int(units[1]) == 2 and int(units[2]) == TENSORS // 2, faulty["msg"]
-    # The source waits for the faulty destination, which stopped receiving; the others wait for the source: all fail in bounded time.
+    # The source waits for the faulty destination, which stopped receiving; the others wait for the source: all fail in
+    # bounded time.
     for r in (source, in_place, loader):
         assert r["type"] in ("CommError", "CommTimeoutError") and r["elapsed"] <= GROUP_TIMEOUT + BOUND, r
         assert "broadcast_state_dict failed midway: " in r["msg"], r
-    assert re.search(r"the source had launched \d+ of 12 units: destinations at ranks \[1, 2, 3\] may hold partial weights", source["msg"]), source
+    assert re.search(
+        r"the source had launched \d+ of 12 units: destinations at ranks \[1, 2, 3\] may hold partial weights",
+        source["msg"],
+    ), source
     assert "the transfer to rank 3 failed" in source["msg"], source
-    assert re.search(r"this destination's tensors were partly written \(\d+ of 12 units had arrived\)", in_place["msg"]), in_place
+    assert re.search(
+        r"this destination's tensors were partly written \(\d+ of 12 units had arrived\)", in_place["msg"]
+    ), in_place
     given = re.search(r"load had been given (\d+) of 12 buckets", loader["msg"])
     assert given and 0 < int(given[1]) < 12, loader
 
@@ -96,7 +105,9 @@ def _sync_group(rank: int, url: str):
     store.set(f"ready/{rank}", "1")
     store.wait([f"ready/{r}" for r in range(3)], timedelta(seconds=120))
     group = dist.ProcessGroupGloo(dist.PrefixStore("group", store), rank, 3, timedelta(seconds=KILL_TIMEOUT))
-    return GlooCommunicator(group, range(3), "SYNC", timeout=KILL_TIMEOUT, rank=rank)  # rank: in the group's own numbering
+    return GlooCommunicator(
+        group, range(3), "SYNC", timeout=KILL_TIMEOUT, rank=rank
+    )  # rank: in the group's own numbering
 
 
 def _victim(url: str) -> None:
@@ -143,4 +154,6 @@ def test_a_destination_killed_midway_its_peers_raise_saying_so(world2) -> None:
     for r in (source, survivor):
         assert r["type"] == "CommError" and r["elapsed"] <= BOUND < KILL_TIMEOUT, r
     assert re.search(r"destinations at ranks \[1, 2\] may hold partial weights", source["msg"]), source
-    assert re.search(r"this destination's tensors were partly written \(\d+ of 12 units had arrived\)", survivor["msg"]), survivor
+    assert re.search(
+        r"this destination's tensors were partly written \(\d+ of 12 units had arrived\)", survivor["msg"]
+    ), survivor

@@ -1,4 +1,5 @@
-"""Seeded fuzzing of broadcast_state_dict on 4 gloo ranks: random layouts, views and options, with one bad rank in some cases.
+"""Seeded fuzzing of broadcast_state_dict on 4 gloo ranks: random layouts, views and options, with one bad rank in some
+cases.
 
 Every case's structure (names, dtypes, shapes, each rank's layout, which rank is bad and how) comes from one seed that
 every rank shares; the values differ per rank. A good case must leave every destination (in place, or a ``load``
@@ -18,7 +19,17 @@ from test_weight_transfer import digests
 from world import init_world
 
 CASES = 40
-DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int16, torch.uint8, torch.bool, torch.complex64)
+DTYPES = (
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int64,
+    torch.int16,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+)
 SOURCE_LAYOUTS = ("plain", "transposed", "strided", "view of", "conj", "neg", "expanded", "tied")
 DEST_LAYOUTS = ("plain", "transposed", "strided", "conj", "neg", "inference")
 DIRECT = 256 * 2**10  # a piece of at least this many bytes travels in place (with a larger bucket)
@@ -62,12 +73,24 @@ def _case(seed: int, rank: int) -> dict:
     for i in range(n):
         dtype = rng.choice(DTYPES)
         shape = tuple(rng.randint(0 if rng.random() < 0.1 else 1, 6) for _ in range(rng.randint(0, 3)))
-        if rng.random() < 0.2 and bucket_bytes >= 16384:  # with a small bucket, a unit per few elements: slow, and no new case
-            shape = (rng.randint(200, 400), 300) if bucket_bytes > DIRECT else (rng.randint(5, 30), 300)  # in place, or cut in pieces
+        if (
+            rng.random() < 0.2 and bucket_bytes >= 16384
+        ):  # with a small bucket, a unit per few elements: slow, and no new case
+            shape = (
+                (rng.randint(200, 400), 300) if bucket_bytes > DIRECT else (rng.randint(5, 30), 300)
+            )  # in place, or cut in pieces
         layout = rng.choice(SOURCE_LAYOUTS)
         if layout == "tied" and specs:  # the very same tensor as the first one: every rank holds that dtype and shape
             dtype, shape = specs[0][1], specs[0][2]
-        specs.append((f"t{i}.{str(dtype).removeprefix('torch.')}", dtype, shape, layout, [rng.choice(DEST_LAYOUTS) for _ in range(4)]))
+        specs.append(
+            (
+                f"t{i}.{str(dtype).removeprefix('torch.')}",
+                dtype,
+                shape,
+                layout,
+                [rng.choice(DEST_LAYOUTS) for _ in range(4)],
+            )
+        )
     bad = rng.choice(BAD) if rng.random() < 0.4 else None
     if bad in ("expanded", "zero stride", "overlap") and not any(math.prod(spec[2]) > 1 for spec in specs):
         bad = "shape"  # those need a tensor of more than one element
@@ -90,11 +113,23 @@ def _case(seed: int, rank: int) -> dict:
             state[name] = _laid_out(shape, dtype, dst_layouts[rank], gen)
     if bad is not None and rank == bad_rank:
         _break(state, bad, gen)
-    return {"state": state, "bad": bad, "bad_rank": bad_rank, "loader": loader, "options": options, "stats": stats, "specs": specs}
+    return {
+        "state": state,
+        "bad": bad,
+        "bad_rank": bad_rank,
+        "loader": loader,
+        "options": options,
+        "stats": stats,
+        "specs": specs,
+    }
 
 
 def _break(state: dict, bad: str, gen) -> None:
-    name, t = next((k, v) for k, v in state.items() if v.numel() > 1 or bad in ("nested", "meta", "shape", "nested source", "meta source"))
+    name, t = next(
+        (k, v)
+        for k, v in state.items()
+        if v.numel() > 1 or bad in ("nested", "meta", "shape", "nested source", "meta source")
+    )
     if bad == "expanded":
         state[name] = torch.zeros(1, dtype=t.dtype).expand(t.shape)
     elif bad == "zero stride":  # stride 0 on the first dimension of more than one element, contiguous elsewhere
@@ -159,7 +194,16 @@ def _fuzz(rank: int, size: int, url: str, first: int, cases: int) -> list:
         # The group is still in step: a small good transfer after every case.
         check = {"x": torch.full((3,), float(rank))}
         broadcast_state_dict(check)
-        out.append({"seed": seed, "bad": case["bad"], "outcome": outcome, "before": before, "after": after, "check": check["x"].tolist()})
+        out.append(
+            {
+                "seed": seed,
+                "bad": case["bad"],
+                "outcome": outcome,
+                "before": before,
+                "after": after,
+                "check": check["x"].tolist(),
+            }
+        )
     return out
 
 
@@ -178,9 +222,16 @@ def test_fuzzed_layouts_arrive_bit_identical_and_bad_ranks_raise_everywhere(worl
         if source["bad"] is not None:
             assert outcome[0] == "refused", (source["seed"], source["bad"], outcome)
             for r in per_rank[1:]:
-                assert r["after"] == r["before"] or r["after"] == {}, (source["seed"], "a refused case wrote a destination")
+                assert r["after"] == r["before"] or r["after"] == {}, (
+                    source["seed"],
+                    "a refused case wrote a destination",
+                )
             continue
         assert outcome == ("ok",), (source["seed"], outcome)
         for rank, r in enumerate(per_rank[1:], start=1):
-            assert r["after"] == source["before"], (source["seed"], rank, {n for n in source["before"] if r["after"].get(n) != source["before"][n]})
+            assert r["after"] == source["before"], (
+                source["seed"],
+                rank,
+                {n for n in source["before"] if r["after"].get(n) != source["before"][n]},
+            )
     assert kinds["ok"] >= CASES // 3 and kinds["refused"] >= 4, kinds

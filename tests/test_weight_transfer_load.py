@@ -1,4 +1,5 @@
-"""broadcast_state_dict into a ``load`` callable: an engine with fused weights loads a trainer's unfused names, in two buffers."""
+"""broadcast_state_dict into a ``load`` callable: an engine with fused weights loads a trainer's unfused names, in two
+buffers."""
 
 from __future__ import annotations
 
@@ -25,7 +26,11 @@ class Trainer(nn.Module):
         self.layers = nn.ModuleList()
         for _ in range(LAYERS):
             layer = nn.Module()
-            layer.q_proj, layer.k_proj, layer.v_proj = nn.Linear(WIDTH, WIDTH, bias=False), nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+            layer.q_proj, layer.k_proj, layer.v_proj = (
+                nn.Linear(WIDTH, WIDTH, bias=False),
+                nn.Linear(WIDTH, WIDTH),
+                nn.Linear(WIDTH, WIDTH),
+            )
             layer.o_proj = nn.Linear(WIDTH, WIDTH)
             self.layers.append(layer)
         self.norm = nn.LayerNorm(WIDTH)
@@ -35,7 +40,8 @@ class Trainer(nn.Module):
 
 
 class Engine(nn.Module):
-    """The inference engine's layout: q, k and v in one fused projection (as vLLM's QKVParallelLinear), loaded by name."""
+    """The inference engine's layout: q, k and v in one fused projection (as vLLM's QKVParallelLinear), loaded by
+    name."""
 
     STACKED = (("q_proj", 0), ("k_proj", 1), ("v_proj", 2))
 
@@ -71,8 +77,14 @@ class Engine(nn.Module):
 
 
 def _engine_view(engine: Engine) -> dict[str, torch.Tensor]:
-    """The engine's weights under the trainer's names (the oracle's side), q/k/v cut back out of the fused projection."""
-    out = {"embed.weight": engine.embed.weight, "lm_head.weight": engine.embed.weight, "norm.weight": engine.norm.weight, "norm.bias": engine.norm.bias}
+    """The engine's weights under the trainer's names (the oracle's side), q/k/v cut back out of the fused
+    projection."""
+    out = {
+        "embed.weight": engine.embed.weight,
+        "lm_head.weight": engine.embed.weight,
+        "norm.weight": engine.norm.weight,
+        "norm.bias": engine.norm.bias,
+    }
     out["steps"] = engine.steps
     for i, layer in enumerate(engine.layers):
         for part, shard in Engine.STACKED:
@@ -120,7 +132,9 @@ def _sync(rank: int, size: int, url: str) -> dict:
                     p.add_(1.0)
                 trainer.steps.fill_(step + 1)
         with _Allocations() as allocations:
-            if trainer is not None:  # the source, and a destination that loads in place: the two kinds mix in one transfer
+            if (
+                trainer is not None
+            ):  # the source, and a destination that loads in place: the two kinds mix in one transfer
                 broadcast_state_dict(trainer, bucket_bytes=BUCKET)
             elif rank == 1:
                 broadcast_state_dict(engine.load_weights, bucket_bytes=BUCKET)
@@ -131,7 +145,8 @@ def _sync(rank: int, size: int, url: str) -> dict:
     if engine is not None:
         out["calls"] = engine.calls
     out["model_bytes"] = sum(t.nbytes for t in Trainer().state_dict().values())
-    # A load that raises on its second bucket: only that rank raises (once the transfer is complete, the bucket in a note).
+    # A load that raises on its second bucket: only that rank raises (once the transfer is complete, the bucket in a
+    # note).
     failing = Engine()
 
     def load(weights) -> None:
@@ -140,7 +155,9 @@ def _sync(rank: int, size: int, url: str) -> dict:
         failing.load_weights(weights)
 
     try:
-        broadcast_state_dict(trainer if trainer is not None else load if rank == 2 else failing.load_weights, bucket_bytes=BUCKET)
+        broadcast_state_dict(
+            trainer if trainer is not None else load if rank == 2 else failing.load_weights, bucket_bytes=BUCKET
+        )
         out["raised"] = None
     except RuntimeError as err:
         out["raised"] = [str(err), *getattr(err, "__notes__", [])]
@@ -163,7 +180,9 @@ def test_a_fused_engine_loads_the_trainers_names_within_two_buffers(world4) -> N
     for r in (engine, engine_async):
         calls = r["calls"]
         half = len(calls) // 2
-        assert len(calls) == 2 * half and sorted(n for c in calls[:half] for n in c) == names  # every name once per sync
+        assert (
+            len(calls) == 2 * half and sorted(n for c in calls[:half] for n in c) == names
+        )  # every name once per sync
         # Two staging buffers on the first sync, none after: at most a bucket each, or one tensor larger than a bucket.
         assert len(r["alloc0"]) <= 2 and sum(r["alloc0"]) <= BUCKET + embed_bytes, r["alloc0"]
         assert r["alloc1"] == [], r["alloc1"]
@@ -171,7 +190,11 @@ def test_a_fused_engine_loads_the_trainers_names_within_two_buffers(world4) -> N
         assert ["embed.weight", "lm_head.weight"] in calls[:half], calls[:half]
     assert [r["raised"] for r in (trainer, engine, in_place)] == [None, None, None]
     raised = engine_async["raised"]
-    assert raised[0] == "engine refused a weight" and "load raised on bucket 2 of" in raised[1] and "the transfer completed" in raised[1], raised
+    assert (
+        raised[0] == "engine refused a weight"
+        and "load raised on bucket 2 of" in raised[1]
+        and "the transfer completed" in raised[1]
+    ), raised
     assert [r["check"] for r in (trainer, engine, engine_async, in_place)] == [[0.0, 0.0]] * 4
 
 
@@ -194,7 +217,9 @@ def test_deliveries_cover_every_name_once_in_buffers_of_at_most_a_bucket() -> No
         names = {manifest[index][0] for index, _ in d.tensors} - {"empty"}  # no bytes: it goes with the first delivery
         assert d.nbytes <= bucket or names == {"big"}, (names, d.nbytes)
         spans = sorted((at, at + plan.units[u].nbytes) for u, at in zip(d.units, d.offsets))
-        assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans)) and (not spans or spans[-1][1] <= d.nbytes)  # units do not overlap
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans)) and (
+            not spans or spans[-1][1] <= d.nbytes
+        )  # units do not overlap
     big = next(d for d in out if {manifest[i][0] for i, _ in d.tensors} - {"empty"} == {"big"})
     assert big.nbytes == 300 * 300 * 4 and big.offsets[0] == 0 and list(big.offsets) == sorted(big.offsets)
     tied = next(d for d in out if any(manifest[i][0] == "tied" for i, _ in d.tensors))

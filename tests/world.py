@@ -5,7 +5,8 @@ so a :class:`World` keeps its ranks alive across tests and hands each of them
 one task at a time. Ranks are forked from a fork server (``forkserver``): a
 process started once per test process that imports torch and the library and
 does nothing else, so every rank starts from that clean single-purpose process
-(never from pytest's, with its threads and state) without importing torch again. Every task gets a fresh file store (no ports, nothing
+(never from pytest's, with its threads and state) without importing torch again. Every task gets a fresh file store (no
+ports, nothing
 shared between xdist workers) and every rank destroys its process groups and
 restores its environment afterwards, so tests stay independent. Every wait is
 bounded: a rank that does not report in time fails the test with every
@@ -130,7 +131,9 @@ class World:
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.size)]
         self._procs = [
-            ctx.Process(target=_worker_main, args=(r, self.size, self._tasks[r], self._results), daemon=True, name=f"rank{r}")
+            ctx.Process(
+                target=_worker_main, args=(r, self.size, self._tasks[r], self._results), daemon=True, name=f"rank{r}"
+            )
             for r in range(self.size)
         ]
         patched = dict(os.environ)
@@ -143,7 +146,9 @@ class World:
             os.environ.clear()
             os.environ.update(patched)
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = DEFAULT_TIMEOUT, env: dict[str, str] | None = None) -> list[Any]:
+    def run(
+        self, fn: Callable[..., Any], *args: Any, timeout: float = DEFAULT_TIMEOUT, env: dict[str, str] | None = None
+    ) -> list[Any]:
         """Run ``fn(rank, size, store_url, *args)`` on every rank; return the results in rank order.
 
         Raises:

@@ -1,4 +1,5 @@
-"""``rlightning-comm bench``: nccl-tests-style timing of every collective, against raw torch.distributed in the same run."""
+"""``rlightning-comm bench``: nccl-tests-style timing of every collective, against raw torch.distributed in the same
+run."""
 
 from rlightning_comm.bench.cli import main
 

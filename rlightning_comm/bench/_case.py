@@ -1,4 +1,5 @@
-"""What every bench case is: buffers, the library call, the raw torch.distributed call, the check (see :mod:`.cases`)."""
+"""What every bench case is: buffers, the library call, the raw torch.distributed call, the check (see
+:mod:`.cases`)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,9 @@ class Case:
     payload: bool = True
     """Whether the op moves data (a case with a payload but no whole element per rank is skipped)."""
 
-    def __init__(self, comm: Communicator, mode: str, size: int, dtype: torch.dtype, device: torch.device, dict_keys: int) -> None:
+    def __init__(
+        self, comm: Communicator, mode: str, size: int, dtype: torch.dtype, device: torch.device, dict_keys: int
+    ) -> None:
         self.comm, self.mode, self.dtype, self.device = comm, mode, dtype, device
         self.n, self.grank, self.root, self.group = comm.world_size, comm.rank, comm.ranks[0], comm.group
         self.itemsize = torch.empty((), dtype=dtype).element_size()

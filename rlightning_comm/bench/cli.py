@@ -36,23 +36,49 @@ def build_parser(prog: str = "rlightning-comm bench") -> argparse.ArgumentParser
         prog=prog,
         description="Time every collective of rlightning_comm against raw torch.distributed, like nccl-tests: time, algbw, busbw and wrong results per size.",
     )
-    p.add_argument("--nproc", type=int, default=None, help="local ranks to spawn (default: one per GPU with nccl, else 2); ignored under torchrun")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="local ranks to spawn (default: one per GPU with nccl, else 2); ignored under torchrun",
+    )
     p.add_argument("--backend", default="gloo", help="registered communicator: gloo (default) or nccl")
-    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="where tensors live (default: cuda with nccl, else cpu)")
-    p.add_argument("--sizes", default="1K:4M", help="MIN:MAX (stepped by --factor), a list 1K,1M or one size; K/M/G are binary (default 1K:4M)")
+    p.add_argument(
+        "--device", choices=("cpu", "cuda"), default=None, help="where tensors live (default: cuda with nccl, else cpu)"
+    )
+    p.add_argument(
+        "--sizes",
+        default="1K:4M",
+        help="MIN:MAX (stepped by --factor), a list 1K,1M or one size; K/M/G are binary (default 1K:4M)",
+    )
     p.add_argument("--factor", type=int, default=4, help="multiplier between sizes of a MIN:MAX range (default 4)")
     p.add_argument("--ops", default="all", help=f"'all' or a comma-separated subset of {','.join(OPS)}")
-    p.add_argument("--mode", default="GLOBAL", help="mode to run on; other than GLOBAL it is bound to groups of --group-size ranks")
+    p.add_argument(
+        "--mode", default="GLOBAL", help="mode to run on; other than GLOBAL it is bound to groups of --group-size ranks"
+    )
     p.add_argument("--group-size", type=int, default=None, help="ranks per group of --mode (default: the whole world)")
     p.add_argument("--dtype", default="float32", help=f"one of {', '.join(sorted(DTYPES))}")
     p.add_argument("--iters", type=int, default=20, help="timed calls per size and path (default 20)")
     p.add_argument("--warmup", type=int, default=5, help="untimed, still checked, calls first (default 5)")
-    p.add_argument("--repeat", type=int, default=1, help="measure each row N times: overhead is their median, with the min..max spread (default 1)")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="measure each row N times: overhead is their median, with the min..max spread (default 1)",
+    )
     p.add_argument("--dict-keys", type=int, default=64, help="keys of the all_reduce_dict payload (default 64)")
     p.add_argument("--timeout", type=float, default=300.0, help="timeout of each collective in seconds (default 300)")
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write every figure as JSON")
-    p.add_argument("--plot", dest="plot_path", default=None, metavar="PATH.png", help="draw busbw against size per op (needs matplotlib: the 'plot' extra)")
-    p.add_argument("--inject-wrong", default=None, choices=OPS, help=argparse.SUPPRESS)  # test hook: corrupt one op's results
+    p.add_argument(
+        "--plot",
+        dest="plot_path",
+        default=None,
+        metavar="PATH.png",
+        help="draw busbw against size per op (needs matplotlib: the 'plot' extra)",
+    )
+    p.add_argument(
+        "--inject-wrong", default=None, choices=OPS, help=argparse.SUPPRESS
+    )  # test hook: corrupt one op's results
     return p
 
 
@@ -71,7 +97,10 @@ def _config(args: argparse.Namespace, argv: Sequence[str]) -> tuple[BenchConfig,
     on_nccl = backend_cls.backend == "nccl"
     device = args.device or ("cuda" if on_nccl else "cpu")
     if (on_nccl or device == "cuda") and not torch.cuda.is_available():
-        raise ValueError(f"backend {args.backend!r} with device {device!r} needs CUDA, and torch.cuda.is_available() is False; use --backend gloo --device cpu")
+        raise ValueError(
+            f"backend {args.backend!r} with device {device!r} needs CUDA, and torch.cuda.is_available() is False; use "
+            "--backend gloo --device cpu"
+        )
     if on_nccl and device != "cuda":
         raise ValueError("backend nccl needs --device cuda")
     if args.plot_path and not report.matplotlib_available():
@@ -100,7 +129,10 @@ def _config(args: argparse.Namespace, argv: Sequence[str]) -> tuple[BenchConfig,
     world = int(os.environ["WORLD_SIZE"]) if _launched() else nproc
     size = cfg.group_size or world
     if world % size or (cfg.mode == "GLOBAL" and size != world):
-        raise ValueError(f"--group-size {size} must divide the world size {world}, and needs a --mode other than GLOBAL when smaller than the world")
+        raise ValueError(
+            f"--group-size {size} must divide the world size {world}, and needs a --mode other than GLOBAL when "
+            "smaller than the world"
+        )
     return cfg, nproc
 
 
@@ -119,7 +151,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "rlightning-comm bench")
         from rlightning_comm.bench.runner import run_rank
 
         if args.nproc is not None and int(os.environ["RANK"]) == 0:
-            print(f"# --nproc {args.nproc} ignored: running on the launcher's {os.environ['WORLD_SIZE']} ranks", flush=True)
+            print(
+                f"# --nproc {args.nproc} ignored: running on the launcher's {os.environ['WORLD_SIZE']} ranks",
+                flush=True,
+            )
         return _guarded(run_rank, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", cfg)
     return spawn(cfg, nproc)
 
@@ -145,7 +180,10 @@ def spawn(cfg: BenchConfig, nproc: int) -> int:
     """Run ``nproc`` local ranks on a file store and wait for all of them (bounded after a failure)."""
     store = tempfile.mkdtemp(prefix="rlc-bench-")
     ctx, env = _process_context(), dict(os.environ)  # forked from a fork server that imported torch once (Linux)
-    procs = [ctx.Process(target=_child, args=(r, nproc, f"file://{store}/store", cfg, env), name=f"bench-rank{r}") for r in range(nproc)]
+    procs = [
+        ctx.Process(target=_child, args=(r, nproc, f"file://{store}/store", cfg, env), name=f"bench-rank{r}")
+        for r in range(nproc)
+    ]
     try:
         for p in procs:
             p.start()
@@ -158,7 +196,11 @@ def spawn(cfg: BenchConfig, nproc: int) -> int:
                 deadline = time.monotonic() + _GRACE_S
             if deadline is not None and time.monotonic() > deadline:
                 alive = [p for p in procs if p.is_alive()]
-                print(f"rlightning-comm bench: error: {failed[0].name} failed; stopping {len(alive)} rank(s) still waiting on it", file=sys.stderr)
+                print(
+                    f"rlightning-comm bench: error: {failed[0].name} failed; stopping {len(alive)} rank(s) still "
+                    "waiting on it",
+                    file=sys.stderr,
+                )
                 for p in alive:
                     p.kill()
                     p.join(timeout=5)

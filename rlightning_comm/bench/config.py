@@ -7,7 +7,18 @@ import re
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-OPS = ("all_reduce", "all_gather", "broadcast", "gather", "scatter", "reduce_scatter", "all_to_all", "all_reduce_dict", "broadcast_object_list", "barrier")
+OPS = (
+    "all_reduce",
+    "all_gather",
+    "broadcast",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "all_to_all",
+    "all_reduce_dict",
+    "broadcast_object_list",
+    "barrier",
+)
 """The ops the bench measures, in the order it runs them."""
 
 _UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
@@ -81,7 +92,9 @@ def parse_ops(text: str) -> tuple[str, ...]:
         return OPS
     unknown = [n for n in names if n not in OPS]
     if unknown or not names:
-        raise ValueError(f"unknown op(s) {unknown or names!r}; expected 'all' or a comma-separated subset of {list(OPS)}")
+        raise ValueError(
+            f"unknown op(s) {unknown or names!r}; expected 'all' or a comma-separated subset of {list(OPS)}"
+        )
     return tuple(op for op in OPS if op in names)
 
 

@@ -14,7 +14,8 @@ from rlightning_comm.bandwidth import FACTOR_FORMULAS, bus_factor
 from rlightning_comm.bench.config import BenchConfig
 
 _COLUMNS = (
-    f"#{'size':>11} {'elements':>12} {'dtype':>8} {'time(us)':>10} {'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>7}"
+    f"#{'size':>11} {'elements':>12} {'dtype':>8} {'time(us)':>10} {'algbw(GB/s)':>11} {'busbw(GB/s)':>11} "
+    f"{'#wrong':>7}"
     f" {'raw(us)':>10} {'raw busbw':>10} {'overhead(%)':>11} {'spread(%)':>15}"
 )
 
@@ -30,9 +31,12 @@ def header(cfg: BenchConfig, world_size: int, group_size: int) -> str:
                 f"# rlightning-comm bench: backend {cfg.backend}, device {cfg.device} ({where}), {world_size} ranks, "
                 f"mode {cfg.mode} (group size {group_size}), dtype {cfg.dtype}, warmup {cfg.warmup}, iters {cfg.iters}"
             ),
-            "# time: the slowest rank's median per-call time; algbw = size / time; busbw = algbw * the op's bus factor for the group size;",
-            "# raw: the same op on the same buffers through torch.distributed, interleaved with the library's calls, each call alone after a barrier;",
-            f"# overhead: library / raw - 1 (cold, per call); spread: min..max over --repeat {cfg.repeat} runs; every result is checked.",
+            "# time: the slowest rank's median per-call time; algbw = size / time; busbw = algbw * the op's bus factor "
+            "for the group size;",
+            "# raw: the same op on the same buffers through torch.distributed, interleaved with the library's calls, "
+            "each call alone after a barrier;",
+            f"# overhead: library / raw - 1 (cold, per call); spread: min..max over --repeat {cfg.repeat} runs; every "
+            "result is checked.",
         ]
     )
 
@@ -47,7 +51,8 @@ def format_row(row: dict[str, Any]) -> str:
     """One row, as the user watches it arrive."""
     return (
         f"{row['size']:>12} {row['elements']:>12} {row['dtype']:>8} {row['time_us']:>10.1f} {row['algbw_gbps']:>11.3f} "
-        f"{row['busbw_gbps']:>11.3f} {row['wrong']:>7} {row['raw_time_us']:>10.1f} {row['raw_busbw_gbps']:>10.3f} {row['overhead_pct']:>+11.1f} {_spread(row):>15}"
+        f"{row['busbw_gbps']:>11.3f} {row['wrong']:>7} {row['raw_time_us']:>10.1f} {row['raw_busbw_gbps']:>10.3f} "
+        f"{row['overhead_pct']:>+11.1f} {_spread(row):>15}"
     )
 
 
@@ -71,7 +76,9 @@ def meta(cfg: BenchConfig, world_size: int, group_size: int) -> dict[str, Any]:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "backend": cfg.backend,
         "device": cfg.device,
-        "device_name": torch.cuda.get_device_name() if cfg.device == "cuda" else platform.processor() or platform.machine(),
+        "device_name": torch.cuda.get_device_name()
+        if cfg.device == "cuda"
+        else platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
         "world_size": world_size,
         "group_size": group_size,
@@ -87,7 +94,11 @@ def meta(cfg: BenchConfig, world_size: int, group_size: int) -> dict[str, Any]:
 
 def write_json(path: str, cfg: BenchConfig, world_size: int, group_size: int, rows: list[dict[str, Any]]) -> None:
     """Write every figure of the run to ``path``."""
-    doc = {"meta": meta(cfg, world_size, group_size), "rows": rows, "wrong": sum(r["wrong"] + r["raw_wrong"] for r in rows)}
+    doc = {
+        "meta": meta(cfg, world_size, group_size),
+        "rows": rows,
+        "wrong": sum(r["wrong"] + r["raw_wrong"] for r in rows),
+    }
     with open(path, "w", encoding="utf-8") as f:
         json.dump(doc, f, indent=1)
         f.write("\n")
@@ -110,7 +121,13 @@ def write_plot(path: str, rows: list[dict[str, Any]], title: str) -> None:
     for op in dict.fromkeys(r["op"] for r in rows):
         mine = [r for r in rows if r["op"] == op]
         (line,) = ax.plot([r["size"] for r in mine], [r["busbw_gbps"] for r in mine], marker="o", label=op)
-        ax.plot([r["size"] for r in mine], [r["raw_busbw_gbps"] for r in mine], linestyle="--", color=line.get_color(), alpha=0.6)
+        ax.plot(
+            [r["size"] for r in mine],
+            [r["raw_busbw_gbps"] for r in mine],
+            linestyle="--",
+            color=line.get_color(),
+            alpha=0.6,
+        )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("size (bytes)")
     ax.set_ylabel("busbw (GB/s)")

@@ -45,7 +45,9 @@ def run_rank(rank: int, world_size: int, dist_url: str, cfg: BenchConfig) -> int
     if cfg.device == "cuda" and get_communicator_class(cfg.backend).backend != "nccl":  # nccl picks its GPU itself
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
     ctx = CommContext()
-    ctx.init_distributed_env(world_size=world_size, rank=rank, backend=cfg.backend, dist_url=dist_url, timeout=cfg.timeout)
+    ctx.init_distributed_env(
+        world_size=world_size, rank=rank, backend=cfg.backend, dist_url=dist_url, timeout=cfg.timeout
+    )
     try:
         comm = _bind(ctx, cfg, world_size)
         device = torch.device("cuda", torch.cuda.current_device()) if cfg.device == "cuda" else torch.device("cpu")
@@ -67,11 +69,15 @@ def _bind(ctx: CommContext, cfg: BenchConfig, world_size: int) -> Communicator:
     if cfg.mode != "GLOBAL":
         ctx.init_group([list(range(start, start + size)) for start in range(0, world_size, size)], cfg.mode)
     elif size != world_size:
-        raise ValueError(f"mode GLOBAL is the whole world ({world_size} ranks); pick another --mode for groups of {size}")
+        raise ValueError(
+            f"mode GLOBAL is the whole world ({world_size} ranks); pick another --mode for groups of {size}"
+        )
     return ctx.get_communicator(cfg.mode)
 
 
-def sweep(comm: Communicator, cfg: BenchConfig, device: torch.device, world_size: int, echo: bool) -> list[dict[str, Any]]:
+def sweep(
+    comm: Communicator, cfg: BenchConfig, device: torch.device, world_size: int, echo: bool
+) -> list[dict[str, Any]]:
     """Every op of ``cfg`` at every size; prints each row as it completes when ``echo``."""
     out = print if echo else (lambda *a, **k: None)
     out(report.header(cfg, world_size, comm.world_size), flush=True)
@@ -79,7 +85,8 @@ def sweep(comm: Communicator, cfg: BenchConfig, device: torch.device, world_size
     for op in cfg.ops:
         if op == "broadcast_object_list" and not torch_objects_available():
             out(
-                f"# {op}: skipped: its raw side, torch.distributed.broadcast_object_list, needs numpy (pip install numpy); the library's own does not",
+                f"# {op}: skipped: its raw side, torch.distributed.broadcast_object_list, needs numpy (pip install "
+                "numpy); the library's own does not",
                 flush=True,
             )
             continue
@@ -89,7 +96,10 @@ def sweep(comm: Communicator, cfg: BenchConfig, device: torch.device, world_size
                 continue  # no payload: one row
             case = CASES[op](comm, cfg.mode, size, cfg.torch_dtype, device, cfg.dict_keys)
             if case.payload and case.elements == 0:
-                out(f"{size:>12} {'':>12} {case.dtype_name:>8}  skipped: fewer bytes than one element per rank", flush=True)
+                out(
+                    f"{size:>12} {'':>12} {case.dtype_name:>8}  skipped: fewer bytes than one element per rank",
+                    flush=True,
+                )
                 continue
             row = repeated(case, op, cfg, device)
             rows.append(row)
@@ -110,7 +120,8 @@ def _sync(device: torch.device) -> None:
 
 
 def repeated(case: Case, op: str, cfg: BenchConfig, device: torch.device) -> dict[str, Any]:
-    """``cfg.repeat`` independent measurements of ``case``: the one with the median overhead, plus every run's overhead and the wrong results of all."""
+    """``cfg.repeat`` independent measurements of ``case``: the one with the median overhead, plus every run's overhead
+    and the wrong results of all."""
     runs = sorted((measure(case, op, cfg, device) for _ in range(cfg.repeat)), key=lambda r: r["overhead_pct"])
     row = dict(runs[len(runs) // 2])
     row["overhead_runs_pct"] = [r["overhead_pct"] for r in runs]
@@ -139,7 +150,8 @@ def measure(case: Case, op: str, cfg: BenchConfig, device: torch.device) -> dict
             wrong[path] += case.wrong()
             if i >= cfg.warmup:
                 times[path].append(elapsed)
-    # Reduce over the world (every group of a partition ran its own collectives): slowest medians, extremes, wrong counts.
+    # Reduce over the world (every group of a partition ran its own collectives): slowest medians, extremes, wrong
+    # counts.
     stat_device = device if case.comm.backend == "nccl" else torch.device("cpu")
     peak = torch.tensor(
         [

@@ -18,8 +18,17 @@ class AllReduceDict(Case):
         count = size // self.itemsize
         self.elements, self.nbytes = count, count * self.itemsize
         keys = [f"k{i:06d}" for i in range(min(dict_keys, count))]  # sorted == insertion order
-        self.dicts = [dict(zip(keys, self.data(count, self.grank, p).tensor_split(len(keys)))) for p in (0, 1)] if count else []
-        self.expected = [dict(zip(keys, sum(self.data(count, r, p) for r in range(self.n)).tensor_split(len(keys)))) for p in (0, 1)] if count else []
+        self.dicts = (
+            [dict(zip(keys, self.data(count, self.grank, p).tensor_split(len(keys)))) for p in (0, 1)] if count else []
+        )
+        self.expected = (
+            [
+                dict(zip(keys, sum(self.data(count, r, p) for r in range(self.n)).tensor_split(len(keys))))
+                for p in (0, 1)
+            ]
+            if count
+            else []
+        )
         self.result: dict[str, Any] = {}
 
     def prepare(self, phase: int) -> None:
@@ -90,7 +99,12 @@ class BroadcastObjectList(Case):
             return len(expected)
         if got == expected:
             return 0
-        return int((torch.frombuffer(bytearray(got), dtype=torch.uint8) != torch.frombuffer(bytearray(expected), dtype=torch.uint8)).sum())
+        return int(
+            (
+                torch.frombuffer(bytearray(got), dtype=torch.uint8)
+                != torch.frombuffer(bytearray(expected), dtype=torch.uint8)
+            ).sum()
+        )
 
     def corrupt(self) -> None:
         self.objects[0] = b""

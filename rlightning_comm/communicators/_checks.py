@@ -68,8 +68,10 @@ class InputChecks:
             raise TypeError(f"{name} must be a torch.Tensor; got {type(tensor).__name__} (mode {self._mode!r})")
         if tensor.is_nested:
             raise ValueError(
-                f"{name} is a nested tensor; {type(self).__name__} (mode {self._mode!r}) takes dense, contiguous tensors. "
-                "Hint: pass its values as one dense tensor (t.values() of a jagged tensor, torch.cat([x.flatten() for x in t.unbind()]) otherwise)"
+                f"{name} is a nested tensor; {type(self).__name__} (mode {self._mode!r}) takes dense, contiguous "
+                "tensors. "
+                "Hint: pass its values as one dense tensor (t.values() of a jagged tensor, torch.cat([x.flatten() for "
+                "x in t.unbind()]) otherwise)"
             )
         try:
             contiguous = tensor.is_contiguous()
@@ -80,8 +82,10 @@ class InputChecks:
         if not _compiling() and (tensor.is_conj() or tensor.is_neg()):  # dynamo traces neither
             kind, fix = ("conjugate", "resolve_conj") if tensor.is_conj() else ("negative", "resolve_neg")
             raise ValueError(
-                f"{name} is a {kind} view, whose memory holds the values before the {kind} bit is applied; {type(self).__name__} "
-                f"(mode {self._mode!r}) moves memory as it is, so expected a tensor without the bit. Hint: pass t.{fix}() (a copy) and copy the result back"
+                f"{name} is a {kind} view, whose memory holds the values before the {kind} bit is applied; "
+                f"{type(self).__name__} "
+                f"(mode {self._mode!r}) moves memory as it is, so expected a tensor without the bit. Hint: pass "
+                f"t.{fix}() (a copy) and copy the result back"
             )
         self.check_device(tensor, name)
         dtypes = self.supported_dtypes
@@ -91,14 +95,16 @@ class InputChecks:
     def _refuse_dtype(self, dtype: torch.dtype, name: str) -> None:
         moves = ", ".join(sorted(str(d).removeprefix("torch.") for d in self.supported_dtypes or ()))
         raise ValueError(
-            f"{name} is {dtype}, which {type(self).__name__} (mode {self._mode!r}) cannot move; expected one of: {moves}. "
+            f"{name} is {dtype}, which {type(self).__name__} (mode {self._mode!r}) cannot move; expected one of: "
+            f"{moves}. "
             "Hint: cast it (for example t.to(torch.int64)) and cast the result back"
         )
 
     def _refuse_layout(self, tensor: torch.Tensor, name: str) -> None:
         if tensor.layout != torch.strided:
             raise ValueError(
-                f"{name} is a sparse tensor (layout {tensor.layout}); {type(self).__name__} (mode {self._mode!r}) takes dense, contiguous tensors. "
+                f"{name} is a sparse tensor (layout {tensor.layout}); {type(self).__name__} (mode {self._mode!r}) "
+                "takes dense, contiguous tensors. "
                 "Hint: pass t.to_dense()"
             )
         raise ValueError(
@@ -110,15 +116,22 @@ class InputChecks:
         self._check_tensor(tensor, name)
         if tensor.dtype != ref.dtype or tensor.shape != ref.shape or not _same_device(tensor, ref):
             raise ValueError(
-                f"{name} must match the tensor argument: expected shape {tuple(ref.shape)}, {ref.dtype} on {ref.device}; "
+                f"{name} must match the tensor argument: expected shape {tuple(ref.shape)}, {ref.dtype} on "
+                f"{ref.device}; "
                 f"got shape {tuple(tensor.shape)}, {tensor.dtype} on {tensor.device} (mode {self._mode!r})"
             )
 
     def _check_list(self, tensors: Any, ref: torch.Tensor, name: str) -> None:
         if not isinstance(tensors, (list, tuple)):
-            raise TypeError(f"{name} must be a list of {self._world_size} tensors; got {type(tensors).__name__} (mode {self._mode!r})")
+            raise TypeError(
+                f"{name} must be a list of {self._world_size} tensors; got {type(tensors).__name__} (mode "
+                f"{self._mode!r})"
+            )
         if len(tensors) != self._world_size:
-            raise ValueError(f"{name} must hold one tensor per rank: expected {self._world_size}; got {len(tensors)} (mode {self._mode!r})")
+            raise ValueError(
+                f"{name} must hold one tensor per rank: expected {self._world_size}; got {len(tensors)} (mode "
+                f"{self._mode!r})"
+            )
         for i, t in enumerate(tensors):
             self._check_like(t, ref, f"{name}[{i}]")
 
@@ -127,7 +140,10 @@ class InputChecks:
             return
         expected = list(self._ranks)
         if isinstance(rank, bool) or not hasattr(type(rank), "__index__"):
-            raise TypeError(f"{name}={rank!r} is not a global rank of mode {self._mode!r}: expected an int, one of {expected}; got {type(rank).__name__}")
+            raise TypeError(
+                f"{name}={rank!r} is not a global rank of mode {self._mode!r}: expected an int, one of {expected}; got "
+                f"{type(rank).__name__}"
+            )
         if operator.index(rank) not in self._group_rank_of:
             raise ValueError(f"{name}={rank!r} is not a global rank of mode {self._mode!r}; expected one of {expected}")
 
@@ -138,8 +154,10 @@ class InputChecks:
             self._check_reduce_op(op, dtype)
         if dtype in self._unreducible_dtypes():
             raise ValueError(
-                f"{type(self).__name__} (mode {self._mode!r}) cannot reduce {dtype} tensors (the backend has no such reduction); "
-                "expected another dtype. Hint: reduce a copy in a wider dtype (t.float()); moving this dtype (broadcast, all_gather) works"
+                f"{type(self).__name__} (mode {self._mode!r}) cannot reduce {dtype} tensors (the backend has no such "
+                "reduction); "
+                "expected another dtype. Hint: reduce a copy in a wider dtype (t.float()); moving this dtype "
+                "(broadcast, all_gather) works"
             )
 
     def _unreducible_dtypes(self) -> frozenset[torch.dtype]:
@@ -152,20 +170,33 @@ class InputChecks:
             return
         if op is ReduceOp.PREMUL_SUM:
             raise ValueError(
-                f"reduce op PREMUL_SUM (torch's _make_nccl_premul_sum) is not supported by {type(self).__name__} (mode {self._mode!r}); "
-                "expected SUM, AVG, PRODUCT, MIN or MAX. Hint: scale the tensor first (t.mul_(factor)), then reduce with SUM"
+                f"reduce op PREMUL_SUM (torch's _make_nccl_premul_sum) is not supported by {type(self).__name__} (mode "
+                f"{self._mode!r}); "
+                "expected SUM, AVG, PRODUCT, MIN or MAX. Hint: scale the tensor first (t.mul_(factor)), then reduce "
+                "with SUM"
             )
         if op not in self.supported_reduce_ops:
             supported = sorted(str(o).rsplit(".", 1)[-1] for o in self.supported_reduce_ops)
-            raise ValueError(f"reduce op {op!r} is not supported by {type(self).__name__} (mode {self._mode!r}); supported: {supported}")
+            raise ValueError(
+                f"reduce op {op!r} is not supported by {type(self).__name__} (mode {self._mode!r}); supported: "
+                f"{supported}"
+            )
         if dtype.is_complex:
             if op not in _COMPLEX_OPS:
-                raise ValueError(f"reduce op {op!r} is not defined on complex tensors ({dtype}, mode {self._mode!r}); expected SUM or AVG")
+                raise ValueError(
+                    f"reduce op {op!r} is not defined on complex tensors ({dtype}, mode {self._mode!r}); expected SUM "
+                    "or AVG"
+                )
         elif op in _BITWISE:
             if dtype.is_floating_point:
-                raise ValueError(f"bitwise reduce op {op!r} needs an integer or bool tensor; got {dtype} (mode {self._mode!r})")
+                raise ValueError(
+                    f"bitwise reduce op {op!r} needs an integer or bool tensor; got {dtype} (mode {self._mode!r})"
+                )
         elif op is _AVG and (dtype is torch.bool or (not dtype.is_floating_point and not self.integer_avg_supported)):
-            raise ValueError(f"reduce op AVG needs a floating-point tensor with {type(self).__name__}; got {dtype} (mode {self._mode!r})")
+            raise ValueError(
+                f"reduce op AVG needs a floating-point tensor with {type(self).__name__}; got {dtype} (mode "
+                f"{self._mode!r})"
+            )
 
     def _check_rooted(self, name: str, tensor: Any, tensors: Any, root_name: str, root: Any) -> None:
         on_device = self.on_device
@@ -209,16 +240,24 @@ class InputChecks:
         if sizes is None:
             if t.dim() == 0 or t.shape[0] % ws:
                 raise ValueError(
-                    f"dim 0 of a tensor split evenly must be divisible by the group size {ws}; got {tensor_name} of shape {tuple(t.shape)} (mode {self._mode!r})"
+                    f"dim 0 of a tensor split evenly must be divisible by the group size {ws}; got {tensor_name} of "
+                    f"shape {tuple(t.shape)} (mode {self._mode!r})"
                 )
             return
         if not isinstance(sizes, (list, tuple)):
-            raise TypeError(f"{name} must be a list of {ws} ints (or None for an even split); got {type(sizes).__name__} {sizes!r} (mode {self._mode!r})")
+            raise TypeError(
+                f"{name} must be a list of {ws} ints (or None for an even split); got {type(sizes).__name__} {sizes!r} "
+                f"(mode {self._mode!r})"
+            )
         if t.dim() == 0:
-            raise ValueError(f"{name} splits dim 0, so {tensor_name} needs at least one dimension; got a 0-d tensor (mode {self._mode!r})")
+            raise ValueError(
+                f"{name} splits dim 0, so {tensor_name} needs at least one dimension; got a 0-d tensor (mode "
+                f"{self._mode!r})"
+            )
         if len(sizes) != ws or not all(type(n) is int and n >= 0 for n in sizes) or sum(sizes) != t.shape[0]:
             raise ValueError(
-                f"{name} must have {ws} entries summing to dim 0 = {t.shape[0]} of {tensor_name}, each a non-negative int; got {list(sizes)} (mode {self._mode!r})"
+                f"{name} must have {ws} entries summing to dim 0 = {t.shape[0]} of {tensor_name}, each a non-negative "
+                f"int; got {list(sizes)} (mode {self._mode!r})"
             )
 
     # ------------------------------------------------------------ per op
@@ -243,7 +282,8 @@ class InputChecks:
             allowed = [(ws * shape[0], *shape[1:])] if shape else []
             allowed.append((ws, *shape))
             raise ValueError(
-                f"output_tensor must have shape {' or '.join(map(str, allowed))}, {input_tensor.dtype} on {input_tensor.device} "
+                f"output_tensor must have shape {' or '.join(map(str, allowed))}, {input_tensor.dtype} on "
+                f"{input_tensor.device} "
                 f"for an input of shape {tuple(shape)} and world size {ws}; got shape {tuple(out_shape)}, "
                 f"{output_tensor.dtype} on {output_tensor.device} (mode {self._mode!r})"
             )
@@ -262,19 +302,37 @@ class InputChecks:
         self._check_tensor(output, "output")
         self._check_tensor(input_, "input_")
         self._check_reduction(op, input_.dtype)
-        if input_.numel() != output.numel() * self._world_size or input_.dtype != output.dtype or not _same_device(input_, output):
+        if (
+            input_.numel() != output.numel() * self._world_size
+            or input_.dtype != output.dtype
+            or not _same_device(input_, output)
+        ):
             raise ValueError(
-                f"input_ must hold world_size * output.numel() = {self._world_size * output.numel()} elements of {output.dtype} on {output.device}; "
+                f"input_ must hold world_size * output.numel() = {self._world_size * output.numel()} elements of "
+                f"{output.dtype} on {output.device}; "
                 f"got {input_.numel()} of {input_.dtype} on {input_.device} (mode {self._mode!r})"
             )
 
-    def _check_all_to_all_single(self, output: Any, input_: Any, output_split_sizes: Any = None, input_split_sizes: Any = None, async_op: bool = False) -> None:
+    def _check_all_to_all_single(
+        self,
+        output: Any,
+        input_: Any,
+        output_split_sizes: Any = None,
+        input_split_sizes: Any = None,
+        async_op: bool = False,
+    ) -> None:
         self._check_tensor(output, "output")
         self._check_tensor(input_, "input_")
-        if output.dtype != input_.dtype or not _same_device(output, input_) or output.shape[1:].numel() != input_.shape[1:].numel():
+        if (
+            output.dtype != input_.dtype
+            or not _same_device(output, input_)
+            or output.shape[1:].numel() != input_.shape[1:].numel()
+        ):
             raise ValueError(
-                f"output must have input_'s dtype and device and as many elements per dim-0 row: expected {input_.dtype} on {input_.device}, "
-                f"{input_.shape[1:].numel()} per row (input_ shape {tuple(input_.shape)}); got {output.dtype} on {output.device}, "
+                "output must have input_'s dtype and device and as many elements per dim-0 row: expected "
+                f"{input_.dtype} on {input_.device}, "
+                f"{input_.shape[1:].numel()} per row (input_ shape {tuple(input_.shape)}); got {output.dtype} on "
+                f"{output.device}, "
                 f"{output.shape[1:].numel()} per row (output shape {tuple(output.shape)}) (mode {self._mode!r})"
             )
         self._check_splits(output_split_sizes, output, "output_split_sizes", "output")
@@ -303,25 +361,38 @@ class InputChecks:
     def _check_barrier(self) -> None:
         return None
 
-    def _check_all_gather_object(self, object_list: Any, obj: Any, *, safe: bool | None = None, max_bytes: int | None = None) -> None:
+    def _check_all_gather_object(
+        self, object_list: Any, obj: Any, *, safe: bool | None = None, max_bytes: int | None = None
+    ) -> None:
         if not isinstance(object_list, list):
             raise TypeError(
-                f"object_list must be a list of {self._world_size} entries (it is filled in place); got {type(object_list).__name__} (mode {self._mode!r})"
+                f"object_list must be a list of {self._world_size} entries (it is filled in place); got "
+                f"{type(object_list).__name__} (mode {self._mode!r})"
             )
         if len(object_list) != self._world_size:
-            raise ValueError(f"object_list must hold one entry per rank: expected {self._world_size}; got {len(object_list)} (mode {self._mode!r})")
+            raise ValueError(
+                f"object_list must hold one entry per rank: expected {self._world_size}; got {len(object_list)} (mode "
+                f"{self._mode!r})"
+            )
         _objects.resolve_options(safe, max_bytes, self._mode)
 
-    def _check_broadcast_object_list(self, object_list: Any, src: Any = 0, *, safe: bool | None = None, max_bytes: int | None = None) -> None:
+    def _check_broadcast_object_list(
+        self, object_list: Any, src: Any = 0, *, safe: bool | None = None, max_bytes: int | None = None
+    ) -> None:
         if not isinstance(object_list, list):
-            raise TypeError(f"object_list must be a list (it is filled in place); got {type(object_list).__name__} (mode {self._mode!r})")
+            raise TypeError(
+                f"object_list must be a list (it is filled in place); got {type(object_list).__name__} (mode "
+                f"{self._mode!r})"
+            )
         self._check_peer(src, "src")
         _objects.resolve_options(safe, max_bytes, self._mode)
 
     def _check_all_reduce_dict(self, dictionary: Any, op: Any = _SUM, dtype: Any = torch.float32) -> None:
         if not isinstance(dictionary, Mapping):
             raise TypeError(f"dictionary must be a Mapping; got {type(dictionary).__name__} (mode {self._mode!r})")
-        _packing.check(dictionary, dtype, self._mode)  # the dtype, a total key order, and every value, as pack() checks them
+        _packing.check(
+            dictionary, dtype, self._mode
+        )  # the dtype, a total key order, and every value, as pack() checks them
         dtypes = self.supported_dtypes
         if dtypes is not None and dtype not in dtypes:
             self._refuse_dtype(dtype, "dtype")

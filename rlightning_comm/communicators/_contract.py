@@ -36,7 +36,9 @@ def _takes(fn: Any, *args: str) -> bool:
 
 
 def _problems(cls: type, names: Any) -> list[str]:
-    problems = [f"{old} is now named {new}: rename the override" for old, new in _RENAMED.items() if old in cls.__dict__]
+    problems = [
+        f"{old} is now named {new}: rename the override" for old, new in _RENAMED.items() if old in cls.__dict__
+    ]
     for name in names:
         value = inspect.getattr_static(cls, name, None)
         if value is None:
@@ -46,13 +48,23 @@ def _problems(cls: type, names: Any) -> list[str]:
         elif name == "check_device" and not (callable(value) and _takes(value, "self", "tensor", "name")):
             problems.append("check_device must be a method check_device(self, tensor, name) -> None")
         elif name == "on_device" and not (isinstance(value, staticmethod) and _takes(value.__func__, "a", "b")):
-            shape = "a method that also takes self" if callable(value) and not isinstance(value, staticmethod) else "not a function of (a, b)"
+            shape = (
+                "a method that also takes self"
+                if callable(value) and not isinstance(value, staticmethod)
+                else "not a function of (a, b)"
+            )
             problems.append(f"on_device must be a @staticmethod on_device(a, b) -> bool; got {shape}")
         elif name == "backend" and not (isinstance(value, str) and value):
             problems.append(f"backend must be a non-empty str naming a torch.distributed backend; got {value!r}")
-        elif name == "supported_reduce_ops" and not (isinstance(value, (set, frozenset)) and all(isinstance(op, type(ReduceOp.SUM)) for op in value)):
-            problems.append(f"supported_reduce_ops must be a frozenset of ReduceOp members (ReduceOp.SUM, ...); got {value!r}")
-        elif name == "supported_dtypes" and not (isinstance(value, (set, frozenset)) and all(isinstance(d, torch.dtype) for d in value)):
+        elif name == "supported_reduce_ops" and not (
+            isinstance(value, (set, frozenset)) and all(isinstance(op, type(ReduceOp.SUM)) for op in value)
+        ):
+            problems.append(
+                f"supported_reduce_ops must be a frozenset of ReduceOp members (ReduceOp.SUM, ...); got {value!r}"
+            )
+        elif name == "supported_dtypes" and not (
+            isinstance(value, (set, frozenset)) and all(isinstance(d, torch.dtype) for d in value)
+        ):
             problems.append(f"supported_dtypes must be None or a frozenset of torch dtypes; got {value!r}")
     return problems
 

@@ -40,7 +40,8 @@ from rlightning_comm.errors import CommError
 from rlightning_comm.failures import LAUNCH_ERRORS, WorkHandle, comm_failure
 
 compiling = torch.compiler.is_dynamo_compiling
-"""Whether dynamo is tracing (constant ``False`` in eager, ``True`` while dynamo traces; cheaper than ``torch.compiler.is_compiling``)."""
+"""Whether dynamo is tracing (constant ``False`` in eager, ``True`` while dynamo traces; cheaper than
+``torch.compiler.is_compiling``)."""
 
 
 def as_real(tensor: torch.Tensor) -> torch.Tensor:
@@ -49,7 +50,8 @@ def as_real(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def rooted_args(tensor: torch.Tensor, tensors: Any, on_root: bool) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
-    """gather/scatter: ``tensor`` and the root's list as the process group takes them (complex as real pairs; ``[]`` off the root)."""
+    """gather/scatter: ``tensor`` and the root's list as the process group takes them (complex as real pairs; ``[]`` off
+    the root)."""
     if tensor.is_complex():  # the check made the list's dtype the tensor's
         tensor = torch.view_as_real(tensor)
         tensors = [torch.view_as_real(t) for t in tensors] if on_root else None
@@ -90,17 +92,25 @@ class Options:
         # SUM without the dict: hashing a ReduceOp costs more than the rest of the lookup.
         self.allreduce_sum = self.allreduce[ReduceOp.SUM]
         self.reduce_scatter_sum = self.reduce_scatter[ReduceOp.SUM]
-        self.broadcast = {r: _with(dist.BroadcastOptions, async_op, rootRank=g, rootTensor=0) for r, g in group_rank_of.items()}
+        self.broadcast = {
+            r: _with(dist.BroadcastOptions, async_op, rootRank=g, rootTensor=0) for r, g in group_rank_of.items()
+        }
         self.gather = {r: _with(dist.GatherOptions, async_op, rootRank=g) for r, g in group_rank_of.items()}
         self.scatter = {r: _with(dist.ScatterOptions, async_op, rootRank=g) for r, g in group_rank_of.items()}
-        self.reduce_sum = {r: _with(dist.ReduceOptions, async_op, reduceOp=ReduceOp.SUM, rootRank=g, rootTensor=0) for r, g in group_rank_of.items()}
-        self.reduce: dict[tuple[Any, int], Any] = {}  # (op, dst) -> options, built on first use (ops x ranks may be many)
+        self.reduce_sum = {
+            r: _with(dist.ReduceOptions, async_op, reduceOp=ReduceOp.SUM, rootRank=g, rootTensor=0)
+            for r, g in group_rank_of.items()
+        }
+        self.reduce: dict[
+            tuple[Any, int], Any
+        ] = {}  # (op, dst) -> options, built on first use (ops x ranks may be many)
         self.all_gather = _with(AllgatherOptions, async_op)
         self.all_to_all = _with(dist.AllToAllOptions, async_op)
 
 
 class DirectLaunch:
-    """Mixin of :class:`Communicator`: options built at bind time, handles and failure translation (each method launches itself, see :mod:`._tensor_collectives`)."""
+    """Mixin of :class:`Communicator`: options built at bind time, handles and failure translation (each method launches
+    itself, see :mod:`._tensor_collectives`)."""
 
     _group: Any
     _mode: str
@@ -114,7 +124,9 @@ class DirectLaunch:
     def _init_launch(self) -> None:
         self._async = Options(self._group_rank_of, self.supported_reduce_ops, True)
         # Bounded wait: blocking calls launch as async ones, so the backend returns a work whose wait() blocks the host.
-        self._sync = self._async if self._bounded_wait else Options(self._group_rank_of, self.supported_reduce_ops, False)
+        self._sync = (
+            self._async if self._bounded_wait else Options(self._group_rank_of, self.supported_reduce_ops, False)
+        )
         self._barrier_opts: Any = None
 
     def _failure(self, op: str, err: BaseException) -> Exception:
@@ -125,11 +137,14 @@ class DirectLaunch:
         table = self._async if async_op else self._sync
         opts = table.reduce.get((op, dst))
         if opts is None:
-            opts = table.reduce[(op, dst)] = _with(dist.ReduceOptions, table.async_op, reduceOp=op, rootRank=self._group_rank_of[dst], rootTensor=0)
+            opts = table.reduce[(op, dst)] = _with(
+                dist.ReduceOptions, table.async_op, reduceOp=op, rootRank=self._group_rank_of[dst], rootTensor=0
+            )
         return opts
 
     def _run(self, op: str, launch: Callable[[], Any]) -> None:
-        """A blocking launch off the hot path (the object collectives): ``launch()`` returns the backend's work, waited here.
+        """A blocking launch off the hot path (the object collectives): ``launch()`` returns the backend's work, waited
+        here.
 
         The caller holds the claim. Backend failures become the library's
         errors naming ``op``.
@@ -152,16 +167,20 @@ class DirectLaunch:
         """
         if self._outside_world:
             raise CommError(
-                f"{op} on mode {self._mode!r} cannot run under torch.compile or through __torch_function__ (a tensor subclass or a "
-                "torch function mode): the mode is connected outside torch.distributed's world, whose functions do not know its group. "
+                f"{op} on mode {self._mode!r} cannot run under torch.compile or through __torch_function__ (a tensor "
+                "subclass or a "
+                "torch function mode): the mode is connected outside torch.distributed's world, whose functions do not "
+                "know its group. "
                 "Hint: call it outside the compiled region, with a plain tensor"
             )
         return self._group
 
     def _coalesced(self, op: str) -> CommError:
         return CommError(
-            f"{op} on mode {self._mode!r} was called inside torch's _coalescing_manager on this mode's group, which coalesces only "
-            "all_reduce, all_gather and reduce_scatter (those go to torch.distributed and are issued when the manager exits); "
+            f"{op} on mode {self._mode!r} was called inside torch's _coalescing_manager on this mode's group, which "
+            "coalesces only "
+            "all_reduce, all_gather and reduce_scatter (those go to torch.distributed and are issued when the manager "
+            "exits); "
             "nothing was sent. Hint: call it before or after the manager's block"
         )
 

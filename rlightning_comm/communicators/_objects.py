@@ -34,7 +34,9 @@ from rlightning_comm import _compat
 from rlightning_comm.errors import ObjectRefusedError
 
 
-def broadcast_objects(object_list: list[Any], is_src: bool, broadcast: Callable[[torch.Tensor], None], device: torch.device) -> list[memoryview] | None:
+def broadcast_objects(
+    object_list: list[Any], is_src: bool, broadcast: Callable[[torch.Tensor], None], device: torch.device
+) -> list[memoryview] | None:
     """Broadcast the pickles of ``object_list`` from the source, through ``broadcast`` (the communicator's own launch).
 
     Args:
@@ -64,7 +66,9 @@ def broadcast_objects(object_list: list[Any], is_src: bool, broadcast: Callable[
         # iterates element by element (8 s for 4 MiB), and a parallel copy into fresh pages is slow on a busy host.
         lengths = sizes.tolist()  # one device-to-host copy
         buffer = bytearray(sum(lengths))
-        host = torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0, dtype=torch.uint8)  # frombuffer refuses b""
+        host = (
+            torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0, dtype=torch.uint8)
+        )  # frombuffer refuses b""
         data = host if device.type == "cpu" else torch.empty(len(buffer), dtype=torch.uint8, device=device)
     broadcast(data)
     if is_src:
@@ -81,7 +85,10 @@ def broadcast_objects(object_list: list[Any], is_src: bool, broadcast: Callable[
 
 
 def all_gather_objects(
-    obj: Any, group: dist.ProcessGroup, device: torch.device, gather: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+    obj: Any,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    gather: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
 ) -> list[Any]:
     """Every group rank's ``obj``, in group-rank order: torch's ``all_gather_object`` without numpy.
 
@@ -101,14 +108,19 @@ def all_gather_objects(
     if gather is None:
         opts = AllgatherOptions()
 
-        def gather(output: torch.Tensor, input_: torch.Tensor) -> None:  # the group itself: a connected mode's is outside the world
+        def gather(
+            output: torch.Tensor, input_: torch.Tensor
+        ) -> None:  # the group itself: a connected mode's is outside the world
             group.all_gather_single(output, input_, opts).wait()
 
     return [pickle.loads(p) for p in all_gather_payloads(dumps(obj), group.size(), device, gather)]
 
 
-def all_gather_payloads(payload: bytes, world: int, device: torch.device, gather: Callable[[torch.Tensor, torch.Tensor], None]) -> list[memoryview]:
-    """Every group rank's ``payload`` bytes, in group-rank order: two all-gathers (the sizes, then the bytes padded to the longest).
+def all_gather_payloads(
+    payload: bytes, world: int, device: torch.device, gather: Callable[[torch.Tensor, torch.Tensor], None]
+) -> list[memoryview]:
+    """Every group rank's ``payload`` bytes, in group-rank order: two all-gathers (the sizes, then the bytes padded to
+    the longest).
 
     ``gather(output, input)`` all-gathers flat tensors over the ``world`` ranks and returns once they have arrived.
     """
@@ -160,20 +172,27 @@ def _validated(safe: Any, max_bytes: Any, mode: str | None = None) -> tuple[bool
 
 def resolve_options(safe: bool | None, max_bytes: int | None, mode: str) -> tuple[bool, int | None]:
     """Fill ``None`` options from the defaults and validate them."""
-    return _validated(_default_safe if safe is None else safe, _default_max_bytes if max_bytes is None else max_bytes, mode)
+    return _validated(
+        _default_safe if safe is None else safe, _default_max_bytes if max_bytes is None else max_bytes, mode
+    )
 
 
 def decode(payloads: list[memoryview], src: int, safe: bool, max_bytes: int | None, mode: str) -> list[Any]:
-    """Unpickle the payloads ``broadcast_object_list`` received from ``src``, all or none (``max_bytes`` bounds their total).
+    """Unpickle the payloads ``broadcast_object_list`` received from ``src``, all or none (``max_bytes`` bounds their
+    total).
 
     Raises:
         ObjectRefusedError: over ``max_bytes``, or (safe) not plain data.
     """
     _bound(sum(len(p) for p in payloads), src, max_bytes, mode, "broadcast_object_list")
-    return [_load(p, f"object {i} from rank {src}", safe, mode, "broadcast_object_list") for i, p in enumerate(payloads)]
+    return [
+        _load(p, f"object {i} from rank {src}", safe, mode, "broadcast_object_list") for i, p in enumerate(payloads)
+    ]
 
 
-def decode_gathered(payloads: list[memoryview], ranks: tuple[int, ...], me: int, safe: bool, max_bytes: int | None, mode: str) -> list[Any]:
+def decode_gathered(
+    payloads: list[memoryview], ranks: tuple[int, ...], me: int, safe: bool, max_bytes: int | None, mode: str
+) -> list[Any]:
     """Unpickle every rank's ``all_gather_object`` payload, all or none; ``max_bytes`` bounds each peer's payload.
 
     This rank's own object comes back as a copy (unpickled as it was sent), never refused.
@@ -184,13 +203,17 @@ def decode_gathered(payloads: list[memoryview], ranks: tuple[int, ...], me: int,
     for r, payload in enumerate(payloads):
         if r != me:
             _bound(len(payload), ranks[r], max_bytes, mode, "all_gather_object")
-    return [pickle.loads(p) if r == me else _load(p, f"the object of rank {ranks[r]}", safe, mode, "all_gather_object") for r, p in enumerate(payloads)]
+    return [
+        pickle.loads(p) if r == me else _load(p, f"the object of rank {ranks[r]}", safe, mode, "all_gather_object")
+        for r, p in enumerate(payloads)
+    ]
 
 
 def _bound(size: int, src: int, max_bytes: int | None, mode: str, op: str) -> None:
     if max_bytes is not None and size > max_bytes:
         raise ObjectRefusedError(
-            f"{op} on mode {mode!r} refused {size} bytes from rank {src}: over max_bytes={max_bytes}; nothing was deserialised and the list is unchanged"
+            f"{op} on mode {mode!r} refused {size} bytes from rank {src}: over max_bytes={max_bytes}; nothing was "
+            "deserialised and the list is unchanged"
         )
 
 
@@ -202,7 +225,8 @@ def _load(payload: memoryview, what: str, safe: bool, mode: str, op: str) -> Any
         _check_plain(obj)
     except Exception as err:  # noqa: BLE001 - whatever the payload makes the unpickler raise is a refusal
         raise ObjectRefusedError(
-            f"{op} on mode {mode!r} (safe) refused {what}: {err}. Safe mode accepts only {_PLAIN_NAMES}; nothing in it was run and the list is unchanged"
+            f"{op} on mode {mode!r} (safe) refused {what}: {err}. Safe mode accepts only {_PLAIN_NAMES}; nothing in it "
+            "was run and the list is unchanged"
         ) from None
     return obj
 
@@ -213,14 +237,19 @@ def _load_storage(data: bytes) -> Any:
     try:
         storage = torch.load(io.BytesIO(data), weights_only=True)
     except Exception as err:  # noqa: BLE001 - torch.load raises many kinds; each is a refusal
-        reason = next((line.strip() for line in str(err).splitlines() if "WeightsUnpickler error" in line), str(err).splitlines()[0] if str(err) else repr(err))
+        reason = next(
+            (line.strip() for line in str(err).splitlines() if "WeightsUnpickler error" in line),
+            str(err).splitlines()[0] if str(err) else repr(err),
+        )
         raise pickle.UnpicklingError(f"a tensor's storage bytes are not a plain storage ({reason})") from None
     if not isinstance(storage, torch.storage.TypedStorage):
         raise pickle.UnpicklingError(f"a tensor's storage decoded to {type(storage).__name__}, not a storage")
     return storage
 
 
-def _rebuild_tensor(storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, metadata: Any = None) -> torch.Tensor:
+def _rebuild_tensor(
+    storage: Any, offset: Any, size: Any, stride: Any, requires_grad: Any, hooks: Any, metadata: Any = None
+) -> torch.Tensor:
     if not isinstance(storage, torch.storage.TypedStorage):
         raise pickle.UnpicklingError(f"a tensor was rebuilt from {type(storage).__name__}, not a storage")
     if hooks:
@@ -247,21 +276,25 @@ class _Pickler(pickle.Pickler):
     """``pickle.Pickler`` that sends a plain tensor of a dtype in :data:`_BYTES_DTYPES` as its bytes."""
 
     def reducer_override(self, obj: Any) -> Any:
-        if type(obj) is torch.Tensor and (name := _BYTES_DTYPE_NAMES.get(obj.dtype)) is not None:  # subclasses keep theirs
+        if (
+            type(obj) is torch.Tensor and (name := _BYTES_DTYPE_NAMES.get(obj.dtype)) is not None
+        ):  # subclasses keep theirs
             data = obj.detach().reshape(-1).contiguous().view(torch.uint8)
             return _rebuild_from_bytes, (data, name, tuple(obj.shape), obj.requires_grad)
         return NotImplemented
 
 
 def dumps(obj: Any) -> bytes:
-    """``pickle.dumps(obj)``, with every tensor of a dtype torch cannot unpickle sent as its bytes (see the module's note)."""
+    """``pickle.dumps(obj)``, with every tensor of a dtype torch cannot unpickle sent as its bytes (see the module's
+    note)."""
     buf = io.BytesIO()
     _Pickler(buf, pickle.DEFAULT_PROTOCOL).dump(obj)
     return buf.getvalue()
 
 
 def _rebuild_from_bytes(data: Any, dtype_name: Any, shape: Any, requires_grad: Any) -> torch.Tensor:
-    # Part of the wire format (pickles name it by this module's path): safe mode resolves it too, so it checks its input.
+    # Part of the wire format (pickles name it by this module's path): safe mode resolves it too, so it checks its
+    # input.
     dtype = _BYTES_DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
     if dtype is None:
         raise pickle.UnpicklingError(f"a tensor's bytes name dtype {dtype_name!r}, not one sent as bytes")
@@ -272,7 +305,9 @@ def _rebuild_from_bytes(data: Any, dtype_name: Any, shape: Any, requires_grad: A
     try:
         return data.view(dtype).reshape(shape).requires_grad_(bool(requires_grad))
     except RuntimeError as err:
-        raise pickle.UnpicklingError(f"a tensor's {data.numel()} bytes do not make a {dtype_name} tensor of shape {list(shape)} ({err})") from None
+        raise pickle.UnpicklingError(
+            f"a tensor's {data.numel()} bytes do not make a {dtype_name} tensor of shape {list(shape)} ({err})"
+        ) from None
 
 
 _REBUILD_TENSOR, _LOAD_STORAGE = _compat.TENSOR_PICKLE_GLOBALS

@@ -1,4 +1,5 @@
-"""Point-to-point: :meth:`Communicator.send` and :meth:`Communicator.recv`, written for the cold call as the collectives are.
+"""Point-to-point: :meth:`Communicator.send` and :meth:`Communicator.recv`, written for the cold call as the collectives
+are.
 
 ``dst`` / ``src`` are global ranks of the group, never this rank. Each pair
 of calls moves the bytes of one tensor (complex as its real pairs); the
@@ -30,7 +31,8 @@ class PointToPoint:
     _global_rank: int
     _group_rank_of: dict[int, int]
     _lock: Any
-    # Provided by the other mixins: on_device, _check_send, _check_recv, _coalesced, _overlap, _failure, _handle, _traced_group.
+    # Provided by the other mixins: on_device, _check_send, _check_recv, _coalesced, _overlap, _failure, _handle,
+    # _traced_group.
 
     def send(self, tensor: torch.Tensor, dst: int, async_op: bool = False) -> Any | None:
         """Send ``tensor`` to global rank ``dst``, which receives it with :meth:`recv`.

@@ -34,7 +34,8 @@ import torch
 _PLAIN_NUMBERS = frozenset({float, int, bool})
 _EXACT_LANE = torch.float64
 EXACT_INT_BOUND = 2**53
-"""Integers reduced by ``all_reduce_dict`` with a floating ``dtype`` are exact up to this magnitude (values and results)."""
+"""Integers reduced by ``all_reduce_dict`` with a floating ``dtype`` are exact up to this magnitude (values and
+results)."""
 
 
 def _type_name(value: Any) -> str:
@@ -77,14 +78,17 @@ def ordered_keys(dictionary: Mapping[Any, Any], mode: str) -> list[Any]:
         return sorted(keys, key=_rank)
     except TypeError as err:
         raise TypeError(
-            f"all_reduce_dict keys must be None, real numbers, str, bytes or tuples of those, so that every rank orders them alike; got {err} (mode {mode!r})"
+            "all_reduce_dict keys must be None, real numbers, str, bytes or tuples of those, so that every rank "
+            f"orders them alike; got {err} (mode {mode!r})"
         ) from None
 
 
 def check_dtype(dtype: Any, mode: str) -> None:
     """Raise unless ``dtype`` is a real torch dtype."""
     if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype such as torch.float32; got {_type_name(dtype)} {dtype!r} (mode {mode!r})")
+        raise TypeError(
+            f"dtype must be a torch.dtype such as torch.float32; got {_type_name(dtype)} {dtype!r} (mode {mode!r})"
+        )
     if dtype.is_complex:
         raise ValueError(f"dtype must be a real floating-point or integer dtype; got {dtype} (mode {mode!r})")
 
@@ -94,16 +98,25 @@ def _is_number(key: Any, value: Any, mode: str) -> bool:
     if isinstance(value, torch.Tensor):
         if value.layout != torch.strided:
             raise TypeError(
-                f"all_reduce_dict value for key {key!r} is a {value.layout} tensor; expected a dense tensor. Hint: pass t.to_dense() (mode {mode!r})"
+                f"all_reduce_dict value for key {key!r} is a {value.layout} tensor; expected a dense tensor. Hint: "
+                f"pass t.to_dense() (mode {mode!r})"
             )
         if value.is_complex():
-            raise TypeError(f"all_reduce_dict value for key {key!r} is a complex tensor ({value.dtype}); expected a real tensor or number (mode {mode!r})")
+            raise TypeError(
+                f"all_reduce_dict value for key {key!r} is a complex tensor ({value.dtype}); expected a real tensor or "
+                f"number (mode {mode!r})"
+            )
         return False
     if isinstance(value, numbers.Real) or _is_numpy_bool(value):
         return True
     if isinstance(value, numbers.Number):
-        raise TypeError(f"all_reduce_dict value for key {key!r} must be a real number or a tensor; got the complex number {value!r} (mode {mode!r})")
-    raise TypeError(f"all_reduce_dict value for key {key!r} must be a number or a tensor; got {_type_name(value)} (mode {mode!r})")
+        raise TypeError(
+            f"all_reduce_dict value for key {key!r} must be a real number or a tensor; got the complex number "
+            f"{value!r} (mode {mode!r})"
+        )
+    raise TypeError(
+        f"all_reduce_dict value for key {key!r} must be a number or a tensor; got {_type_name(value)} (mode {mode!r})"
+    )
 
 
 def check(dictionary: Mapping[Any, Any], dtype: Any, mode: str) -> None:
@@ -123,7 +136,8 @@ def check(dictionary: Mapping[Any, Any], dtype: Any, mode: str) -> None:
 
 
 def describe(dictionary: Mapping[Any, Any], dtype: Any, mode: str) -> tuple[list[Any], list[Any]]:
-    """:func:`check`, then the ordered keys and, per key, ``None`` for a number or the tensor's shape (debug mode's fingerprint)."""
+    """:func:`check`, then the ordered keys and, per key, ``None`` for a number or the tensor's shape (debug mode's
+    fingerprint)."""
     check(dictionary, dtype, mode)
     keys = ordered_keys(dictionary, mode)
     return keys, [None if _is_number(k, dictionary[k], mode) else tuple(dictionary[k].shape) for k in keys]
@@ -171,8 +185,11 @@ def pack(
     for key, value in zip(keys, values):
         if _is_number(key, value, mode):
             number_keys.append(key)
-            # numpy scalars, Fractions, ...: as the lane's Python type (float keeps an int exact only below 2**53 anyway)
-            number_values.append(value if type(value) in _PLAIN_NUMBERS else (float(value) if lane.is_floating_point else int(value)))
+            # numpy scalars, Fractions, ...: as the lane's Python type (float keeps an int exact only below 2**53
+            # anyway)
+            number_values.append(
+                value if type(value) in _PLAIN_NUMBERS else (float(value) if lane.is_floating_point else int(value))
+            )
         else:
             tensor_keys.append(key)
             tensors.append(value)
@@ -181,7 +198,9 @@ def pack(
     segments = []
     if number_keys:
         numbers_host = torch.tensor(number_values, dtype=lane)
-        segments.append(numbers_host if device.type == "cpu" else numbers_host.to(device))  # the one host-to-device copy
+        segments.append(
+            numbers_host if device.type == "cpu" else numbers_host.to(device)
+        )  # the one host-to-device copy
     segments.extend(t.detach().to(device=device, dtype=lane).reshape(-1) for t in tensors)
     flat = torch.cat(segments)  # always a fresh buffer: the caller's tensors stay untouched
     n = len(number_keys)

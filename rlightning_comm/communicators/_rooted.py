@@ -29,7 +29,8 @@ _BOOL = torch.bool
 
 
 class RootedCollectives:
-    """Mixin of :class:`Communicator`: broadcast, gather, scatter, reduce (``src``/``dst`` are global ranks of the group)."""
+    """Mixin of :class:`Communicator`: broadcast, gather, scatter, reduce (``src``/``dst`` are global ranks of the
+    group)."""
 
     _group: Any
     _global_rank: int
@@ -37,7 +38,8 @@ class RootedCollectives:
     _lock: Any
     _sync: Any
     _async: Any
-    # Provided by the other mixins: on_device, the _check_<op> methods, _coalesced, _overlap, _failure, _handle, _reduce_options, _traced_group.
+    # Provided by the other mixins: on_device, the _check_<op> methods, _coalesced, _overlap, _failure, _handle,
+    # _reduce_options, _traced_group.
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, async_op: bool = False) -> Any | None:
         """Copy ``tensor`` from global rank ``src`` into ``tensor`` on every rank.
@@ -64,11 +66,15 @@ class RootedCollectives:
             plain = False
         if not plain:
             self._check_broadcast(tensor, src, async_op)
-            src = operator.index(src)  # a rank the check accepted through __index__ (a 0-d tensor): the int the tables are keyed by
+            src = operator.index(
+                src
+            )  # a rank the check accepted through __index__ (a 0-d tensor): the int the tables are keyed by
         if _coalescing and group in _coalescing:
             raise self._coalesced("broadcast")
         if traced:  # dynamo does not rewrite dist.broadcast: the functional one, copied back in place
-            tensor.copy_(funcol.wait_tensor(funcol.broadcast(tensor, self._group_rank_of[src], self._traced_group("broadcast"))))
+            tensor.copy_(
+                funcol.wait_tensor(funcol.broadcast(tensor, self._group_rank_of[src], self._traced_group("broadcast")))
+            )
             return None
         if has_torch_function_unary(tensor):
             return dist.broadcast(tensor, src=src, group=self._traced_group("broadcast"), async_op=async_op)
@@ -90,7 +96,9 @@ class RootedCollectives:
             lock.release()
         return None
 
-    def gather(self, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int = 0, async_op: bool = False) -> Any | None:
+    def gather(
+        self, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int = 0, async_op: bool = False
+    ) -> Any | None:
         """Gather ``tensor`` from every rank into ``gather_list`` on global rank ``dst``.
 
         Args:
@@ -113,7 +121,13 @@ class RootedCollectives:
         if _coalescing and group in _coalescing:
             raise self._coalesced("gather")
         if compiling() or has_torch_function_unary(tensor):
-            return dist.gather(tensor, list(gather_list) if on_root else None, dst=dst, group=self._traced_group("gather"), async_op=async_op)
+            return dist.gather(
+                tensor,
+                list(gather_list) if on_root else None,
+                dst=dst,
+                group=self._traced_group("gather"),
+                async_op=async_op,
+            )
         tensor, outputs = rooted_args(tensor, gather_list, on_root)
         opts = self._async.gather[dst] if async_op else self._sync.gather[dst]
         lock = self._lock
@@ -131,7 +145,9 @@ class RootedCollectives:
             lock.release()
         return None
 
-    def scatter(self, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int = 0, async_op: bool = False) -> Any | None:
+    def scatter(
+        self, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int = 0, async_op: bool = False
+    ) -> Any | None:
         """Send ``scatter_list[i]`` from global rank ``src`` to the group's i-th rank, into ``tensor``.
 
         Args:
@@ -154,7 +170,13 @@ class RootedCollectives:
         if _coalescing and group in _coalescing:
             raise self._coalesced("scatter")
         if compiling() or has_torch_function_unary(tensor):
-            return dist.scatter(tensor, list(scatter_list) if on_root else None, src=src, group=self._traced_group("scatter"), async_op=async_op)
+            return dist.scatter(
+                tensor,
+                list(scatter_list) if on_root else None,
+                src=src,
+                group=self._traced_group("scatter"),
+                async_op=async_op,
+            )
         tensor, inputs = rooted_args(tensor, scatter_list, on_root)
         opts = self._async.scatter[src] if async_op else self._sync.scatter[src]
         lock = self._lock

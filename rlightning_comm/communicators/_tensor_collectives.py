@@ -59,7 +59,8 @@ class TensorCollectives:
     _lock: Any
     _sync: Any
     _async: Any
-    # Provided by the other mixins: on_device, the _check_<op> methods, _overlap, _failure, _handle, _barrier_options, _traced_group.
+    # Provided by the other mixins: on_device, the _check_<op> methods, _overlap, _failure, _handle, _barrier_options,
+    # _traced_group.
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = _SUM, async_op: bool = False) -> Any | None:
         """Reduce ``tensor`` across the group, in place; every rank gets the result.
@@ -162,7 +163,9 @@ class TensorCollectives:
             if output_tensor.dim() != input_tensor.dim():
                 output_tensor, input_tensor = output_tensor.view(-1), input_tensor.view(-1)
         if traced or (_coalescing and group in _coalescing) or has_torch_function_unary(input_tensor):
-            return _all_gather_flat(output_tensor, input_tensor, group=self._traced_group("all_gather"), async_op=async_op)
+            return _all_gather_flat(
+                output_tensor, input_tensor, group=self._traced_group("all_gather"), async_op=async_op
+            )
         if not plain and input_tensor.is_complex():  # the check made both the same dtype
             output_tensor, input_tensor = torch.view_as_real(output_tensor), torch.view_as_real(input_tensor)
         opts = self._async.all_gather if async_op else self._sync.all_gather
@@ -181,7 +184,9 @@ class TensorCollectives:
             lock.release()
         return None
 
-    def reduce_scatter(self, output: torch.Tensor, input_: torch.Tensor, op: Any = _SUM, async_op: bool = False) -> Any | None:
+    def reduce_scatter(
+        self, output: torch.Tensor, input_: torch.Tensor, op: Any = _SUM, async_op: bool = False
+    ) -> Any | None:
         """Reduce ``input_`` across the group and leave this rank's dim-0 slice in ``output``.
 
         Args:
@@ -225,7 +230,9 @@ class TensorCollectives:
             if input_.dim() != 1:
                 input_ = input_.view(-1)
         if traced or (_coalescing and group in _coalescing) or has_torch_function_unary(input_):
-            return _reduce_scatter_flat(output, input_, op=op, group=self._traced_group("reduce_scatter"), async_op=async_op)
+            return _reduce_scatter_flat(
+                output, input_, op=op, group=self._traced_group("reduce_scatter"), async_op=async_op
+            )
         if not plain and input_.is_complex():  # SUM or AVG (checked): exact on the real pairs
             output, input_ = torch.view_as_real(output).view(-1), torch.view_as_real(input_).view(-1)
         if plain:
@@ -292,7 +299,12 @@ class TensorCollectives:
             raise self._coalesced("all_to_all_single")
         if traced or has_torch_function_unary(input_):
             return dist.all_to_all_single(
-                output, input_, output_split_sizes, input_split_sizes, group=self._traced_group("all_to_all_single"), async_op=async_op
+                output,
+                input_,
+                output_split_sizes,
+                input_split_sizes,
+                group=self._traced_group("all_to_all_single"),
+                async_op=async_op,
             )
         if not plain and input_.is_complex():  # the check made both the same dtype
             output, input_ = torch.view_as_real(output), torch.view_as_real(input_)

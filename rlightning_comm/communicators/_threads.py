@@ -63,7 +63,8 @@ class InFlight:
 
     @contextmanager
     def _exclusive(self, op: str) -> Iterator[None]:
-        """Hold the claim for ``op`` around a block that spans more than one call (debug mode's fingerprint exchange and the call).
+        """Hold the claim for ``op`` around a block that spans more than one call (debug mode's fingerprint exchange and
+        the call).
 
         Reentrant in the claiming thread; a non-member claims nothing.
 
@@ -88,7 +89,9 @@ class InFlight:
         holder = int(found.group(1)) if found else None
         other = f"thread {names[holder]!r}" if holder in names else "another thread"
         return CommError(
-            f"{op} on mode {self._mode!r} from thread {threading.current_thread().name!r} overlaps a call that {other} has in flight there; "
-            "nothing was sent. Two threads' calls can pair up differently on different ranks, so a process group takes one call at a time. "
+            f"{op} on mode {self._mode!r} from thread {threading.current_thread().name!r} overlaps a call that {other} "
+            "has in flight there; "
+            "nothing was sent. Two threads' calls can pair up differently on different ranks, so a process group takes "
+            "one call at a time. "
             "Hint: order the calls (one thread after the other), or bind one mode per thread (init_group)"
         )

@@ -1,4 +1,5 @@
-"""The collectives of Python values: ``broadcast_object_list`` and ``all_gather_object`` (pickles), ``all_reduce_dict`` (a dict of numbers and tensors)."""
+"""The collectives of Python values: ``broadcast_object_list`` and ``all_gather_object`` (pickles), ``all_reduce_dict``
+(a dict of numbers and tensors)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,9 @@ class ValueCollectives:
     device: torch.device
     # Provided by the other mixins: _check_<op>, _coalesced, _exclusive, _run, all_reduce.
 
-    def broadcast_object_list(self, object_list: list[Any], src: int = 0, *, safe: bool | None = None, max_bytes: int | None = None) -> None:
+    def broadcast_object_list(
+        self, object_list: list[Any], src: int = 0, *, safe: bool | None = None, max_bytes: int | None = None
+    ) -> None:
         """Broadcast the picklable objects of ``object_list`` from global rank ``src``, in place.
 
         Every rank passes a list of the same length; receivers' entries are
@@ -65,7 +68,9 @@ class ValueCollectives:
         if group is None:
             return
         self._check_broadcast_object_list(object_list, src, safe=safe, max_bytes=max_bytes)
-        if group in COALESCING:  # its host reads need the data, which a coalesced call only delivers when the manager exits
+        if (
+            group in COALESCING
+        ):  # its host reads need the data, which a coalesced call only delivers when the manager exits
             raise self._coalesced("broadcast_object_list")
         safe, max_bytes = _objects.resolve_options(safe, max_bytes, self._mode)
         opts = self._sync.broadcast[operator.index(src)]
@@ -79,7 +84,9 @@ class ValueCollectives:
             object_list[:] = _objects.decode(payloads, src, safe, max_bytes, self._mode)
         return
 
-    def all_gather_object(self, object_list: list[Any], obj: Any, *, safe: bool | None = None, max_bytes: int | None = None) -> None:
+    def all_gather_object(
+        self, object_list: list[Any], obj: Any, *, safe: bool | None = None, max_bytes: int | None = None
+    ) -> None:
         """Gather every rank's picklable ``obj`` into ``object_list``, in group-rank order, on every rank.
 
         Like ``torch.distributed.all_gather_object`` (``object_list`` has one
@@ -98,7 +105,8 @@ class ValueCollectives:
             max_bytes: Refuse a peer's object over this many serialised bytes; ``None`` means the default.
 
         Raises:
-            TypeError: ``object_list`` is not a list, ``safe`` not a bool, or ``obj`` cannot be pickled (before anything is sent).
+            TypeError: ``object_list`` is not a list, ``safe`` not a bool, or ``obj`` cannot be pickled (before anything
+                is sent).
             ValueError: ``object_list`` does not have one entry per rank, or ``max_bytes`` is not a positive int.
             ObjectRefusedError: a peer's object is not plain data in safe mode or exceeds ``max_bytes``.
         """
@@ -112,7 +120,9 @@ class ValueCollectives:
         try:
             payload = _objects.dumps(obj)
         except Exception as err:  # pickle raises many kinds (PicklingError, TypeError, AttributeError)
-            raise TypeError(f"all_gather_object on mode {self._mode!r}: obj cannot be pickled ({err}); nothing was sent") from err
+            raise TypeError(
+                f"all_gather_object on mode {self._mode!r}: obj cannot be pickled ({err}); nothing was sent"
+            ) from err
         opts = self._sync.all_gather
 
         def gather(output: torch.Tensor, input_: torch.Tensor) -> None:
@@ -122,7 +132,9 @@ class ValueCollectives:
             payloads = _objects.all_gather_payloads(payload, self._world_size, self.device, gather)
         object_list[:] = _objects.decode_gathered(payloads, self._ranks, self._rank, safe, max_bytes, self._mode)
 
-    def all_reduce_dict(self, dictionary: Mapping[Any, Any], op: Any = _SUM, dtype: torch.dtype = torch.float32) -> dict[Any, Any] | None:
+    def all_reduce_dict(
+        self, dictionary: Mapping[Any, Any], op: Any = _SUM, dtype: torch.dtype = torch.float32
+    ) -> dict[Any, Any] | None:
         """Reduce every value of ``dictionary`` across the group with one collective.
 
         Values may be real numbers (Python or numpy) or dense real tensors of

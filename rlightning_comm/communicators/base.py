@@ -38,10 +38,13 @@ COLLECTIVES = (
     "scatter",
     "send",
 )
-"""Names of the :class:`Communicator` methods that communicate (what debug mode checks and stats record), point-to-point included."""
+"""Names of the :class:`Communicator` methods that communicate (what debug mode checks and stats record), point-to-point
+included."""
 
 
-class Communicator(InputChecks, InFlight, DirectLaunch, TensorCollectives, RootedCollectives, PointToPoint, ValueCollectives, ABC):
+class Communicator(
+    InputChecks, InFlight, DirectLaunch, TensorCollectives, RootedCollectives, PointToPoint, ValueCollectives, ABC
+):
     """Collectives on one process group, bound to one mode by :class:`CommContext`.
 
     Every method takes and returns what the torch.distributed function of the
@@ -117,7 +120,8 @@ class Communicator(InputChecks, InFlight, DirectLaunch, TensorCollectives, Roote
     """Whether ``ReduceOp.AVG`` works on integer tensors with this backend."""
 
     supported_dtypes: ClassVar[frozenset[torch.dtype] | None] = None
-    """The dtypes this backend moves (complex ones as their real pairs), checked before any collective; ``None``: the backend's own check decides."""
+    """The dtypes this backend moves (complex ones as their real pairs), checked before any collective; ``None``: the
+    backend's own check decides."""
 
     def __init__(
         self,
@@ -142,7 +146,10 @@ class Communicator(InputChecks, InFlight, DirectLaunch, TensorCollectives, Roote
         self._outside_world = rank is not None
         self._global_rank = int(rank) if rank is not None else dist.get_rank() if dist.is_initialized() else 0
         if group is not None and self._global_rank not in self._group_rank_of:
-            raise ValueError(f"global rank {self._global_rank} has a group for mode {self._mode!r} but is not in its ranks {list(self._ranks)}")
+            raise ValueError(
+                f"global rank {self._global_rank} has a group for mode {self._mode!r} but is not in its ranks "
+                f"{list(self._ranks)}"
+            )
         self._rank = self._ranks.index(self._global_rank) if group is not None else -1
         self._init_launch()
 
@@ -193,7 +200,8 @@ class Communicator(InputChecks, InFlight, DirectLaunch, TensorCollectives, Roote
 
     @property
     def bounded_wait(self) -> bool:
-        """Whether blocking calls wait on the host within the group's timeout because of the ``bounded_wait`` option (NCCL only)."""
+        """Whether blocking calls wait on the host within the group's timeout because of the ``bounded_wait`` option
+        (NCCL only)."""
         return self._bounded_wait
 
     @property
@@ -209,7 +217,10 @@ class Communicator(InputChecks, InFlight, DirectLaunch, TensorCollectives, Roote
             CommError: this process is not a member of the group.
         """
         if self._group is None:
-            raise CommError(f"global rank {self._global_rank} is not a member of mode {self._mode!r} (ranks {list(self._ranks)}); it has no rank there")
+            raise CommError(
+                f"global rank {self._global_rank} is not a member of mode {self._mode!r} (ranks {list(self._ranks)}); "
+                "it has no rank there"
+            )
         return self._rank
 
     @property
@@ -234,7 +245,8 @@ class Communicator(InputChecks, InFlight, DirectLaunch, TensorCollectives, Roote
 
     @staticmethod
     def on_device(a: torch.Tensor, b: torch.Tensor) -> bool:
-        """Whether ``a`` and ``b`` are on one device, of a kind :meth:`check_device` accepts: the collectives' fast path (an extension point).
+        """Whether ``a`` and ``b`` are on one device, of a kind :meth:`check_device` accepts: the collectives' fast path
+        (an extension point).
 
         A ``@staticmethod`` of two tensors; an op passes one tensor twice to
         test one. A few attribute reads, traceable
@@ -248,7 +260,8 @@ class Communicator(InputChecks, InFlight, DirectLaunch, TensorCollectives, Roote
         return False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Check the extension points the subclass defines; one that changes :meth:`check_device` but not :meth:`on_device` gets the always-false default.
+        """Check the extension points the subclass defines; one that changes :meth:`check_device` but not
+        :meth:`on_device` gets the always-false default.
 
         Otherwise an inherited fast-path test (gloo's "both on the CPU") would
         accept tensors the subclass's stricter :meth:`check_device` refuses.

@@ -20,7 +20,16 @@ class GlooCommunicator(Communicator):
 
     backend: ClassVar[str] = "gloo"
     supported_reduce_ops: ClassVar[frozenset[object]] = frozenset(
-        {ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR}
+        {
+            ReduceOp.SUM,
+            ReduceOp.AVG,
+            ReduceOp.PRODUCT,
+            ReduceOp.MIN,
+            ReduceOp.MAX,
+            ReduceOp.BAND,
+            ReduceOp.BOR,
+            ReduceOp.BXOR,
+        }
     )
     integer_avg_supported: ClassVar[bool] = False
 
@@ -37,4 +46,6 @@ class GlooCommunicator(Communicator):
     @override
     def check_device(self, tensor: torch.Tensor, name: str) -> None:
         if not (tensor.is_cpu or tensor.is_cuda):  # not .device.type: that builds a torch.device per call
-            raise ValueError(f"{name} is on {tensor.device}; GlooCommunicator (mode {self._mode!r}) expects a cpu or cuda tensor")
+            raise ValueError(
+                f"{name} is on {tensor.device}; GlooCommunicator (mode {self._mode!r}) expects a cpu or cuda tensor"
+            )

@@ -16,7 +16,8 @@ from rlightning_comm.communicators.registry import register_communicator
 from rlightning_comm.errors import CommError
 
 BLOCKING_WAIT_ENV = "TORCH_NCCL_BLOCKING_WAIT"
-"""torch's switch, read when an NCCL process group is created: its ``wait()`` then blocks the host within the group's timeout."""
+"""torch's switch, read when an NCCL process group is created: its ``wait()`` then blocks the host within the group's
+timeout."""
 _ON = ("1", "true", "yes", "on", "y")
 _OFF = ("0", "false", "no", "off", "n")
 
@@ -45,7 +46,8 @@ def enable_blocking_wait() -> bool:
         return True
     if value in _OFF:
         raise ValueError(
-            f"bounded_wait=True needs {BLOCKING_WAIT_ENV}=1 in the NCCL process groups, but the environment sets {BLOCKING_WAIT_ENV}={raw!r}; "
+            f"bounded_wait=True needs {BLOCKING_WAIT_ENV}=1 in the NCCL process groups, but the environment sets "
+            f"{BLOCKING_WAIT_ENV}={raw!r}; "
             f"unset it (the library then sets it) or pass bounded_wait=False"
         )
     raise ValueError(f"environment variable {BLOCKING_WAIT_ENV} must be a boolean such as 1 or 0; got {raw!r}")
@@ -61,7 +63,19 @@ _MOVES = frozenset(
     }
 )  # fmt: skip
 # What the fast path takes without the full checks: real dtypes NCCL both moves and reduces.
-_FAST = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool})
+_FAST = frozenset(
+    {
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.int8,
+        torch.uint8,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+    }
+)
 # ProcessGroupNCCL refuses these reductions ("Unsupported Float8 type for NCCL reduction"): the fnuz types always, and
 # e4m3fn / e5m2 too before NCCL 2.24, which added its FP8 types (NCCL_SUPPORTS_FP8).
 _FP8_NEVER_REDUCED = frozenset({torch.float8_e4m3fnuz, torch.float8_e5m2fnuz})
@@ -89,7 +103,9 @@ class NcclCommunicator(Communicator):
     """
 
     backend: ClassVar[str] = "nccl"
-    supported_reduce_ops: ClassVar[frozenset[object]] = frozenset({ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX})
+    supported_reduce_ops: ClassVar[frozenset[object]] = frozenset(
+        {ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX}
+    )
     supported_dtypes: ClassVar[frozenset[torch.dtype] | None] = _MOVES
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -122,7 +138,9 @@ class NcclCommunicator(Communicator):
                 GPUs not one of their indices.
         """
         if not torch.cuda.is_available():
-            raise RuntimeError("backend 'nccl' needs CUDA, and torch.cuda.is_available() is False; use backend='gloo' on CPU")
+            raise RuntimeError(
+                "backend 'nccl' needs CUDA, and torch.cuda.is_available() is False; use backend='gloo' on CPU"
+            )
         raw = os.environ.get("LOCAL_RANK")
         if raw is None:
             return torch.device("cuda", torch.cuda.current_device())
@@ -132,8 +150,10 @@ class NcclCommunicator(Communicator):
             return torch.device("cuda", 0)
         if not 0 <= local_rank < count:
             raise ValueError(
-                f"LOCAL_RANK={local_rank} names no GPU of this process: expected 0 <= LOCAL_RANK < {count} (torch.cuda.device_count()). "
-                "Hint: launch at most one rank per GPU per node, or make each process see only its own GPU (CUDA_VISIBLE_DEVICES)"
+                f"LOCAL_RANK={local_rank} names no GPU of this process: expected 0 <= LOCAL_RANK < {count} "
+                "(torch.cuda.device_count()). "
+                "Hint: launch at most one rank per GPU per node, or make each process see only its own GPU "
+                "(CUDA_VISIBLE_DEVICES)"
             )
         return torch.device("cuda", local_rank)
 
@@ -142,7 +162,10 @@ class NcclCommunicator(Communicator):
     def device(self) -> torch.device:
         device = self._device
         if device is None:
-            raise CommError(f"NcclCommunicator (mode {self._mode!r}) has no CUDA device: torch.cuda.is_available() was False when it was bound")
+            raise CommError(
+                f"NcclCommunicator (mode {self._mode!r}) has no CUDA device: torch.cuda.is_available() was False when "
+                "it was bound"
+            )
         return device
 
     @staticmethod
@@ -157,7 +180,10 @@ class NcclCommunicator(Communicator):
     @override
     def check_device(self, tensor: torch.Tensor, name: str) -> None:
         if not tensor.is_cuda:
-            raise ValueError(f"{name} is on {tensor.device}; NcclCommunicator (mode {self._mode!r}) expects a CUDA tensor. Hint: move it with .cuda()")
+            raise ValueError(
+                f"{name} is on {tensor.device}; NcclCommunicator (mode {self._mode!r}) expects a CUDA tensor. Hint: "
+                "move it with .cuda()"
+            )
 
     @override
     def _barrier_device_ids(self) -> list[int] | None:

@@ -41,7 +41,9 @@ def register_communicator(name: str) -> Callable[[_C], _C]:
         check_complete(cls)
         existing = _REGISTRY.get(name)
         if existing is not None and existing is not cls:
-            raise ValueError(f"communicator name {name!r} is already registered to {existing.__qualname__}; pick another name")
+            raise ValueError(
+                f"communicator name {name!r} is already registered to {existing.__qualname__}; pick another name"
+            )
         _REGISTRY[name] = cls
         return cls
 

@@ -1,4 +1,5 @@
-"""Connected modes: a group of processes from different worlds (or from none) that meet at an address, re-formed by generation.
+"""Connected modes: a group of processes from different worlds (or from none) that meet at an address, re-formed by
+generation.
 
 See :meth:`CommContext.connect`. :mod:`._forming` agrees on a generation and
 checks the members before any group exists, :mod:`._groups` builds the group

@@ -27,7 +27,17 @@ import torch.distributed as dist
 
 from rlightning_comm import rendezvous
 from rlightning_comm.communicators.base import Communicator
-from rlightning_comm.connect._forming import Late, Opening, find_generation, format_address, is_loopback, member_info, open_generation, parse_address, preflight
+from rlightning_comm.connect._forming import (
+    Late,
+    Opening,
+    find_generation,
+    format_address,
+    is_loopback,
+    member_info,
+    open_generation,
+    parse_address,
+    preflight,
+)
 from rlightning_comm.connect._groups import break_group, build_group
 from rlightning_comm.connect._liveness import Watch
 from rlightning_comm.errors import CommError, CommTimeoutError, ModeNotBoundError, PeerLostError
@@ -72,14 +82,16 @@ class Connection:
         self._failed = False  # a backend error was translated already: the group is broken since
 
     def attach(self, comm: Communicator) -> None:
-        """Make ``comm`` this generation's: its failures are translated here (an instance attribute over the class's)."""
+        """Make ``comm`` this generation's: its failures are translated here (an instance attribute over the
+        class's)."""
         self.comm = comm
         comm._failure = self.failure  # type: ignore[method-assign]
         if self.lost is not None:  # lost while the group was being built
             self._refuse()
 
     def lose(self, member: int | None, what: str) -> None:
-        """A member was lost (on the watch's thread, or by :meth:`close`): refuse every later call, fail every call in flight."""
+        """A member was lost (on the watch's thread, or by :meth:`close`): refuse every later call, fail every call in
+        flight."""
         with self._lock:
             if self.lost is not None:
                 return
@@ -101,10 +113,14 @@ class Connection:
             message = f"{op} on mode {mode!r} (generation {g}) is refused: this process {what}"
         else:
             died = member == 0 and what.startswith("died")
-            host = " (rank 0, the store's host: re-form the mode at an address the new rank 0 listens on)" if died else ""
+            host = (
+                " (rank 0, the store's host: re-form the mode at an address the new rank 0 listens on)" if died else ""
+            )
             message = (
-                f"{op} on mode {mode!r} (generation {g}) failed: member {member}{host} {what}. The mode refuses every call until it is "
-                f"re-formed: every surviving member, and a replacement for the lost one, calls connect({mode!r}, ...) again (generation {g + 1})"
+                f"{op} on mode {mode!r} (generation {g}) failed: member {member}{host} {what}. The mode refuses every "
+                "call until it is "
+                f"re-formed: every surviving member, and a replacement for the lost one, calls connect({mode!r}, ...) "
+                f"again (generation {g + 1})"
             )
         return PeerLostError(message, mode, g, member)
 
@@ -127,7 +143,8 @@ class Connection:
             # This process's own timeout closed the group's connections during this very call (gloo reports it on the
             # call's other waits); only a later call's failure with that text is a group broken before it.
             error = CommTimeoutError(
-                f"{op} on mode {self.mode!r} timed out after {self.timeout:g} s (the group's timeout): a peer did not join it; {_DESTROY}. Backend: {err}"
+                f"{op} on mode {self.mode!r} timed out after {self.timeout:g} s (the group's timeout): a peer did not "
+                f"join it; {_DESTROY}. Backend: {err}"
             )
         if isinstance(error, CommTimeoutError):
             if self.lost_at is None or time.monotonic() - self.lost_at < _VERDICT_WAIT:
@@ -138,7 +155,9 @@ class Connection:
 
     def _re_form_hint(self, error: CommError) -> CommError:
         """``error`` telling to re-form the mode (all of this process's context need not go)."""
-        hint = f"re-form the mode: every member calls connect({self.mode!r}, ...) again (generation {self.generation + 1})"
+        hint = (
+            f"re-form the mode: every member calls connect({self.mode!r}, ...) again (generation {self.generation + 1})"
+        )
         return type(error)(str(error).replace(_DESTROY, hint))
 
     def close(self, what: str) -> None:
@@ -164,7 +183,9 @@ class Connections:
     def __init__(self) -> None:
         self._hosted: dict[tuple[str, int], _Hosted] = {}
         self._current: dict[str, Connection] = {}
-        self._modes: set[str] = set()  # every mode connect was called for (its binding stays, refusing, after a failed re-form)
+        self._modes: set[str] = (
+            set()
+        )  # every mode connect was called for (its binding stays, refusing, after a failed re-form)
         self._joined: dict[str, tuple[tuple[str, int], str, int]] = {}  # mode -> (address, store nonce, generation)
 
     def modes(self) -> list[str]:
@@ -180,7 +201,8 @@ class Connections:
         conn = self._current.get(mode)
         if conn is None:
             raise ModeNotBoundError(
-                f"mode {mode!r} is not connected here (its last connect failed, or it never connected); connected modes: {sorted(self._current)}"
+                f"mode {mode!r} is not connected here (its last connect failed, or it never connected); connected "
+                f"modes: {sorted(self._current)}"
             )
         return conn.generation
 
@@ -190,15 +212,23 @@ class Connections:
         if port and (host, port) in self._hosted:
             return format_address(host, port)
         fd = rendezvous.listen_fd(host, port, 128, f"connected modes at {address!r}")
-        store = dist.TCPStore(host, port, None, True, timedelta(seconds=300), master_listen_fd=fd, use_libuv=True, wait_for_workers=False)
+        store = dist.TCPStore(
+            host, port, None, True, timedelta(seconds=300), master_listen_fd=fd, use_libuv=True, wait_for_workers=False
+        )
         self._hosted[(host, store.port)] = _Hosted(store)
         return format_address(host, store.port)
 
-    def connect(self, mode: str, cls: type[Communicator], backend: str, rank: int, world_size: int, address: str, timeout: float) -> Communicator:
-        """Form the next generation of ``mode`` (see :meth:`CommContext.connect`); the previous one on this process is closed first."""
+    def connect(
+        self, mode: str, cls: type[Communicator], backend: str, rank: int, world_size: int, address: str, timeout: float
+    ) -> Communicator:
+        """Form the next generation of ``mode`` (see :meth:`CommContext.connect`); the previous one on this process is
+        closed first."""
         host, port = parse_address(address)
         if rank == 0 and port == 0:
-            raise ValueError(f"rank 0 cannot connect at {address!r} (port 0): call listen({address!r}) first and pass the address it returns to every member")
+            raise ValueError(
+                f"rank 0 cannot connect at {address!r} (port 0): call listen({address!r}) first and pass the address "
+                "it returns to every member"
+            )
         self._modes.add(mode)
         old = self._current.pop(mode, None)
         if old is not None:
@@ -223,7 +253,9 @@ class Connections:
             except BaseException:
                 conn.close("could not build the group")
                 raise
-        except RuntimeError as err:  # the store or the group build failed: the store's host is gone, or a member never came
+        except (
+            RuntimeError
+        ) as err:  # the store or the group build failed: the store's host is gone, or a member never came
             if isinstance(err, CommError):
                 raise
             error = comm_failure(err, mode, "connect", timeout)
@@ -241,8 +273,11 @@ class Connections:
     def _where(mode: str, generation: int, timeout: float) -> str:
         return f"connect on mode {mode!r} (generation {generation}, timeout {timeout:g} s)"
 
-    def _open(self, mode: str, host: str, port: int, info: dict[str, Any], deadline: float, timeout: float) -> tuple[Connection, dist.Store, Opening]:
-        """On rank 0: open the next generation of ``mode`` in the store hosted at the address, decide its preflight, accept its watch."""
+    def _open(
+        self, mode: str, host: str, port: int, info: dict[str, Any], deadline: float, timeout: float
+    ) -> tuple[Connection, dist.Store, Opening]:
+        """On rank 0: open the next generation of ``mode`` in the store hosted at the address, decide its preflight,
+        accept its watch."""
         hosted = self._hosted.get((host, port))
         if hosted is None:
             self.listen(format_address(host, port))
@@ -261,13 +296,16 @@ class Connections:
         conn.watch = Watch.host(listener, info["world_size"], deadline, conn.lose, conn.name)  # closes the listener
         return conn, store, opening
 
-    def _join(self, mode: str, host: str, port: int, info: dict[str, Any], deadline: float, timeout: float) -> tuple[Connection, dist.Store, Opening]:
+    def _join(
+        self, mode: str, host: str, port: int, info: dict[str, Any], deadline: float, timeout: float
+    ) -> tuple[Connection, dist.Store, Opening]:
         """On another member: find the generation of ``mode`` to join, pass its preflight, connect to rank 0's watch."""
         try:
             client = dist.TCPStore(host, port, None, False, timedelta(seconds=timeout), use_libuv=True)
         except RuntimeError as err:
             raise CommTimeoutError(
-                f"connect on mode {mode!r}: could not reach rank 0's store at {format_address(host, port)} within {timeout:g} s: "
+                f"connect on mode {mode!r}: could not reach rank 0's store at {format_address(host, port)} within "
+                f"{timeout:g} s: "
                 "rank 0 has not called connect (or listen) there yet, or it died"
             ) from err
         store = dist.PrefixStore(f"{_PREFIX}/{mode}", client)  # keeps the client alive

@@ -1,4 +1,5 @@
-"""Where the members of a connected mode meet, how they agree on a generation, and how they check, before any group exists, that they match.
+"""Where the members of a connected mode meet, how they agree on a generation, and how they check, before any group
+exists, that they match.
 
 Every key lives under the mode's prefix in the store rank 0 hosts:
 
@@ -50,7 +51,9 @@ def parse_address(address: object) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"address must be 'host:port' with a port in 0..65535 (e.g. '127.0.0.1:29600', '[::1]:0'); got {address!r}")
+        raise ValueError(
+            f"address must be 'host:port' with a port in 0..65535 (e.g. '127.0.0.1:29600', '[::1]:0'); got {address!r}"
+        )
     return ("127.0.0.1" if host == "localhost" else host), int(port)
 
 
@@ -76,7 +79,8 @@ class Opening(NamedTuple):
 
 
 class Late(Exception):
-    """This process arrived at a generation that was decided without it (a signal to try the next one, never raised to the caller)."""
+    """This process arrived at a generation that was decided without it (a signal to try the next one, never raised to
+    the caller)."""
 
 
 def member_info(rank: int, world_size: int, backend: str, uses_nccl: bool) -> dict[str, Any]:
@@ -96,14 +100,18 @@ def _who(info: dict[str, Any]) -> str:
 
 def compare(infos: list[dict[str, Any]], world_size: int) -> str | None:
     """What differs between the members (rank 0's ``world_size`` is the mode's), naming who; ``None`` when all match."""
-    infos = sorted(infos, key=lambda info: info["rank"])  # the messages in rank order, whatever order the members came in
+    infos = sorted(
+        infos, key=lambda info: info["rank"]
+    )  # the messages in rank order, whatever order the members came in
     problems = []
     for field in _COMPARED:
         values: dict[str, list[str]] = {}
         for info in infos:
             values.setdefault(json.dumps(info.get(field, "(not compared)")), []).append(_who(info))
         if len(values) > 1:
-            problems.append(f"{field} differs: " + "; ".join(f"{json.loads(v)} on {', '.join(who)}" for v, who in values.items()))
+            problems.append(
+                f"{field} differs: " + "; ".join(f"{json.loads(v)} on {', '.join(who)}" for v, who in values.items())
+            )
     claimed: dict[int, list[str]] = {}
     for info in infos:
         claimed.setdefault(info["rank"], []).append(info["who"])
@@ -137,7 +145,8 @@ def open_generation(store: dist.Store, opening: Opening) -> None:
 
 
 def find_generation(store: dist.Store, after: tuple[str, int] | None, deadline: float, mode: str) -> Opening:
-    """On a member: the generation to join, the first opened after ``after`` (the store's nonce and the last one joined).
+    """On a member: the generation to join, the first opened after ``after`` (the store's nonce and the last one
+    joined).
 
     Raises:
         CommTimeoutError: no such generation was opened by ``deadline``.
@@ -146,7 +155,10 @@ def find_generation(store: dist.Store, after: tuple[str, int] | None, deadline: 
     while True:
         if not _wait(store, [key], deadline):
             last = "" if after is None else f" after generation {after[1]}"
-            raise CommTimeoutError(f"connect on mode {mode!r}: rank 0 opened no generation{last} in time; it has not called connect again, or is blocked")
+            raise CommTimeoutError(
+                f"connect on mode {mode!r}: rank 0 opened no generation{last} in time; it has not called connect "
+                "again, or is blocked"
+            )
         opening = Opening(**json.loads(store.get("open")))
         g = opening.generation
         if after is not None and opening.nonce == after[0] and g <= after[1]:
@@ -163,7 +175,8 @@ def preflight(store: dist.Store, generation: int, info: dict[str, Any], deadline
     ``where`` starts every message (``"connect on mode 'X' (generation 3, timeout 30 s)"``).
 
     Raises:
-        CommMismatchError: the members differ (world size, ranks, backend, torch, NCCL version or ``NCCL_CUMEM_ENABLE``).
+        CommMismatchError: the members differ (world size, ranks, backend, torch, NCCL version or
+            ``NCCL_CUMEM_ENABLE``).
         CommTimeoutError: a member did not arrive in time (named), or rank 0 gave no verdict.
         Late: on a member, the generation was decided without it.
     """
@@ -188,7 +201,11 @@ def _decide(store: dist.Store, g: int, world_size: int, deadline: float, where: 
     keys = [f"{g}/member/{i}" for i in range(world_size)]
     if _wait(store, keys, deadline):
         problem = compare([json.loads(v) for v in store.multi_get(keys)], world_size)
-        error = None if problem is None else ["CommMismatchError", f"{where}: the members do not match: {problem}. No group was built"]
+        error = (
+            None
+            if problem is None
+            else ["CommMismatchError", f"{where}: the members do not match: {problem}. No group was built"]
+        )
         return {"members": world_size, "error": error}
     arrived = [json.loads(store.get(key)) for key in keys if store.check([key])]
     missing = sorted(set(range(world_size)) - {info["rank"] for info in arrived})

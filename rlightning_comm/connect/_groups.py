@@ -1,4 +1,5 @@
-"""A connected mode's process group: a gloo or NCCL backend object built from the mode's own store, outside torch's world.
+"""A connected mode's process group: a gloo or NCCL backend object built from the mode's own store, outside torch's
+world.
 
 Nothing of torch's world is touched: no ``_world`` entry, no split of the
 world's NCCL communicator, no ``new_group`` collective over the world (which
@@ -23,15 +24,22 @@ from rlightning_comm.failures import close_gloo_group
 def _aliased(base: type) -> type:
     """A subclass of the backend class ``base`` that also answers to the ``ProcessGroup`` names of its methods."""
     methods = {name: getattr(base, backend_name) for name, backend_name in _compat.BACKEND_METHODS.items()}
-    return type(f"Connected{base.__name__}", (base,), {"__module__": __name__, "__doc__": f"{base.__name__} of a connected mode.", **methods})
+    return type(
+        f"Connected{base.__name__}",
+        (base,),
+        {"__module__": __name__, "__doc__": f"{base.__name__} of a connected mode.", **methods},
+    )
 
 
 _GLOO = _aliased(dist.ProcessGroupGloo)
 _NCCL = _aliased(dist.ProcessGroupNCCL) if dist.is_nccl_available() else None
 
 
-def build_group(backend: str, store: dist.Store, rank: int, size: int, timeout: float, host: str | None, name: str) -> Any:
-    """The backend object of one generation, ``size`` members meeting in ``store``; blocks until every member builds its own.
+def build_group(
+    backend: str, store: dist.Store, rank: int, size: int, timeout: float, host: str | None, name: str
+) -> Any:
+    """The backend object of one generation, ``size`` members meeting in ``store``; blocks until every member builds its
+    own.
 
     Args:
         backend: ``"gloo"`` or ``"nccl"`` (the communicator class's ``backend``).

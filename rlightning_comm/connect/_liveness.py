@@ -1,4 +1,5 @@
-"""The death watch of one generation of a connected mode: one socket from every member to rank 0, one thread per process.
+"""The death watch of one generation of a connected mode: one socket from every member to rank 0, one thread per
+process.
 
 gloo does not always notice a member's death (a send to a receiver that died
 after posting its receive waits out the group's timeout), so a connected mode
@@ -78,7 +79,10 @@ class Watch:
                     sock, _ = listener.accept()
                 except TimeoutError:
                     missing = sorted(set(range(1, world_size)) - set(peers))
-                    raise CommTimeoutError(f"connect on mode {name}: ranks {missing} passed the preflight but did not connect to rank 0 in time") from None
+                    raise CommTimeoutError(
+                        f"connect on mode {name}: ranks {missing} passed the preflight but did not connect to rank 0 "
+                        "in time"
+                    ) from None
                 sock.settimeout(max(0.001, deadline - time.monotonic()))
                 note = _recv_note(sock)
                 if note is None or note[0] != _HELLO or note[1] in peers or not 0 < note[1] < world_size:
@@ -105,7 +109,9 @@ class Watch:
             sock = socket.create_connection(address, timeout=max(0.001, deadline - time.monotonic()))
             sock.sendall(_NOTE.pack(_HELLO, rank))
         except OSError as err:
-            raise CommTimeoutError(f"connect on mode {name}: could not connect to rank 0's watch at {address[0]}:{address[1]}: {err}") from err
+            raise CommTimeoutError(
+                f"connect on mode {name}: could not connect to rank 0's watch at {address[0]}:{address[1]}: {err}"
+            ) from err
         sock.settimeout(None)
         return cls({0: sock}, False, on_lost, name)
 
@@ -128,7 +134,11 @@ class Watch:
         """One message (or a closed connection) from ``member``: what was lost, told to the others on rank 0."""
         if self._is_host:
             lost: int | None = member
-            what = "left the mode (it called connect again, or destroy)" if note is not None and note[0] == _LEAVING else "died (its connection closed)"
+            what = (
+                "left the mode (it called connect again, or destroy)"
+                if note is not None and note[0] == _LEAVING
+                else "died (its connection closed)"
+            )
             for other, sock in self._peers.items():
                 if other != member:
                     with contextlib.suppress(OSError):
@@ -143,7 +153,8 @@ class Watch:
         self._close_sockets()
 
     def close(self) -> None:
-        """Leave: tell the other end (rank 0 tells every member it closes; a member tells rank 0 it leaves), stop the thread."""
+        """Leave: tell the other end (rank 0 tells every member it closes; a member tells rank 0 it leaves), stop the
+        thread."""
         self._closing = True
         kind = _CLOSING if self._is_host else _LEAVING
         for sock in list(self._peers.values()):

@@ -31,7 +31,8 @@ class ContextConnect:
     _bind: Callable[[str, Communicator], None]
 
     def listen(self, address: str = "127.0.0.1:0") -> str:
-        """Host the store that connected modes meet at, in this process (their rank 0), listening on ``address``'s host only.
+        """Host the store that connected modes meet at, in this process (their rank 0), listening on ``address``'s host
+        only.
 
         Needed before :meth:`connect` only to learn the port the OS picks for
         port 0; :meth:`connect` on rank 0 listens on its address itself
@@ -61,7 +62,8 @@ class ContextConnect:
         backend: str = "gloo",
         timeout: float | timedelta = 1800,
     ) -> Communicator:
-        """Bind ``mode`` to a group of ``world_size`` processes that meet at ``address``, whatever world each is in (or none).
+        """Bind ``mode`` to a group of ``world_size`` processes that meet at ``address``, whatever world each is in (or
+        none).
 
         Rank 0 hosts the group's store at ``address`` (see :meth:`listen`); the
         others connect to it. Each call forms a new *generation*: the members
@@ -108,25 +110,41 @@ class ContextConnect:
             self._bind(name, comm)
             return comm
 
-    def _plan_connect(self, name: str, rank: object, world_size: object, backend: str, timeout: float | timedelta) -> tuple[type[Communicator], GroupConfig]:
+    def _plan_connect(
+        self, name: str, rank: object, world_size: object, backend: str, timeout: float | timedelta
+    ) -> tuple[type[Communicator], GroupConfig]:
         """Validate a :meth:`connect` call; creates nothing."""
         if name == _GLOBAL or (name in self._configs and name not in self._connections.modes()):
-            raise CommError(f"mode {name!r} is bound by {'init_distributed_env' if name == _GLOBAL else 'init_group'}; pick another mode to connect")
+            raise CommError(
+                f"mode {name!r} is bound by {'init_distributed_env' if name == _GLOBAL else 'init_group'}; pick "
+                "another mode to connect"
+            )
         cls = get_communicator_class(backend)
         if cls.backend not in ("gloo", "nccl"):
-            raise ValueError(f"backend {backend!r} is built on {cls.backend!r}; a connected mode needs a backend built on 'gloo' or 'nccl'")
+            raise ValueError(
+                f"backend {backend!r} is built on {cls.backend!r}; a connected mode needs a backend built on 'gloo' or "
+                "'nccl'"
+            )
         if cls.backend == "nccl" and not torch.cuda.is_available():
-            raise RuntimeError(f"backend {backend!r} needs CUDA, and torch.cuda.is_available() is False; connect with backend='gloo' on CPU")
+            raise RuntimeError(
+                f"backend {backend!r} needs CUDA, and torch.cuda.is_available() is False; connect with backend='gloo' "
+                "on CPU"
+            )
         for label, value in (("rank", rank), ("world_size", world_size)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{label} must be an int; got {type(value).__name__} {value!r}")
         if not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in 0..world_size-1 = 0..{world_size - 1}; got rank={rank}, world_size={world_size}")
-        config = GroupConfig(partition=[list(range(world_size))], world_size=world_size, backend=backend, timeout=timeout)
+            raise ValueError(
+                f"rank must be in 0..world_size-1 = 0..{world_size - 1}; got rank={rank}, world_size={world_size}"
+            )
+        config = GroupConfig(
+            partition=[list(range(world_size))], world_size=world_size, backend=backend, timeout=timeout
+        )
         return cls, config
 
     def get_generation(self, mode: CommMode | str) -> int:
-        """The generation of the connected ``mode`` this process is in (0 for the first :meth:`connect` at an address, then 1, 2, ...).
+        """The generation of the connected ``mode`` this process is in (0 for the first :meth:`connect` at an address,
+        then 1, 2, ...).
 
         Raises:
             ModeNotBoundError: ``mode`` is not a connected mode bound on this process.

@@ -13,18 +13,18 @@ from typing_extensions import Self
 
 from rlightning_comm import debug, rendezvous
 from rlightning_comm import stats as _stats
-from rlightning_comm.context._connect import ContextConnect
-from rlightning_comm.context._layouts import ContextLayouts
-from rlightning_comm.context._lookups import ContextLookups
-from rlightning_comm.context._policies import ContextPolicies
 from rlightning_comm._env import argument_from_env, env_debug
-from rlightning_comm.context._groups import check_order_supported, new_group
 from rlightning_comm.communicators import _objects
 from rlightning_comm.communicators.base import Communicator
 from rlightning_comm.communicators.nccl import enable_blocking_wait
 from rlightning_comm.communicators.registry import get_communicator_class
 from rlightning_comm.config import DistributedConfig, GroupConfig
 from rlightning_comm.connect import Connections
+from rlightning_comm.context._connect import ContextConnect
+from rlightning_comm.context._groups import check_order_supported, new_group
+from rlightning_comm.context._layouts import ContextLayouts
+from rlightning_comm.context._lookups import ContextLookups
+from rlightning_comm.context._policies import ContextPolicies
 from rlightning_comm.errors import CommError, ModeNotBoundError
 from rlightning_comm.modes import CommMode, mode_name
 from rlightning_comm.topology import Partition
@@ -33,16 +33,25 @@ _GLOBAL = CommMode.GLOBAL.value
 
 
 def initialize_distributed_env(
-    rank: int, world_size: int, backend: str = "nccl", dist_url: str = "env://", timeout: float | timedelta = 1800, *, bounded_wait: bool = False
+    rank: int,
+    world_size: int,
+    backend: str = "nccl",
+    dist_url: str = "env://",
+    timeout: float | timedelta = 1800,
+    *,
+    bounded_wait: bool = False,
 ) -> Communicator:
-    """The seed's module function: ``CommContext().init_distributed_env(world_size, rank, backend, dist_url, timeout, bounded_wait=...)``.
+    """The seed's module function:
+    ``CommContext().init_distributed_env(world_size, rank, backend, dist_url, timeout, bounded_wait=...)``.
 
     Note the argument order, ``rank`` first, as in the seed.
 
     Returns:
         The communicator bound to ``CommMode.GLOBAL``.
     """
-    return CommContext().init_distributed_env(world_size=world_size, rank=rank, backend=backend, dist_url=dist_url, timeout=timeout, bounded_wait=bounded_wait)
+    return CommContext().init_distributed_env(
+        world_size=world_size, rank=rank, backend=backend, dist_url=dist_url, timeout=timeout, bounded_wait=bounded_wait
+    )
 
 
 class CommContext(ContextLookups, ContextLayouts, ContextConnect, ContextPolicies):
@@ -157,46 +166,69 @@ class CommContext(ContextLookups, ContextLayouts, ContextConnect, ContextPolicie
         with self._lock:
             cls = get_communicator_class(backend)
             if self._launched:
-                refusal = self._require_world().refuse_relaunch(world_size, rank, backend, dist_url, timeout, bounded_wait)
+                refusal = self._require_world().refuse_relaunch(
+                    world_size, rank, backend, dist_url, timeout, bounded_wait
+                )
                 if refusal:
                     raise CommError(refusal)
                 return self._comms[_GLOBAL]
             if world_size is None or rank is None:
                 if not str(dist_url).startswith("env://"):
-                    raise ValueError(f"world_size and rank are required with dist_url={dist_url!r}; only env:// reads them from the environment")
+                    raise ValueError(
+                        f"world_size and rank are required with dist_url={dist_url!r}; only env:// reads them from the "
+                        "environment"
+                    )
                 world_size = argument_from_env("WORLD_SIZE", "world_size") if world_size is None else world_size
                 rank = argument_from_env("RANK", "rank") if rank is None else rank
-            config = DistributedConfig(world_size=world_size, rank=rank, backend=backend, dist_url=dist_url, timeout=timeout, bounded_wait=bounded_wait)
+            config = DistributedConfig(
+                world_size=world_size,
+                rank=rank,
+                backend=backend,
+                dist_url=dist_url,
+                timeout=timeout,
+                bounded_wait=bounded_wait,
+            )
             debug_from_env = env_debug()
             if self._dist_config is not None:
                 if config == self._dist_config:
                     return self._comms[_GLOBAL]
-                raise CommError(f"CommContext is already initialised with {self._dist_config!r}; call destroy() before initialising with {config!r}")
+                raise CommError(
+                    f"CommContext is already initialised with {self._dist_config!r}; call destroy() before "
+                    f"initialising with {config!r}"
+                )
             blocking_before = enable_blocking_wait() if config.bounded_wait else False
             if dist.is_initialized():
                 got = (dist.get_world_size(), dist.get_rank(), dist.get_backend())
                 if got[:2] != (config.world_size, config.rank) or cls.backend not in got[2]:
                     raise CommError(
-                        f"torch.distributed is already initialised with world_size={got[0]}, rank={got[1]}, backend={got[2]!r}; "
+                        f"torch.distributed is already initialised with world_size={got[0]}, rank={got[1]}, "
+                        f"backend={got[2]!r}; "
                         f"expected world_size={config.world_size}, rank={config.rank}, backend {cls.backend!r}"
                     )
                 self._owns_world = False
                 if config.bounded_wait and cls.backend == "nccl" and not blocking_before:
                     warnings.warn(
-                        "init_distributed_env(bounded_wait=True) adopts an NCCL world created without TORCH_NCCL_BLOCKING_WAIT=1: "
-                        "its calls keep torch's behaviour (no host wait; torch's watchdog handles a failure); groups created from now on wait "
-                        "within their timeout. Set TORCH_NCCL_BLOCKING_WAIT=1 before initialising the world to bound it too",
+                        "init_distributed_env(bounded_wait=True) adopts an NCCL world created without "
+                        "TORCH_NCCL_BLOCKING_WAIT=1: "
+                        "its calls keep torch's behaviour (no host wait; torch's watchdog handles a failure); groups "
+                        "created from now on wait "
+                        "within their timeout. Set TORCH_NCCL_BLOCKING_WAIT=1 before initialising the world to bound "
+                        "it too",
                         RuntimeWarning,
                         stacklevel=2,
                     )
             else:
                 cls.setup_process()
                 limit = timedelta(seconds=config.timeout)
-                rendezvous.init_process_group(cls.backend, config.dist_url, config.world_size, config.rank, limit, cls.bind_device())
+                rendezvous.init_process_group(
+                    cls.backend, config.dist_url, config.world_size, config.rank, limit, cls.bind_device()
+                )
                 self._owns_world = True
             self._dist_config = config
             world = tuple(range(config.world_size))
-            self._configs[_GLOBAL] = GroupConfig(partition=(world,), world_size=config.world_size, backend=backend, timeout=config.timeout)
+            self._configs[_GLOBAL] = GroupConfig(
+                partition=(world,), world_size=config.world_size, backend=backend, timeout=config.timeout
+            )
             bounded = config.bounded_wait and (self._owns_world or blocking_before)
             comm = cls(group=dist.group.WORLD, ranks=world, mode=_GLOBAL, timeout=config.timeout, bounded_wait=bounded)
             debug.new_generation(rendezvous.world_store(), config.world_size)
@@ -261,10 +293,17 @@ class CommContext(ContextLookups, ContextLayouts, ContextConnect, ContextPolicie
             for part in new:
                 group = new_group(part, cls.backend, config.timeout, name)
                 if world.rank in part:
-                    comm = cls(group=group, ranks=part, mode=name, timeout=config.timeout, bounded_wait=world.bounded_wait)
+                    comm = cls(
+                        group=group, ranks=part, mode=name, timeout=config.timeout, bounded_wait=world.bounded_wait
+                    )
             if comm is None or not comm.is_member:
                 # A non-member of a mode with one group still reports that group's ranks.
-                comm = cls(group=None, ranks=config.partition[0] if len(config.partition) == 1 else (), mode=name, timeout=config.timeout)
+                comm = cls(
+                    group=None,
+                    ranks=config.partition[0] if len(config.partition) == 1 else (),
+                    mode=name,
+                    timeout=config.timeout,
+                )
             self._configs[name] = config
             self._bind(name, comm)
             return comm
@@ -280,7 +319,10 @@ class CommContext(ContextLookups, ContextLayouts, ContextConnect, ContextPolicie
         if name == _GLOBAL:
             raise ValueError("mode 'GLOBAL' is bound by init_distributed_env; pick another mode for init_group")
         if name in self._connections.modes():
-            raise CommError(f"mode {name!r} is a connected mode (bound by connect); pick another mode for init_group, or destroy() first")
+            raise CommError(
+                f"mode {name!r} is a connected mode (bound by connect); pick another mode for init_group, or destroy() "
+                "first"
+            )
         if use_cpu and (backend is None or get_communicator_class(backend).backend != "gloo"):
             backend = "gloo"  # as in the seed, use_cpu forces gloo whatever backend says (a gloo-based custom backend is kept)
         backend = backend or dist_config.backend
@@ -297,8 +339,15 @@ class CommContext(ContextLookups, ContextLayouts, ContextConnect, ContextPolicie
         check_order_supported(new, name)
         return cls, config, new
 
-    def _plan_modes(self, partitions: dict[str, Sequence[Sequence[int]]], backend: str | None, use_cpu: bool, timeout: float | timedelta | None) -> None:
-        """Validate every mode of a declared layout before any group is created, so a conflict leaves nothing half-bound."""
+    def _plan_modes(
+        self,
+        partitions: dict[str, Sequence[Sequence[int]]],
+        backend: str | None,
+        use_cpu: bool,
+        timeout: float | timedelta | None,
+    ) -> None:
+        """Validate every mode of a declared layout before any group is created, so a conflict leaves nothing
+        half-bound."""
         for name, partition in partitions.items():
             self._plan_group([list(p) for p in partition], name, backend, use_cpu, timeout)
 
@@ -327,7 +376,11 @@ class CommContext(ContextLookups, ContextLayouts, ContextConnect, ContextPolicie
                 self._connections.close_all()  # tells their members, destroys nothing of torch's
                 if dist.is_initialized():
                     world = dist.group.WORLD
-                    groups = [comm.group for name, comm in self._comms.items() if comm.group is not None and comm.group is not world and name not in connected]
+                    groups = [
+                        comm.group
+                        for name, comm in self._comms.items()
+                        if comm.group is not None and comm.group is not world and name not in connected
+                    ]
                     if self._owns_world:
                         groups.append(None)
                     for group in groups:
@@ -335,7 +388,10 @@ class CommContext(ContextLookups, ContextLayouts, ContextConnect, ContextPolicie
                             dist.destroy_process_group(group)
                         except Exception as err:  # noqa: BLE001 - a broken group must not stop the teardown
                             warnings.warn(
-                                f"CommContext.destroy: could not destroy {'the world' if group is None else 'a group'}: {err!r}", RuntimeWarning, stacklevel=2
+                                "CommContext.destroy: could not destroy "
+                                f"{'the world' if group is None else 'a group'}: {err!r}",
+                                RuntimeWarning,
+                                stacklevel=2,
                             )
             finally:
                 self._reset()

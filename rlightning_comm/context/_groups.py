@@ -13,7 +13,8 @@ from rlightning_comm.errors import CommError
 from rlightning_comm.failures import comm_failure
 from rlightning_comm.topology import Partition
 
-# torch's new_group sorted a group's ranks until sort_ranks=False let the declared order stand (pytorch#176578, torch 2.12).
+# torch's new_group sorted a group's ranks until sort_ranks=False let the declared order stand (pytorch#176578, torch
+# 2.12).
 _KEEPS_ORDER = "sort_ranks" in inspect.signature(dist.new_group).parameters
 
 
@@ -29,9 +30,12 @@ def check_order_supported(groups: Partition, mode: str) -> None:
     for part in groups:
         if list(part) != sorted(part):
             raise CommError(
-                f"mode {mode!r}: group {list(part)} is declared out of ascending order, and torch {torch.__version__} numbers a group's ranks "
-                f"in ascending order whatever the declaration; declared rank order needs torch >= 2.12 (new_group(..., sort_ranks=False)). "
-                f"Declare the group as {sorted(part)} (then group rank i is the i-th smallest global rank) or upgrade torch"
+                f"mode {mode!r}: group {list(part)} is declared out of ascending order, and torch {torch.__version__} "
+                "numbers a group's ranks "
+                "in ascending order whatever the declaration; declared rank order needs torch >= 2.12 (new_group(..., "
+                "sort_ranks=False)). "
+                f"Declare the group as {sorted(part)} (then group rank i is the i-th smallest global rank) or upgrade "
+                "torch"
             )
 
 

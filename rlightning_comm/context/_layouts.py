@@ -16,16 +16,28 @@ from rlightning_comm._env import parse_int
 from rlightning_comm.communicators._objects import all_gather_objects
 from rlightning_comm.config import ParallelConfig
 from rlightning_comm.modes import CommMode, mode_name
-from rlightning_comm.topology import NodePlacement, Partition, node_partitions, parallel_partitions, weight_transfer_ranks
+from rlightning_comm.topology import (
+    NodePlacement,
+    Partition,
+    node_partitions,
+    parallel_partitions,
+    weight_transfer_ranks,
+)
 
 if TYPE_CHECKING:
     from rlightning_comm.communicators.base import Communicator
     from rlightning_comm.config import DistributedConfig
 
-_NODE_ENV = {"node_rank": ("GROUP_RANK", "NODE_RANK"), "local_rank": ("LOCAL_RANK",), "local_world_size": ("LOCAL_WORLD_SIZE",)}
+_NODE_ENV = {
+    "node_rank": ("GROUP_RANK", "NODE_RANK"),
+    "local_rank": ("LOCAL_RANK",),
+    "local_world_size": ("LOCAL_WORLD_SIZE",),
+}
 
 
-def _local_placement(node_rank: int | None, local_rank: int | None, local_world_size: int | None) -> NodePlacement | str:
+def _local_placement(
+    node_rank: int | None, local_rank: int | None, local_world_size: int | None
+) -> NodePlacement | str:
     """This rank's placement from the arguments or the launcher's environment, or what is wrong with it."""
     values = {"node_rank": node_rank, "local_rank": local_rank, "local_world_size": local_world_size}
     for name, value in values.items():
@@ -53,12 +65,21 @@ class ContextLayouts:
     _require_world: Callable[[], DistributedConfig]
     _plan_modes: Callable[..., None]
 
-    def _bind_layout(self, partitions: dict[str, Partition], backend: str | None, use_cpu: bool, timeout: float | timedelta | None) -> dict[str, Communicator]:
+    def _bind_layout(
+        self, partitions: dict[str, Partition], backend: str | None, use_cpu: bool, timeout: float | timedelta | None
+    ) -> dict[str, Communicator]:
         self._plan_modes(partitions, backend, use_cpu, timeout)
-        return {mode: self.init_group([list(p) for p in partition], mode, backend, use_cpu, timeout) for mode, partition in partitions.items()}
+        return {
+            mode: self.init_group([list(p) for p in partition], mode, backend, use_cpu, timeout)
+            for mode, partition in partitions.items()
+        }
 
     def init_parallel_groups(
-        self, config: ParallelConfig, backend: str | None = None, use_cpu: bool = False, timeout: float | timedelta | None = None
+        self,
+        config: ParallelConfig,
+        backend: str | None = None,
+        use_cpu: bool = False,
+        timeout: float | timedelta | None = None,
     ) -> dict[str, Communicator]:
         """Create every group of ``config``'s tensor-, sequence- and data-parallel modes and bind this rank's.
 
@@ -81,7 +102,9 @@ class ContextLayouts:
         """
         if not isinstance(config, ParallelConfig):
             raise TypeError(f"config must be a ParallelConfig; got {type(config).__name__}")
-        return self._bind_layout(parallel_partitions(config, self._require_world().world_size), backend, use_cpu, timeout)
+        return self._bind_layout(
+            parallel_partitions(config, self._require_world().world_size), backend, use_cpu, timeout
+        )
 
     def init_node_groups(
         self,
@@ -92,7 +115,8 @@ class ContextLayouts:
         use_cpu: bool = False,
         timeout: float | timedelta | None = None,
     ) -> dict[str, Communicator]:
-        """Bind ``INTRA_NODE`` (the ranks on this node) and ``INTER_NODE`` (the ranks with this local rank on every node).
+        """Bind ``INTRA_NODE`` (the ranks on this node) and ``INTER_NODE`` (the ranks with this local rank on every
+        node).
 
         Every rank's placement is exchanged over ``GLOBAL`` first (one
         object all-gather), so a bad or uneven placement raises the same
@@ -123,7 +147,12 @@ class ContextLayouts:
         return self._bind_layout(node_partitions(placements), backend, use_cpu, timeout)
 
     def init_weight_transfer_group(
-        self, src: int, dst_ranks: list[int], backend: str | None = None, use_cpu: bool = False, timeout: float | timedelta | None = None
+        self,
+        src: int,
+        dst_ranks: list[int],
+        backend: str | None = None,
+        use_cpu: bool = False,
+        timeout: float | timedelta | None = None,
     ) -> Communicator:
         """Declare a ``WEIGHT_TRANSFER`` group ``[src] + dst_ranks``; ranks in no such group are non-members.
 

@@ -30,11 +30,13 @@ class ContextLookups:
 
     # ---------------------------------------------------------------- per mode
     def get_group(self, comm_mode: CommMode | str = CommMode.GLOBAL) -> dist.ProcessGroup | None:
-        """The torch process group of ``mode`` (``None`` on a non-member rank, so ``if group is None: return`` works)."""
+        """The torch process group of ``mode`` (``None`` on a non-member rank, so ``if group is None: return``
+        works)."""
         return self.get_communicator(comm_mode).group
 
     def get_group_config(self, mode: CommMode | str = CommMode.GLOBAL) -> GroupConfig:
-        """What ``mode`` was bound with: every group declared for it so far (in declared order), backend name and timeout.
+        """What ``mode`` was bound with: every group declared for it so far (in declared order), backend name and
+        timeout.
 
         Raises:
             ModeNotBoundError: nothing is bound to ``mode``.

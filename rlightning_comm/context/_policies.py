@@ -60,7 +60,8 @@ class ContextPolicies:
         return self._debug
 
     def set_object_defaults(self, safe: bool = False, max_bytes: int | None = None) -> None:
-        """Set what ``broadcast_object_list`` and ``all_gather_object`` do when a call leaves ``safe`` or ``max_bytes`` out.
+        """Set what ``broadcast_object_list`` and ``all_gather_object`` do when a call leaves ``safe`` or ``max_bytes``
+        out.
 
         Args:
             safe: Receivers accept only plain data (None, bool, int, float,

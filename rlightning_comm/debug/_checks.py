@@ -46,10 +46,10 @@ import torch
 import torch.distributed as dist
 
 from rlightning_comm import rendezvous
-from rlightning_comm.debug import _p2p as _debug_p2p
 from rlightning_comm.communicators import _objects, _packing
 from rlightning_comm.communicators._checks import reduce_op_type
 from rlightning_comm.communicators.base import COLLECTIVES
+from rlightning_comm.debug import _p2p as _debug_p2p
 from rlightning_comm.errors import CommError, CommMismatchError, CommTimeoutError, ModeNotBoundError, ObjectRefusedError
 
 if TYPE_CHECKING:
@@ -59,7 +59,8 @@ _generation = 0
 
 
 def new_generation(store: dist.Store, world_size: int) -> None:
-    """Start the key namespace of a newly initialised world, so that stale keys of an earlier world on the same store are never read.
+    """Start the key namespace of a newly initialised world, so that stale keys of an earlier world on the same store
+    are never read.
 
     Every rank of the world calls it once (the context does, on every world
     initialisation). The number is agreed through the world's store, not
@@ -91,7 +92,10 @@ def _splits(sizes: Any, t: Any, ws: int) -> Any:
 
 def _all_to_all_single(a: dict[str, Any], ws: int, mode: str) -> tuple[dict[str, Any], Any]:
     out, inp = a["output"], a["input_"]
-    rows = {name: f"{str(t.dtype).removeprefix('torch.')} rows of shape {list(t.shape[1:])}" for name, t in (("output", out), ("input_", inp))}
+    rows = {
+        name: f"{str(t.dtype).removeprefix('torch.')} rows of shape {list(t.shape[1:])}"
+        for name, t in (("output", out), ("input_", inp))
+    }
     return rows, {"out": _splits(a["output_split_sizes"], out, ws), "in": _splits(a["input_split_sizes"], inp, ws)}
 
 
@@ -104,22 +108,33 @@ def _all_gather_object(a: dict[str, Any], ws: int, mode: str) -> tuple[dict[str,
 
 
 def _all_reduce_dict(a: dict[str, Any], ws: int, mode: str) -> tuple[dict[str, Any], Any]:
-    # The packing's own order and checks; a number is a number whatever its type (the packing makes no difference either).
+    # The packing's own order and checks; a number is a number whatever its type (the packing makes no difference
+    # either).
     keys, shapes = _packing.describe(a["dictionary"], a["dtype"], mode)
     values = ["number" if shape is None else f"tensor{list(shape)}" for shape in shapes]
     return {"keys": list(map(repr, keys)), "values": values, "op": _op(a["op"]), "dtype": str(a["dtype"])}, None
 
 
-# Per op: what every rank must agree on, and per-rank data for a cross-rank check (arguments already passed the local checks).
+# Per op: what every rank must agree on, and per-rank data for a cross-rank check (arguments already passed the local
+# checks).
 _DESCRIBE: dict[str, Callable[[dict[str, Any], int, str], tuple[dict[str, Any], Any]]] = {
     "all_reduce": lambda a, ws, m: ({"tensor": _tensor(a["tensor"]), "op": _op(a["op"])}, None),
-    "all_gather": lambda a, ws, m: ({"output_tensor": _tensor(a["output_tensor"]), "input_tensor": _tensor(a["input_tensor"])}, None),
+    "all_gather": lambda a, ws, m: (
+        {"output_tensor": _tensor(a["output_tensor"]), "input_tensor": _tensor(a["input_tensor"])},
+        None,
+    ),
     "broadcast": lambda a, ws, m: ({"tensor": _tensor(a["tensor"]), "src": repr(a["src"])}, None),
     "gather": lambda a, ws, m: ({"tensor": _tensor(a["tensor"]), "dst": repr(a["dst"])}, None),
     "scatter": lambda a, ws, m: ({"tensor": _tensor(a["tensor"]), "src": repr(a["src"])}, None),
-    "reduce_scatter": lambda a, ws, m: ({"output": _tensor(a["output"]), "input_": _tensor(a["input_"]), "op": _op(a["op"])}, None),
+    "reduce_scatter": lambda a, ws, m: (
+        {"output": _tensor(a["output"]), "input_": _tensor(a["input_"]), "op": _op(a["op"])},
+        None,
+    ),
     "all_to_all_single": _all_to_all_single,
-    "broadcast_object_list": lambda a, ws, m: ({"len(object_list)": len(a["object_list"]), "src": repr(a["src"])}, None),
+    "broadcast_object_list": lambda a, ws, m: (
+        {"len(object_list)": len(a["object_list"]), "src": repr(a["src"])},
+        None,
+    ),
     "all_reduce_dict": _all_reduce_dict,
     "barrier": lambda a, ws, m: ({}, None),
     "reduce": lambda a, ws, m: ({"tensor": _tensor(a["tensor"]), "dst": repr(a["dst"]), "op": _op(a["op"])}, None),
@@ -132,7 +147,17 @@ OPS = COLLECTIVES
 
 # The error types a refusal is raised as on every rank (the first of the refusing error's classes found here).
 _REFUSALS: dict[str, type[Exception]] = {
-    cls.__name__: cls for cls in (ModeNotBoundError, ObjectRefusedError, CommError, TypeError, ValueError, IndexError, KeyError, NotImplementedError)
+    cls.__name__: cls
+    for cls in (
+        ModeNotBoundError,
+        ObjectRefusedError,
+        CommError,
+        TypeError,
+        ValueError,
+        IndexError,
+        KeyError,
+        NotImplementedError,
+    )
 }
 _ABSENT = "absent"  # what a rank that gave a check up puts in the slots still empty (a fingerprint is a JSON list)
 _ABSENT_BYTES = _ABSENT.encode()
@@ -140,7 +165,10 @@ _FIRST_PAUSE, _LONGEST_PAUSE = 0.0005, 0.02  # seconds between polls of a check'
 
 
 def _refusal_type(err: BaseException) -> str:
-    return next((cls.__name__ for cls in type(err).__mro__ if cls.__name__ in _REFUSALS and _REFUSALS[cls.__name__] is cls), "CommError")
+    return next(
+        (cls.__name__ for cls in type(err).__mro__ if cls.__name__ in _REFUSALS and _REFUSALS[cls.__name__] is cls),
+        "CommError",
+    )
 
 
 class _Checker:
@@ -162,7 +190,9 @@ class _Checker:
         own = rendezvous.own_store(comm.group)  # a connected mode's: its group's name is unique to its generation there
         world = f"rlightning_comm/debug/{_generation}/{comm.group.group_name}"
         self.store = (
-            dist.PrefixStore(f"rlightning_comm/debug/{comm.group.group_name}", own) if own is not None else dist.PrefixStore(world, rendezvous.world_store())
+            dist.PrefixStore(f"rlightning_comm/debug/{comm.group.group_name}", own)
+            if own is not None
+            else dist.PrefixStore(world, rendezvous.world_store())
         )
         self.timeout = timeout
         self.mode = comm.mode
@@ -172,8 +202,11 @@ class _Checker:
         self.done = 0  # keys of checks before this one are no longer read by anyone once a check completes
         self.depth = 0  # > 0 inside a checked call: its inner collectives are not checked again
 
-    def check(self, op: str, fields: dict[str, Any], extra: Any, refusal: BaseException | None, shapes: dict[str, list[int]]) -> None:
-        """Exchange this rank's fingerprint; raise on every rank when a rank refused the call, the ranks disagree or one is absent."""
+    def check(
+        self, op: str, fields: dict[str, Any], extra: Any, refusal: BaseException | None, shapes: dict[str, list[int]]
+    ) -> None:
+        """Exchange this rank's fingerprint; raise on every rank when a rank refused the call, the ranks disagree or one
+        is absent."""
         why = None if refusal is None else [_refusal_type(refusal), str(refusal)]
         mine = json.dumps([op, fields, extra, why, shapes])
         while True:
@@ -189,9 +222,12 @@ class _Checker:
         absent = [self.ranks[r] for r, slot in enumerate(slots) if slot == _ABSENT_BYTES]
         if absent:
             raise CommTimeoutError(
-                f"debug check before collective #{seq} ({op}) on mode {self.mode!r}: global ranks {absent} did not reach it "
-                f"within {self.timeout:g} s (the group's timeout); a rank skipped a call, is blocked elsewhere or died. "
-                "No collective was started; the group is still usable, and a late rank's next call is checked with the others' next one"
+                f"debug check before collective #{seq} ({op}) on mode {self.mode!r}: global ranks {absent} did not "
+                "reach it "
+                f"within {self.timeout:g} s (the group's timeout); a rank skipped a call, is blocked elsewhere or "
+                "died. "
+                "No collective was started; the group is still usable, and a late rank's next call is checked with the "
+                "others' next one"
             )
         calls = [json.loads(slot) for slot in slots]
         self._forget(seq)
@@ -199,11 +235,15 @@ class _Checker:
         where = f"debug check before collective #{seq} on mode {self.mode!r}"
         if refused:
             text = "; ".join(f"global rank {rank} refused the call: {msg}" for rank, (_, msg) in refused)
-            error = _REFUSALS[refused[0][1][0]](f"{where}: {text}. No collective was started; the group is still usable")
+            error = _REFUSALS[refused[0][1][0]](
+                f"{where}: {text}. No collective was started; the group is still usable"
+            )
             raise error from refusal
         problem = self._disagreement(calls)
         if problem:
-            error = CommMismatchError(f"{where}: the ranks disagree: {problem}. No collective was started; the group is still usable")
+            error = CommMismatchError(
+                f"{where}: the ranks disagree: {problem}. No collective was started; the group is still usable"
+            )
             error.shapes = {self.ranks[r]: c[4] for r, c in enumerate(calls)}  # type: ignore[attr-defined]
             raise error
 
@@ -241,7 +281,11 @@ class _Checker:
         if len(set(ops)) > 1:
             return "different calls: " + self._by_value([f"{op}({c[1]})" for op, c in zip(ops, calls)])
         names = list(dict.fromkeys(name for c in calls for name in c[1]))
-        problems = [f"{name}: {self._by_value([c[1].get(name) for c in calls])}" for name in names if len({json.dumps(c[1].get(name)) for c in calls}) > 1]
+        problems = [
+            f"{name}: {self._by_value([c[1].get(name) for c in calls])}"
+            for name in names
+            if len({json.dumps(c[1].get(name)) for c in calls}) > 1
+        ]
         if problems:
             return ", ".join(problems)
         if ops[0] == "all_to_all_single":
@@ -257,7 +301,10 @@ class _Checker:
                 sent = si["in"][j] if si["in"] else None
                 expected = sj["out"][i] if sj["out"] else None
                 if sent != expected:
-                    bad.append(f"global rank {self.ranks[i]} sends {sent} rows to global rank {self.ranks[j]}, which expects {expected}")
+                    bad.append(
+                        f"global rank {self.ranks[i]} sends {sent} rows to global rank {self.ranks[j]}, which expects "
+                        f"{expected}"
+                    )
         return ", ".join(bad)
 
 
@@ -281,7 +328,9 @@ def _checked(comm: Communicator, name: str, checker: _Checker) -> Callable[..., 
                 bound = signature.bind(comm, *args, **kwargs)
                 bound.apply_defaults()
                 fields, extra = describe(bound.arguments, ws, comm.mode)
-                shapes = {arg: list(value.shape) for arg, value in bound.arguments.items() if isinstance(value, torch.Tensor)}
+                shapes = {
+                    arg: list(value.shape) for arg, value in bound.arguments.items() if isinstance(value, torch.Tensor)
+                }
             except Exception as err:  # noqa: BLE001 - whatever this rank cannot do, its peers must learn before they wait
                 refusal = err
             checker.check(name, fields, extra, refusal, shapes)
@@ -304,7 +353,11 @@ def enable(comm: Communicator, timeout: float) -> None:
     pairs = vars(comm).get("_debug_pairs") or _debug_p2p.PairChecker(comm, timeout, prefix, _REFUSALS, _refusal_type)
     comm._debug_pairs = pairs  # kept while paused, as the checker is: the counts stay in step with the peers'
     for name in OPS:
-        setattr(comm, name, _debug_p2p.checked(comm, name, pairs) if name in _debug_p2p.OPS else _checked(comm, name, checker))
+        setattr(
+            comm,
+            name,
+            _debug_p2p.checked(comm, name, pairs) if name in _debug_p2p.OPS else _checked(comm, name, checker),
+        )
 
 
 def disable(comm: Communicator) -> None:

@@ -1,4 +1,5 @@
-"""Debug mode for point-to-point calls: each ``send`` is checked against the ``recv`` it pairs with, by those two ranks only.
+"""Debug mode for point-to-point calls: each ``send`` is checked against the ``recv`` it pairs with, by those two ranks
+only.
 
 A fingerprint exchange over the whole group (what :mod:`rlightning_comm.debug`
 does for collectives) would make every other rank wait for a call it takes no
@@ -64,7 +65,12 @@ class PairChecker:
     """
 
     def __init__(
-        self, comm: Communicator, timeout: float, prefix: str, refusals: dict[str, type[Exception]], refusal_type: Callable[[BaseException], str]
+        self,
+        comm: Communicator,
+        timeout: float,
+        prefix: str,
+        refusals: dict[str, type[Exception]],
+        refusal_type: Callable[[BaseException], str],
     ) -> None:
         self.store = dist.PrefixStore(f"{prefix}/p2p", rendezvous.world_store())
         self.timeout = timeout
@@ -76,8 +82,11 @@ class PairChecker:
         self.sent: Counter[int] = Counter()
         self.received: Counter[int] = Counter()
 
-    def post(self, op: str, peer: int, fields: dict[str, Any], refusal: BaseException | None) -> tuple[str, str, list[Any]]:
-        """Count this call in and post its fingerprint; returns the pair's key, a description for messages and the fingerprint.
+    def post(
+        self, op: str, peer: int, fields: dict[str, Any], refusal: BaseException | None
+    ) -> tuple[str, str, list[Any]]:
+        """Count this call in and post its fingerprint; returns the pair's key, a description for messages and the
+        fingerprint.
 
         Raises:
             CommTimeoutError: the partner gave this pair's call up before this rank came.
@@ -90,26 +99,34 @@ class PairChecker:
         what = f"{op} #{k} between global rank {self.ranks[sender]} (sending) and global rank {self.ranks[receiver]} (receiving) on mode {self.mode!r}"
         if self.store.add(f"{base}/n", 1) >= _GAVE_UP:
             raise CommTimeoutError(
-                f"debug check of {what}: global rank {self.ranks[peer]} gave this pair's call up after the group's timeout "
-                f"({self.timeout:g} s) before this rank came. Nothing was sent; the pair's next calls are checked with each other"
+                f"debug check of {what}: global rank {self.ranks[peer]} gave this pair's call up after the group's "
+                "timeout "
+                f"({self.timeout:g} s) before this rank came. Nothing was sent; the pair's next calls are checked with "
+                "each other"
             )
         mine = [fields, None if refusal is None else [self.refusal_type(refusal), str(refusal)]]
         self.store.set(f"{base}/{op}", json.dumps(mine))
         return base, what, mine
 
     def verify(self, base: str, what: str, op: str, mine: list[Any], refusal: BaseException | None) -> None:
-        """Wait for the partner's fingerprint and raise, on this rank as on the partner, if either refused or they differ."""
+        """Wait for the partner's fingerprint and raise, on this rank as on the partner, if either refused or they
+        differ."""
         theirs_key = f"{base}/{'recv' if op == 'send' else 'send'}"
         try:
             self.store.wait([theirs_key], timedelta(seconds=self.timeout))
         except RuntimeError as err:
-            if self.store.add(f"{base}/n", _GAVE_UP) - _GAVE_UP < 2:  # the partner never counted itself in: give the call up
+            if (
+                self.store.add(f"{base}/n", _GAVE_UP) - _GAVE_UP < 2
+            ):  # the partner never counted itself in: give the call up
                 peer = base.split("/")[0].split(">")[1 if op == "send" else 0]
                 raise CommTimeoutError(
                     f"debug check of {what}: global rank {self.ranks[int(peer)]} did not reach the matching "
-                    f"{'recv' if op == 'send' else 'send'} within {self.timeout:g} s (the group's timeout). Nothing was sent"
+                    f"{'recv' if op == 'send' else 'send'} within {self.timeout:g} s (the group's timeout). Nothing "
+                    "was sent"
                 ) from err
-            self.store.wait([theirs_key], timedelta(seconds=max(self.timeout, 30.0)))  # it counted in: its fingerprint is on the way
+            self.store.wait(
+                [theirs_key], timedelta(seconds=max(self.timeout, 30.0))
+            )  # it counted in: its fingerprint is on the way
         theirs = json.loads(self.store.get(theirs_key))
         self.store.delete_key(theirs_key)  # read by this rank only (the partner keeps its own in memory)
         if self.store.add(f"{base}/done", 1) == 2:
@@ -119,7 +136,9 @@ class PairChecker:
         refused = [(side, c[1]) for side, c in (("sender", send), ("receiver", recv)) if c[1] is not None]
         if refused:
             side, (kind, message) = refused[0]
-            raise self.refusals[kind](f"debug check of {what}: the {side} refused the call: {message}. Nothing was sent") from refusal
+            raise self.refusals[kind](
+                f"debug check of {what}: the {side} refused the call: {message}. Nothing was sent"
+            ) from refusal
         if send[0] != recv[0]:
             raise CommMismatchError(
                 f"debug check of {what}: the sender passes {send[0]['tensor']}, the receiver {recv[0]['tensor']}; "
@@ -166,7 +185,9 @@ def checked(comm: Communicator, name: str, pairs: PairChecker) -> Callable[..., 
                 peer = comm.ranks.index(int(arguments[peer_name]))
             except (TypeError, ValueError):
                 peer = comm.rank
-            if peer == comm.rank:  # no other rank of the group to pair with (the local checks refused it): nobody to tell
+            if (
+                peer == comm.rank
+            ):  # no other rank of the group to pair with (the local checks refused it): nobody to tell
                 raise refusal  # type: ignore[misc]
             base, what, mine = pairs.post(name, peer, fingerprint(arguments["tensor"]), refusal)
             if not arguments["async_op"] or refusal is not None:

@@ -1,4 +1,5 @@
-"""Differentiable sequence-parallel communication with exact, documented gradients, uneven lengths and Ulysses attention."""
+"""Differentiable sequence-parallel communication with exact, documented gradients, uneven lengths and Ulysses
+attention."""
 
 from rlightning_comm.sequence_parallel._sizes import sequence_split_sizes
 from rlightning_comm.sequence_parallel.ops import (

@@ -86,8 +86,11 @@ def _pack_many(xs: list[torch.Tensor], dim: int, sizes: list[list[int]], in_spli
     return buf
 
 
-def _unpack_many(buf: torch.Tensor, shapes: list[list[tuple[int, ...]]], dim: int, out_splits: list[int]) -> list[torch.Tensor]:
-    """Inverse layout of :func:`_pack_many`: ``shapes[t][j]`` is the block of tensor t from rank j; concatenate along ``dim``."""
+def _unpack_many(
+    buf: torch.Tensor, shapes: list[list[tuple[int, ...]]], dim: int, out_splits: list[int]
+) -> list[torch.Tensor]:
+    """Inverse layout of :func:`_pack_many`: ``shapes[t][j]`` is the block of tensor t from rank j; concatenate along
+    ``dim``."""
     ws = len(out_splits)
     if buf.numel() and all(ts.count(ts[0]) == ws for ts in shapes):
         rows, col, outs = buf.view(ws, -1), 0, []
@@ -108,7 +111,12 @@ def _unpack_many(buf: torch.Tensor, shapes: list[list[tuple[int, ...]]], dim: in
 
 
 def all_to_all(
-    xs: list[torch.Tensor], send_dim: int, send_sizes: list[list[int]], recv_dim: int, recv_sizes: list[list[int]], group: Group
+    xs: list[torch.Tensor],
+    send_dim: int,
+    send_sizes: list[list[int]],
+    recv_dim: int,
+    recv_sizes: list[list[int]],
+    group: Group,
 ) -> list[torch.Tensor]:
     """Send chunk j of each tensor of ``xs`` along ``send_dim`` to rank j; concatenate what arrives along ``recv_dim``.
 
@@ -123,7 +131,10 @@ def all_to_all(
         # tensor [ws, *block] shows every rank's block shape (its length included) to debug mode.
         send = _stacked(xs[0], send_dim, ws)
         return [_unstacked(group.all_to_all(send, None, None), recv_dim)]
-    shapes = [[_with(_with(x.shape, send_dim, ss[rank]), recv_dim, n) for n in rs] for x, ss, rs in zip(xs, send_sizes, recv_sizes)]
+    shapes = [
+        [_with(_with(x.shape, send_dim, ss[rank]), recv_dim, n) for n in rs]
+        for x, ss, rs in zip(xs, send_sizes, recv_sizes)
+    ]
     in_splits = [sum(math.prod(_with(x.shape, send_dim, ss[j])) for x, ss in zip(xs, send_sizes)) for j in range(ws)]
     out_splits = [sum(math.prod(ts[j]) for ts in shapes) for j in range(ws)]
     send = _pack_many(xs, send_dim, send_sizes, in_splits)
@@ -164,7 +175,8 @@ def scatter_from_first(x: torch.Tensor, dim: int, sizes: list[int], group: Group
 
 
 def gather_to_first(x: torch.Tensor, dim: int, sizes: list[int], group: Group, length: int) -> torch.Tensor:
-    """On the group's first rank the concatenation along ``dim`` of every rank's ``x``; elsewhere zeros, ``length`` long along ``dim``."""
+    """On the group's first rank the concatenation along ``dim`` of every rank's ``x``; elsewhere zeros, ``length`` long
+    along ``dim``."""
     ws, rank = group.world_size, group.rank
     in_splits = [x.shape[dim] if j == 0 else 0 for j in range(ws)]
     out_splits = list(sizes) if rank == 0 else [0] * ws
@@ -175,7 +187,8 @@ def gather_to_first(x: torch.Tensor, dim: int, sizes: list[int], group: Group, l
 
 
 def all_gather(x: torch.Tensor, dim: int, sizes: list[int], group: Group) -> torch.Tensor:
-    """Every rank's ``x`` concatenated along ``dim``; ``sizes[j]`` is rank j's length there (padded to the longest on the wire)."""
+    """Every rank's ``x`` concatenated along ``dim``; ``sizes[j]`` is rank j's length there (padded to the longest on
+    the wire)."""
     longest = max(sizes)
     if longest == x.shape[dim]:
         padded = x.contiguous()
@@ -189,7 +202,8 @@ def all_gather(x: torch.Tensor, dim: int, sizes: list[int], group: Group) -> tor
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, sizes: list[int], group: Group) -> torch.Tensor:
-    """Sum ``x`` (same shape everywhere) over the group and keep chunk r along ``dim`` on rank r (padded to the longest on the wire)."""
+    """Sum ``x`` (same shape everywhere) over the group and keep chunk r along ``dim`` on rank r (padded to the longest
+    on the wire)."""
     ws, rank = group.world_size, group.rank
     longest = max(sizes)
     if min(sizes) == longest:

@@ -29,7 +29,13 @@ class _AllToAll(Function):
 
     @staticmethod
     def forward(
-        ctx: Any, group: Group, send_dim: int, send_sizes: list[list[int]], recv_dim: int, recv_sizes: list[list[int]], *xs: torch.Tensor
+        ctx: Any,
+        group: Group,
+        send_dim: int,
+        send_sizes: list[list[int]],
+        recv_dim: int,
+        recv_sizes: list[list[int]],
+        *xs: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
         ctx.args = (group, send_dim, send_sizes, recv_dim, recv_sizes)
         return tuple(C.all_to_all(list(xs), send_dim, send_sizes, recv_dim, recv_sizes, group))
@@ -37,11 +43,23 @@ class _AllToAll(Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         group, send_dim, send_sizes, recv_dim, recv_sizes = ctx.args
-        return (None, None, None, None, None, *apply_all_to_all(group, recv_dim, recv_sizes, send_dim, send_sizes, *grads))
+        return (
+            None,
+            None,
+            None,
+            None,
+            None,
+            *apply_all_to_all(group, recv_dim, recv_sizes, send_dim, send_sizes, *grads),
+        )
 
 
 def apply_all_to_all(
-    group: Group, send_dim: int, send_sizes: list[list[int]], recv_dim: int, recv_sizes: list[list[int]], *xs: torch.Tensor
+    group: Group,
+    send_dim: int,
+    send_sizes: list[list[int]],
+    recv_dim: int,
+    recv_sizes: list[list[int]],
+    *xs: torch.Tensor,
 ) -> tuple[torch.Tensor, ...]:
     """:class:`_AllToAll` of ``xs``, or the plain collective when there is no graph to record (a backward without
     ``create_graph``, inputs that need no gradient).
@@ -69,7 +87,8 @@ class _Split(Function):
 
 
 class _Gather(Function):
-    """forward: all-gather into a replicated tensor; backward: keep this rank's chunk of the (replicated) gradient (``_Split``)."""
+    """forward: all-gather into a replicated tensor; backward: keep this rank's chunk of the (replicated) gradient
+    (``_Split``)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Group, dim: int, sizes: list[int], grad_scale: float) -> torch.Tensor:
@@ -97,7 +116,8 @@ class _ScatterFromFirst(Function):
 
 
 class _GatherToFirst(Function):
-    """forward: gather to the first rank (zeros of length ``length`` along ``dim`` elsewhere); backward: scatter the first rank's gradient."""
+    """forward: gather to the first rank (zeros of length ``length`` along ``dim`` elsewhere); backward: scatter the
+    first rank's gradient."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Group, dim: int, sizes: list[int], length: int) -> torch.Tensor:

@@ -57,7 +57,8 @@ class Group:
         self._assumed = (name, dim, length)
 
     def _explain(self, err: CommMismatchError, sent: str) -> None:
-        """Raise ``err`` with the hint naming the lengths argument when its shapes of the argument ``sent`` call for it; else return."""
+        """Raise ``err`` with the hint naming the lengths argument when its shapes of the argument ``sent`` call for it;
+        else return."""
         shapes = getattr(err, "shapes", None)
         if self._assumed is None or shapes is None:
             return
@@ -74,7 +75,8 @@ class Group:
         return f"mode {self.comm.mode!r}"
 
     def all_to_all(self, send: torch.Tensor, out_splits: list[int] | None, in_splits: list[int] | None) -> torch.Tensor:
-        """``all_to_all_single`` of the contiguous ``send`` (rows along dim 0) into a new tensor with the same row shape."""
+        """``all_to_all_single`` of the contiguous ``send`` (rows along dim 0) into a new tensor with the same row
+        shape."""
         out = torch.empty_like(send) if out_splits is None else send.new_empty((sum(out_splits), *send.shape[1:]))
         try:
             self.comm.all_to_all_single(out, send, out_splits, in_splits)
@@ -121,11 +123,15 @@ class TracedGroup(NamedTuple):
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """As :meth:`Group.all_gather`, with the functional collective."""
-        return funcol.wait_tensor(funcol.all_gather_tensor(x.reshape(-1), 0, self.group_name)).view(self.world_size, *x.shape)
+        return funcol.wait_tensor(funcol.all_gather_tensor(x.reshape(-1), 0, self.group_name)).view(
+            self.world_size, *x.shape
+        )
 
     def reduce_scatter(self, send: torch.Tensor) -> torch.Tensor:
         """As :meth:`Group.reduce_scatter`, with the functional collective."""
-        return funcol.wait_tensor(funcol.reduce_scatter_tensor(send.reshape(-1), "sum", 0, self.group_name)).view(send.shape[1:])
+        return funcol.wait_tensor(funcol.reduce_scatter_tensor(send.reshape(-1), "sum", 0, self.group_name)).view(
+            send.shape[1:]
+        )
 
 
 def _communicator(group: Any) -> Communicator:
@@ -137,16 +143,25 @@ def _communicator(group: Any) -> Communicator:
         comm = _WRAPPED.get(group)
         if comm is None:
             cls = get_communicator_class(str(dist.get_backend(group)).split(":")[-1].split(",")[0])
-            comm = _WRAPPED[group] = cls(group, dist.get_process_group_ranks(group), f"process group {group.group_name}")
+            comm = _WRAPPED[group] = cls(
+                group, dist.get_process_group_ranks(group), f"process group {group.group_name}"
+            )
     elif group is dist.GroupMember.NON_GROUP_MEMBER:
-        raise CommError("this process is not a member of the given group (got GroupMember.NON_GROUP_MEMBER); sequence-parallel ops need a member")
+        raise CommError(
+            "this process is not a member of the given group (got GroupMember.NON_GROUP_MEMBER); sequence-parallel ops "
+            "need a member"
+        )
     else:
         raise TypeError(
-            f"group must be a CommMode or its string name, a Communicator or a torch.distributed ProcessGroup; got {type(group).__name__} {group!r}. "
+            "group must be a CommMode or its string name, a Communicator or a torch.distributed ProcessGroup; got "
+            f"{type(group).__name__} {group!r}. "
             "Hint: for the whole world pass CommMode.GLOBAL or torch.distributed.group.WORLD"
         )
     if not comm.is_member:
-        raise CommError(f"this process is not a member of mode {comm.mode!r} (ranks {list(comm.ranks)}); sequence-parallel ops need a member")
+        raise CommError(
+            f"this process is not a member of mode {comm.mode!r} (ranks {list(comm.ranks)}); sequence-parallel ops "
+            "need a member"
+        )
     return comm
 
 
@@ -161,7 +176,8 @@ def _bound_to(pg: dist.ProcessGroup) -> Communicator | None:
 
 
 def _traced(group: Any) -> TracedGroup:
-    """Resolve under torch.compile, reading only values dynamo guards: a new binding retraces (see the module docstring)."""
+    """Resolve under torch.compile, reading only values dynamo guards: a new binding retraces (see the module
+    docstring)."""
     if isinstance(group, dist.ProcessGroup):
         # dynamo bakes pg.rank() and pg.size() without a guard (only the group's name is guarded), so a group
         # the context binds is read through its communicator; any other group is the caller's to keep.
@@ -198,7 +214,8 @@ def check_input(input_: Any, group: Group | TracedGroup, name: str = "input_") -
 
 
 def check_flag(value: Any, name: str) -> bool:
-    """Return ``value`` if it is a bool; raise ``TypeError`` otherwise (a truthy tensor or string is a mistake, not a flag)."""
+    """Return ``value`` if it is a bool; raise ``TypeError`` otherwise (a truthy tensor or string is a mistake, not a
+    flag)."""
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool; got {type(value).__name__} {value!r}")
     return value
@@ -218,5 +235,7 @@ def normalize_dim(dim: Any, ndim: int, name: str) -> int:
     except TypeError:
         raise TypeError(f"{name} must be an int; got {type(dim).__name__} {dim!r}") from None
     if not -ndim <= dim < ndim:
-        raise ValueError(f"{name}={dim} is out of range for a tensor of {ndim} dimension(s); expected {-ndim} <= {name} < {ndim}")
+        raise ValueError(
+            f"{name}={dim} is out of range for a tensor of {ndim} dimension(s); expected {-ndim} <= {name} < {ndim}"
+        )
     return dim % ndim

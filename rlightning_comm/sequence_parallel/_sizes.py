@@ -32,30 +32,41 @@ def sequence_split_sizes(length: int, world_size: int) -> list[int]:
 
 def _as_sizes(sizes: Any, group: Any, name: str) -> list[int]:
     if type(sizes) is list and len(sizes) == group.world_size and all(type(s) is int and s >= 0 for s in sizes):
-        return list(sizes)  # the common case, checked quickly; a copy, so later edits by the caller cannot reach backward
+        return list(
+            sizes
+        )  # the common case, checked quickly; a copy, so later edits by the caller cannot reach backward
     if isinstance(sizes, (str, bytes, torch.Tensor)) or not isinstance(sizes, Sequence):
-        raise TypeError(f"{name} must be a list of {group.world_size} ints, one per rank of {group.name}; got {type(sizes).__name__}")
+        raise TypeError(
+            f"{name} must be a list of {group.world_size} ints, one per rank of {group.name}; got "
+            f"{type(sizes).__name__}"
+        )
     try:
         out = [operator.index(s) for s in sizes]
     except TypeError:
         raise TypeError(f"{name} must hold ints; got {list(sizes)!r} ({group.name})") from None
     if len(out) != group.world_size or min(out) < 0:
-        raise ValueError(f"{name} must hold {group.world_size} non-negative ints, one per rank of {group.name}; got {out}")
+        raise ValueError(
+            f"{name} must hold {group.world_size} non-negative ints, one per rank of {group.name}; got {out}"
+        )
     return out
 
 
 def split_sizes(total: int, group: Any, sizes: Any, name: str) -> list[int]:
-    """Per-rank chunk lengths of a dim of length ``total``: ``sizes`` checked, or the tensor_split rule when ``None``."""
+    """Per-rank chunk lengths of a dim of length ``total``: ``sizes`` checked, or the tensor_split rule when
+    ``None``."""
     if sizes is None:
         return sequence_split_sizes(total, group.world_size)
     out = _as_sizes(sizes, group, name)
     if sum(out) != total:
-        raise ValueError(f"{name} must sum to the length being split, {total}; got {out} (sum {sum(out)}, {group.name})")
+        raise ValueError(
+            f"{name} must sum to the length being split, {total}; got {out} (sum {sum(out)}, {group.name})"
+        )
     return out
 
 
 def local_sizes(input_: torch.Tensor, dim: int, group: Any, sizes: Any, name: str) -> list[int]:
-    """Every rank's length along ``dim``: ``sizes`` checked against this rank's length, or this rank's length for every rank when ``None``.
+    """Every rank's length along ``dim``: ``sizes`` checked against this rank's length, or this rank's length for every
+    rank when ``None``.
 
     ``None`` is the equal-lengths rule: every rank holds as many positions as
     this one (nothing is exchanged; debug mode checks it across ranks).
@@ -65,7 +76,10 @@ def local_sizes(input_: torch.Tensor, dim: int, group: Any, sizes: Any, name: st
         return [input_.shape[dim]] * group.world_size
     out = _as_sizes(sizes, group, name)
     if out[group.rank] != input_.shape[dim]:
-        raise ValueError(f"{name}[{group.rank}] must be this rank's input length along dim {dim}, {input_.shape[dim]}; got {out[group.rank]} ({group.name})")
+        raise ValueError(
+            f"{name}[{group.rank}] must be this rank's input length along dim {dim}, {input_.shape[dim]}; got "
+            f"{out[group.rank]} ({group.name})"
+        )
     return out
 
 
@@ -90,6 +104,7 @@ def forgotten_lengths_hint(wire: list[list[int]], rank: int, name: str, dim: int
     else:
         given, why = str(lengths), ""
     return (
-        f"Hint: {name} was not given, so each rank took its own length along dim {dim} as every rank's, but the ranks hold "
+        f"Hint: {name} was not given, so each rank took its own length along dim {dim} as every rank's, but the ranks "
+        "hold "
         f"{lengths} (in group rank order){why}: pass {name}={given} on every rank"
     )

@@ -39,7 +39,15 @@ from typing import Any
 import torch
 
 from rlightning_comm.modes import CommMode
-from rlightning_comm.sequence_parallel._functions import _AllGather, _Gather, _GatherFirstGrad, _ReduceScatter, _ScatterFromFirst, _Split, apply_all_to_all
+from rlightning_comm.sequence_parallel._functions import (
+    _AllGather,
+    _Gather,
+    _GatherFirstGrad,
+    _ReduceScatter,
+    _ScatterFromFirst,
+    _Split,
+    apply_all_to_all,
+)
 from rlightning_comm.sequence_parallel._resolve import check_flag, check_input, normalize_dim, resolve_group
 from rlightning_comm.sequence_parallel._sizes import local_sizes, split_sizes
 
@@ -99,7 +107,8 @@ def all_to_all(
         send_sizes = split_sizes(n, g, scatter_sizes, "scatter_sizes")
     elif n % g.world_size:
         raise ValueError(
-            f"scatter_dim {scatter_dim} has size {n}, which is not divisible by the group size {g.world_size} ({g.name}); "
+            f"scatter_dim {scatter_dim} has size {n}, which is not divisible by the group size {g.world_size} "
+            f"({g.name}); "
             "pass scatter_sizes= to split it unevenly"
         )
     else:
@@ -161,7 +170,9 @@ def scatter_to_sequence_parallel_region(
     check_flag(rank0_only, "rank0_only")
     check_flag(legacy_grad_scale, "legacy_grad_scale")
     dim = normalize_dim(dim, input_.dim(), "dim")
-    sizes = split_sizes(input_.shape[dim], g, seq_lens, "seq_lens")  # every rank checks alike: the shapes agree by the rule
+    sizes = split_sizes(
+        input_.shape[dim], g, seq_lens, "seq_lens"
+    )  # every rank checks alike: the shapes agree by the rule
     if g.world_size == 1:
         return input_
     scale = 1.0 / g.world_size if legacy_grad_scale else 1.0
@@ -214,7 +225,9 @@ def gather_from_sequence_parallel_region(
     return (_GatherFirstGrad if rank0_only else _Gather).apply(input_, g, dim, sizes, scale)
 
 
-def all_gather_from_sequence_parallel_region(input_: torch.Tensor, *, dim: int = 1, mode: Any = _SP, seq_lens: Sequence[int] | None = None) -> torch.Tensor:
+def all_gather_from_sequence_parallel_region(
+    input_: torch.Tensor, *, dim: int = 1, mode: Any = _SP, seq_lens: Sequence[int] | None = None
+) -> torch.Tensor:
     """Concatenate every rank's chunk along ``dim``, with the gradient summed over the ranks (Megatron's pair).
 
     forward: all-gather; backward: reduce-scatter (sum) of every rank's
@@ -241,7 +254,9 @@ def all_gather_from_sequence_parallel_region(input_: torch.Tensor, *, dim: int =
     return _AllGather.apply(input_, g, dim, sizes)
 
 
-def reduce_scatter_to_sequence_parallel_region(input_: torch.Tensor, *, dim: int = 1, mode: Any = _SP, seq_lens: Sequence[int] | None = None) -> torch.Tensor:
+def reduce_scatter_to_sequence_parallel_region(
+    input_: torch.Tensor, *, dim: int = 1, mode: Any = _SP, seq_lens: Sequence[int] | None = None
+) -> torch.Tensor:
     """Sum ``input_`` over the group and keep chunk r along ``dim`` on rank r (Megatron's pair).
 
     forward: reduce-scatter (sum); backward: all-gather of the chunks'

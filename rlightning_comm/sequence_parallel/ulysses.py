@@ -18,8 +18,11 @@ _SEQ, _HEADS = 1, 2
 
 
 def sdpa_bshd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` on ``[batch, seq, heads, head_dim]`` tensors (it wants ``[batch, heads, seq, head_dim]``)."""
-    return F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), **kwargs).transpose(1, 2)
+    """``F.scaled_dot_product_attention`` on ``[batch, seq, heads, head_dim]`` tensors (it wants
+    ``[batch, heads, seq, head_dim]``)."""
+    return F.scaled_dot_product_attention(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), **kwargs
+    ).transpose(1, 2)
 
 
 def _check(query: Any, key: Any, value: Any, g: Group) -> None:
@@ -29,12 +32,14 @@ def _check(query: Any, key: Any, value: Any, g: Group) -> None:
             raise ValueError(f"{name} must be [batch, seq/P, heads, head_dim] (4 dims); got shape {tuple(t.shape)}")
         if t.shape[_HEADS] % g.world_size:
             raise ValueError(
-                f"{name} has {t.shape[_HEADS]} heads, which is not divisible by the group size {g.world_size} ({g.name}); "
+                f"{name} has {t.shape[_HEADS]} heads, which is not divisible by the group size {g.world_size} "
+                f"({g.name}); "
                 "Ulysses shards the heads across the group"
             )
     if not query.shape[:2] == key.shape[:2] == value.shape[:2]:
         raise ValueError(
-            f"query, key and value must share batch and local sequence length; got shapes {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+            f"query, key and value must share batch and local sequence length; got shapes {tuple(query.shape)}, "
+            f"{tuple(key.shape)}, {tuple(value.shape)}"
         )
 
 
@@ -111,7 +116,9 @@ def ulysses_attention(
     # autograd.Function's inputs, compiles it).
     sent, roles = _distinct((query, key, value))
     even = [[t.shape[_HEADS] // ws] * ws for t in sent]
-    if query.dtype == key.dtype == value.dtype and query.device == key.device == value.device:  # one buffer, one collective for all
+    if (
+        query.dtype == key.dtype == value.dtype and query.device == key.device == value.device
+    ):  # one buffer, one collective for all
         heads = apply_all_to_all(g, _HEADS, even, _SEQ, [lens] * len(sent), *sent)
     else:
         heads = [apply_all_to_all(g, _HEADS, [e], _SEQ, [lens], t)[0] for t, e in zip(sent, even)]
@@ -119,7 +126,9 @@ def ulysses_attention(
     expected = (query.shape[0], sum(lens), query.shape[_HEADS] // ws)
     if not isinstance(out, torch.Tensor) or out.dim() != 4 or tuple(out.shape[:3]) != expected:
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ValueError(f"attn_fn must return [batch, seq, heads/P, head_dim_v] with leading dims {expected}; got {got}")
+        raise ValueError(
+            f"attn_fn must return [batch, seq, heads/P, head_dim_v] with leading dims {expected}; got {got}"
+        )
     # Every rank checked the same shapes, so all ranks raise alike and none is left in a collective.
     (back,) = apply_all_to_all(g, _SEQ, [lens], _HEADS, [[out.shape[_HEADS]] * ws], out)
     return back
@@ -139,7 +148,13 @@ class UlyssesAttention(torch.nn.Module):
         self.mode = mode
 
     def forward(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, seq_lens: Sequence[int] | None = None, **attn_kwargs: Any
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        seq_lens: Sequence[int] | None = None,
+        **attn_kwargs: Any,
     ) -> torch.Tensor:
         """Run :func:`ulysses_attention` with this module's function and group."""
         return ulysses_attention(query, key, value, self.attn_fn, mode=self.mode, seq_lens=seq_lens, **attn_kwargs)

@@ -30,7 +30,8 @@ What is recorded, per mode and op:
   (a bad argument) are not recorded.
 * On CUDA tensors time comes from CUDA events recorded on the current stream
   of the tensor's device (for dicts and objects, the communicator's bound
-  device; never the calling thread's current device) before and after the call (for async calls the second event is recorded from
+  device; never the calling thread's current device) before and after the call (for async calls the second event is
+  recorded from
   the work future's callback, on a stream ordered after the collective). No
   event is waited on when an op runs: events are resolved when stats are read
   (``stats()``/``stats_table()`` wait for outstanding ones), and already
@@ -71,7 +72,8 @@ def is_enabled() -> bool:
 
 
 def on_bind(comm: Communicator) -> None:
-    """Called by the context for each communicator it binds (or whose methods debug mode changed): wraps it if stats are on."""
+    """Called by the context for each communicator it binds (or whose methods debug mode changed): wraps it if stats are
+    on."""
     if _RECORDER.enabled:
         _RECORDER.attach(comm)
 
@@ -99,7 +101,8 @@ def format_table(data: dict[str, dict[str, dict[str, Any]]] | None = None) -> st
     for mode, ops in data.items():
         for op, s in ops.items():
             lines.append(
-                f"{mode:<20} {op:<22} {s['count']:>8} {s['bytes']:>14} {s['total_time_s'] * 1e3:>10.3f} {s['mean_time_s'] * 1e6:>10.1f} "
+                f"{mode:<20} {op:<22} {s['count']:>8} {s['bytes']:>14} {s['total_time_s'] * 1e3:>10.3f} "
+                f"{s['mean_time_s'] * 1e6:>10.1f} "
                 f"{s['max_time_s'] * 1e6:>10.1f} {s['algbw_gbps']:>11.3f} {s['busbw_gbps']:>11.3f}"
                 + (f"  ({s['in_flight']} in flight)" if s["in_flight"] else "")
             )

@@ -24,7 +24,8 @@ TRACKED_OPS = COLLECTIVES
 
 _NOT_OURS = object()
 # gloo's send and recv works may be waited once only (a second waiter waits for a second message): no watcher thread
-# for them; they are timed to the return of the caller's wait() instead (on CUDA the end event then follows the transfer).
+# for them; they are timed to the return of the caller's wait() instead (on CUDA the end event then follows the
+# transfer).
 _TIMED_AT_WAIT = frozenset({"send", "recv"})
 _FOLD_EVERY = 1024  # outstanding CUDA records before completed ones are folded in
 _perf_counter = time.perf_counter
@@ -38,7 +39,8 @@ def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], i: int, name: str) -> An
     return args[i] if len(args) > i else kwargs.get(name)
 
 
-# The ops that take async_op. Each returns (S in bytes, the tensor whose device decides how to time) from the call's arguments.
+# The ops that take async_op. Each returns (S in bytes, the tensor whose device decides how to time) from the call's
+# arguments.
 def _size_first(comm: Communicator, a: tuple[Any, ...], k: dict[str, Any], name: str) -> tuple[int, Any]:
     t = _arg(a, k, 0, name)
     return _nbytes(t), t
@@ -160,8 +162,18 @@ class _Recorder:
         return record
 
     # ------------------------------------------------------------ recording
-    def _finish(self, key: tuple[str, str], n: int, nbytes: int, factor: float, start: Any, cuda: torch.device | None, was_async: bool) -> None:
-        """Record the end of a call: now, on the current stream of the CUDA device ``cuda`` if given; may run on another thread."""
+    def _finish(
+        self,
+        key: tuple[str, str],
+        n: int,
+        nbytes: int,
+        factor: float,
+        start: Any,
+        cuda: torch.device | None,
+        was_async: bool,
+    ) -> None:
+        """Record the end of a call: now, on the current stream of the CUDA device ``cuda`` if given; may run on another
+        thread."""
         if cuda:  # a torch.device, or None / False for a host call
             end = torch.cuda.Event(enable_timing=True)
             end.record(torch.cuda.current_stream(cuda))
@@ -181,7 +193,8 @@ class _Recorder:
                 self._add(key, n, nbytes, factor, seconds, False)
 
     def _add(self, key: tuple[str, str], n: int, nbytes: int, factor: float, seconds: float, was_async: bool) -> None:
-        """Fold one finished call into the accumulator; the caller holds ``_lock`` (callbacks of other threads record too)."""
+        """Fold one finished call into the accumulator; the caller holds ``_lock`` (callbacks of other threads record
+        too)."""
         acc = self._acc.get(key)
         if acc is None:
             acc = self._acc[key] = [0, 0, 0.0, 0.0, 0.0, n, 0]
@@ -202,7 +215,9 @@ class _Recorder:
                 acc = self._acc[key] = [0, 0, 0.0, 0.0, 0.0, n, 0]
             acc[6] += 1
 
-    def _track_async(self, key: tuple[str, str], n: int, nbytes: int, factor: float, work: Any, start: Any, cuda: torch.device | None) -> None:
+    def _track_async(
+        self, key: tuple[str, str], n: int, nbytes: int, factor: float, work: Any, start: Any, cuda: torch.device | None
+    ) -> None:
         self._in_flight(key, n)
 
         def finished(_fut: Any = None) -> None:
@@ -218,7 +233,9 @@ class _Recorder:
         else:
             future.add_done_callback(finished)
 
-    def _track_waited(self, key: tuple[str, str], n: int, nbytes: int, factor: float, work: Any, start: Any, cuda: torch.device | None) -> Any:
+    def _track_waited(
+        self, key: tuple[str, str], n: int, nbytes: int, factor: float, work: Any, start: Any, cuda: torch.device | None
+    ) -> Any:
         """An async point-to-point call: timed to the return of its ``wait()`` (its work may not be waited twice)."""
         self._in_flight(key, n)
         return _WaitTimed(work, lambda: self._finish(key, n, nbytes, factor, start, cuda, True))
@@ -227,7 +244,9 @@ class _Recorder:
         with self._lock:
             if self._watch is None:
                 self._watch = queue.SimpleQueue()
-                threading.Thread(target=_watch_works, args=(self._watch,), name="rlightning-comm-stats", daemon=True).start()
+                threading.Thread(
+                    target=_watch_works, args=(self._watch,), name="rlightning-comm-stats", daemon=True
+                ).start()
             return self._watch
 
     def _fold(self, wait: bool = True) -> None:

@@ -1,4 +1,5 @@
-"""Broadcast a model's weights from one rank to the others at the wire's speed, loading them in place or through a ``load`` callable.
+"""Broadcast a model's weights from one rank to the others at the wire's speed, loading them in place or through a
+``load`` callable.
 
 A call first agrees on what moves (:mod:`._weight_handshake`: every rank's
 verdict on its own arguments and tensors, in one small exchange), then moves
@@ -17,14 +18,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from rlightning_comm.weights._handshake import agree
-from rlightning_comm.weights._transport import Transfer
 from rlightning_comm.context import CommContext
 from rlightning_comm.modes import CommMode, ParallelMode
+from rlightning_comm.weights._handshake import agree
+from rlightning_comm.weights._transport import Transfer
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20
 
-StateDictLike = Mapping[str, torch.Tensor] | nn.Module | Sequence[tuple[str, torch.Tensor]] | Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
+StateDictLike = (
+    Mapping[str, torch.Tensor]
+    | nn.Module
+    | Sequence[tuple[str, torch.Tensor]]
+    | Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
+)
 
 
 class StateDictTransfer:
@@ -37,11 +43,13 @@ class StateDictTransfer:
         self._pipeline = pipeline
 
     def is_completed(self) -> bool:
-        """Whether the transfer has completed: :meth:`wait` returned (or raised), or the next call on this mode completed it first."""
+        """Whether the transfer has completed: :meth:`wait` returned (or raised), or the next call on this mode
+        completed it first."""
         return self._pipeline.done
 
     def wait(self) -> None:
-        """Launch the transfers still to go, wait for all of them, and (on a destination) write the last tensors or call ``load``; a second call returns at once.
+        """Launch the transfers still to go, wait for all of them, and (on a destination) write the last tensors or call
+        ``load``; a second call returns at once.
 
         Raises:
             CommTimeoutError, CommError: as for :func:`broadcast_state_dict`.
@@ -58,7 +66,8 @@ def broadcast_state_dict(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     async_op: bool = False,
 ) -> StateDictTransfer | None:
-    """Copy every tensor of ``state_dict`` from rank ``src`` into the same-named tensors of every other rank of ``comm_mode``.
+    """Copy every tensor of ``state_dict`` from rank ``src`` into the same-named tensors of every other rank of
+    ``comm_mode``.
 
     Every member of the group calls this, the source with the weights to
     send, each destination with tensors of the same names, dtypes and shapes

@@ -36,19 +36,22 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions
 
+from rlightning_comm.failures import LAUNCH_ERRORS
 from rlightning_comm.weights._inputs import Problem, describe, mismatch, named_tensors, overlapping, uncovered
 from rlightning_comm.weights._loader import LoadPipeline
 from rlightning_comm.weights._pipeline import Pipeline
 from rlightning_comm.weights._plan import Delivery, Entry, Plan, build_plan, deliveries
 from rlightning_comm.weights._transport import Transfer, point_to_point
-from rlightning_comm.failures import LAUNCH_ERRORS
 
 HANDSHAKE_TAG = 0x5755  # the point-to-point tag of the exchange over gloo (the data's is the next-lower one)
-_ERRORS: dict[str, type[Exception]] = {cls.__name__: cls for cls in (TypeError, ValueError, RuntimeError, NotImplementedError)}
+_ERRORS: dict[str, type[Exception]] = {
+    cls.__name__: cls for cls in (TypeError, ValueError, RuntimeError, NotImplementedError)
+}
 
 
 class Kept:
-    """What a communicator keeps between calls: per source, the last agreed plan; the staging buffers; this rank's last manifest and its hashes."""
+    """What a communicator keeps between calls: per source, the last agreed plan; the staging buffers; this rank's last
+    manifest and its hashes."""
 
     def __init__(self) -> None:
         # source -> (the source's plan key, its plan, the plan's deliveries for a load callable or None)
@@ -60,8 +63,11 @@ class Kept:
         self.hashed: tuple[list[Entry], int, tuple[int, int], tuple[int, int] | None] | None = None
         self.stream: Any = None  # the handshake's own CUDA stream
 
-    def hashes(self, manifest: list[Entry], bucket_bytes: int, is_source: bool) -> tuple[tuple[int, int], tuple[int, int]]:
-        """The hash of ``manifest``'s sorted names, dtypes and shapes, and (on the source) of the plan's inputs; recomputed only when they changed since the last call."""
+    def hashes(
+        self, manifest: list[Entry], bucket_bytes: int, is_source: bool
+    ) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The hash of ``manifest``'s sorted names, dtypes and shapes, and (on the source) of the plan's inputs;
+        recomputed only when they changed since the last call."""
         kept = self.hashed
         if kept is None or kept[0] != manifest:
             kept = (manifest, bucket_bytes, _hash(sorted(e[:3] for e in manifest)), None)
@@ -107,14 +113,18 @@ def _on_device(comm: Any, memory: Kept, run: Any) -> torch.Tensor:
 
 
 def exchange(comm: Any, words: list[int], memory: Kept) -> list[list[int]]:
-    """Every member's ``words`` (the same count on each), in group-rank order, on every member: one round of the handshake."""
+    """Every member's ``words`` (the same count on each), in group-rank order, on every member: one round of the
+    handshake."""
     n = len(words)
     mine = torch.tensor(words, dtype=torch.int64)
     if not point_to_point(comm):
 
         def gather(device: torch.device) -> torch.Tensor:
             rows = torch.empty(comm.world_size, n, dtype=torch.int64, device=device)
-            comm._run("broadcast_state_dict", lambda: comm.group.allgather([list(rows.unbind())], [mine.to(device)], AllgatherOptions()))
+            comm._run(
+                "broadcast_state_dict",
+                lambda: comm.group.allgather([list(rows.unbind())], [mine.to(device)], AllgatherOptions()),
+            )
             return rows
 
         return _on_device(comm, memory, gather).tolist()
@@ -136,7 +146,8 @@ def exchange(comm: Any, words: list[int], memory: Kept) -> list[list[int]]:
 
 
 def _exchange_texts(comm: Any, text: str | None, memory: Kept) -> list[str | None]:
-    """Every member's ``text`` (``None``: none), in group-rank order: two rounds (the lengths, then the padded bytes)."""
+    """Every member's ``text`` (``None``: none), in group-rank order: two rounds (the lengths, then the padded
+    bytes)."""
     data = b"" if text is None else text.encode()
     lengths = [row[0] for row in exchange(comm, [len(data) if text is not None else -1], memory)]
     width = -(-max(max(lengths), 0) // 8)
@@ -147,14 +158,17 @@ def _exchange_texts(comm: Any, text: str | None, memory: Kept) -> list[str | Non
 
 
 def raise_shared(comm: Any, problem: Problem, memory: Kept) -> None:
-    """Exchange every member's problem and raise the first one's type, naming every rank that has one (call on every member, after a round showed one)."""
+    """Exchange every member's problem and raise the first one's type, naming every rank that has one (call on every
+    member, after a round showed one)."""
     texts = _exchange_texts(comm, None if problem is None else f"{problem[0].__name__}\0{problem[1]}", memory)
     found = [(rank, *text.split("\0", 1)) for rank, text in zip(comm.ranks, texts) if text is not None]
     detail = "; ".join(f"rank {rank}: {msg}" for rank, _, msg in found)
     raise _ERRORS.get(found[0][1], RuntimeError)(f"broadcast_state_dict: nothing was transferred; {detail}")
 
 
-def broadcast_manifest(comm: Any, offer: tuple[list[Entry], int] | None, src: int, memory: Kept) -> tuple[list[Entry], int]:
+def broadcast_manifest(
+    comm: Any, offer: tuple[list[Entry], int] | None, src: int, memory: Kept
+) -> tuple[list[Entry], int]:
     """The source's ``(manifest, bucket_bytes)`` on every member (two broadcasts: the size, then the JSON bytes)."""
     payload = json.dumps(offer).encode() if offer is not None else b""
     size = torch.tensor([len(payload)], dtype=torch.int64)
@@ -179,7 +193,9 @@ def broadcast_manifest(comm: Any, offer: tuple[list[Entry], int] | None, src: in
         data.copy_(received)
     try:
         entries, bucket_bytes = json.loads(bytes(buffer))
-        return [(str(name), str(dtype), tuple(int(n) for n in shape), int(alias)) for name, dtype, shape, alias in entries], int(bucket_bytes)
+        return [
+            (str(name), str(dtype), tuple(int(n) for n in shape), int(alias)) for name, dtype, shape, alias in entries
+        ], int(bucket_bytes)
     except (ValueError, TypeError) as err:  # another version's manifest, or bytes the transport garbled
         raise ValueError(f"the source's manifest ({n} bytes) could not be read: {err}") from err
 
@@ -192,15 +208,21 @@ def _check_arguments(comm: Any, src: Any, bucket_bytes: Any, declared: int | Non
     if src is None:
         src = declared
         if src is None:
-            wrong.append(f"src is required: mode {comm.mode!r} was not bound by init_weight_transfer_group, so it has no declared source")
+            wrong.append(
+                f"src is required: mode {comm.mode!r} was not bound by init_weight_transfer_group, so it has no "
+                "declared source"
+            )
     elif isinstance(src, bool) or not isinstance(src, int) or src not in comm.ranks:
         wrong.append(f"src={src!r} is not a global rank of mode {comm.mode!r}; expected one of {list(comm.ranks)}")
         src = None
     return src, (ValueError, "; ".join(wrong)) if wrong else None
 
 
-def _inspect(state_dict: Any, is_source: bool, comm: Any) -> tuple[list[tuple[str, torch.Tensor]] | None, Any, list[Entry], list[Any], Problem]:
-    """This rank's tensors (or ``load`` callable), its manifest, its tensors that share memory (a destination's), and its verdict; never raises."""
+def _inspect(
+    state_dict: Any, is_source: bool, comm: Any
+) -> tuple[list[tuple[str, torch.Tensor]] | None, Any, list[Entry], list[Any], Problem]:
+    """This rank's tensors (or ``load`` callable), its manifest, its tensors that share memory (a destination's), and
+    its verdict; never raises."""
     items, problem = named_tensors(state_dict, is_source)
     if problem is not None or not isinstance(items, list):
         return None, items, [], [], problem
@@ -210,7 +232,13 @@ def _inspect(state_dict: Any, is_source: bool, comm: Any) -> tuple[list[tuple[st
             return None, None, [], [], problem
         return items, None, entries, overlapping(spans), None
     except Exception as err:  # noqa: BLE001 - whatever a tensor raises here is this rank's verdict, shared like any other
-        return None, None, [], [], (type(err) if type(err) in _ERRORS.values() else RuntimeError, f"its tensors could not be read: {err}")
+        return (
+            None,
+            None,
+            [],
+            [],
+            (type(err) if type(err) in _ERRORS.values() else RuntimeError, f"its tensors could not be read: {err}"),
+        )
 
 
 def agree(comm: Any, state_dict: Any, src: Any, bucket_bytes: Any, declared: int | None) -> Transfer:
@@ -228,30 +256,51 @@ def agree(comm: Any, state_dict: Any, src: Any, bucket_bytes: Any, declared: int
     problem = problem or bad
     kept_plan = memory.plans.get(src) if src is not None else None
     # With a problem anywhere every member raises before the keys are read.
-    tensors_key, plan_key = memory.hashes(mine, bucket_bytes, is_source) if problem is None and items is not None else ((0, 0), (0, 0))
+    tensors_key, plan_key = (
+        memory.hashes(mine, bucket_bytes, is_source) if problem is None and items is not None else ((0, 0), (0, 0))
+    )
     kept_key = kept_plan[0] if kept_plan else (0, 0)
     if shared and (kept_plan is None or uncovered(shared, kept_plan[1]) is not None):
         kept_key = (0, 0)  # tensors that share memory are checked against the source's manifest: have it sent
-    words = [int(problem is not None), -1 if src is None else src, *tensors_key, *plan_key, *kept_key, int(_instrumented(comm)), int(load is not None)]
+    words = [
+        int(problem is not None),
+        -1 if src is None else src,
+        *tensors_key,
+        *plan_key,
+        *kept_key,
+        int(_instrumented(comm)),
+        int(load is not None),
+    ]
     rows = exchange(comm, words, memory)
     if any(row[0] for row in rows):
         raise_shared(comm, problem, memory)
     if len({row[1] for row in rows}) > 1:
         named = ", ".join(f"rank {rank}: {row[1]}" for rank, row in zip(comm.ranks, rows))
-        raise ValueError(f"broadcast_state_dict: nothing was transferred; the ranks name different sources ({named}); expected one src on every rank")
+        raise ValueError(
+            f"broadcast_state_dict: nothing was transferred; the ranks name different sources ({named}); expected one "
+            "src on every rank"
+        )
     src = rows[0][1]  # every rank reported a valid input and this src
     source = rows[comm.ranks.index(src)]
     same_tensors = all(row[9] or row[2:4] == source[2:4] for row in rows)  # a load callable takes any manifest
     if not (same_tensors and kept_plan is not None and all(row[6:8] == source[4:6] for row in rows)):
         # The source's manifest, then a second round: each rank's verdict on it and on its tensors against it.
         try:
-            kept_plan = ((source[4], source[5]), build_plan(*broadcast_manifest(comm, (mine, bucket_bytes) if is_source else None, src, memory)), None)
+            kept_plan = (
+                (source[4], source[5]),
+                build_plan(*broadcast_manifest(comm, (mine, bucket_bytes) if is_source else None, src, memory)),
+                None,
+            )
             problem = None
         except ValueError as err:
             kept_plan, problem = None, (ValueError, str(err))
         if kept_plan is not None and items is not None and not is_source:
             differ = mismatch(kept_plan[1].manifest, mine)
-            problem = (ValueError, f"these tensors do not match the source's ({differ})") if differ else uncovered(shared, kept_plan[1])
+            problem = (
+                (ValueError, f"these tensors do not match the source's ({differ})")
+                if differ
+                else uncovered(shared, kept_plan[1])
+            )
         if any(row[0] for row in exchange(comm, [int(problem is not None)], memory)):
             raise_shared(comm, problem, memory)
         memory.plans[src] = kept_plan
@@ -270,5 +319,6 @@ def agree(comm: Any, state_dict: Any, src: Any, bucket_bytes: Any, declared: int
 
 
 def _instrumented(comm: Any) -> bool:
-    """Whether stats or debug mode wraps this communicator's ``broadcast`` (an instance attribute over the class's method)."""
+    """Whether stats or debug mode wraps this communicator's ``broadcast`` (an instance attribute over the class's
+    method)."""
     return "broadcast" in vars(comm)

@@ -24,11 +24,14 @@ Loader = Callable[[list[tuple[str, torch.Tensor]]], Any]
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 _by_place = operator.itemgetter(0, 1)  # (device, address): a sort key that never compares the tensors
-_EXACT_CHECK_BYTES = 1 << 28  # memory whose overlap is worked out byte by byte; beyond it a suspected overlap is refused
+_EXACT_CHECK_BYTES = (
+    1 << 28
+)  # memory whose overlap is worked out byte by byte; beyond it a suspected overlap is refused
 
 
 def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` are the very same view: address, dtype, shape, strides, device and conjugate / negative bits."""
+    """Whether ``a`` and ``b`` are the very same view: address, dtype, shape, strides, device and conjugate / negative
+    bits."""
     return (
         a.data_ptr() == b.data_ptr()
         and a.dtype == b.dtype
@@ -46,7 +49,8 @@ def plain(t: torch.Tensor) -> bool:
 
 
 def named_tensors(state_dict: Any, is_source: bool) -> tuple[list[tuple[str, torch.Tensor]] | Loader | None, Problem]:
-    """The named tensors of any accepted input (a destination's ``load`` callable as it is), or what is wrong with it."""
+    """The named tensors of any accepted input (a destination's ``load`` callable as it is), or what is wrong with
+    it."""
     if isinstance(state_dict, nn.Module):
         items = list(state_dict.state_dict().items())
     elif isinstance(state_dict, Mapping):
@@ -55,10 +59,16 @@ def named_tensors(state_dict: Any, is_source: bool) -> tuple[list[tuple[str, tor
         items = list(state_dict)
         for i, item in enumerate(items):
             if not (isinstance(item, tuple) and len(item) == 2):
-                return None, (TypeError, f"a list of named tensors must hold (name, tensor) pairs; item {i} is {type(item).__name__}")
+                return None, (
+                    TypeError,
+                    f"a list of named tensors must hold (name, tensor) pairs; item {i} is {type(item).__name__}",
+                )
     elif callable(state_dict):
         if is_source:
-            return None, (TypeError, "the source passed a callable: a load callable is for destinations; the source passes its tensors")
+            return None, (
+                TypeError,
+                "the source passed a callable: a load callable is for destinations; the source passes its tensors",
+            )
         return state_dict, None
     else:
         expected = "a Mapping of names to tensors, an nn.Module, a list of (name, tensor) or (on a destination) a load callable"
@@ -75,8 +85,11 @@ def named_tensors(state_dict: Any, is_source: bool) -> tuple[list[tuple[str, tor
     return items, None
 
 
-def describe(items: list[tuple[str, torch.Tensor]], is_source: bool, device_type: str) -> tuple[Problem, list[Entry], list[Span]]:
-    """One pass over this rank's tensors: what it cannot do with one of them, its manifest, and (on a destination) their spans of memory.
+def describe(
+    items: list[tuple[str, torch.Tensor]], is_source: bool, device_type: str
+) -> tuple[Problem, list[Entry], list[Span]]:
+    """One pass over this rank's tensors: what it cannot do with one of them, its manifest, and (on a destination) their
+    spans of memory.
 
     A problem is a layout, a device, or on a destination memory that cannot be
     written (an expanded or zero-stride view). The manifest holds names,
@@ -89,7 +102,9 @@ def describe(items: list[tuple[str, torch.Tensor]], is_source: bool, device_type
     spans: list[Span] = []
     strided = torch.strided
     for i, (name, t) in enumerate(items):
-        if t.is_nested or t.is_quantized or t.layout != strided or not (t.is_cpu or t.is_cuda):  # (a meta tensor is neither)
+        if (
+            t.is_nested or t.is_quantized or t.layout != strided or not (t.is_cpu or t.is_cuda)
+        ):  # (a meta tensor is neither)
             problem = _unusable(name, t, is_source, device_type)
             if problem is not None:
                 return problem, [], []
@@ -109,10 +124,15 @@ def describe(items: list[tuple[str, torch.Tensor]], is_source: bool, device_type
                 why = "has elements that share memory (an expanded or zero-stride view): it cannot hold the source's values"
                 return (ValueError, f"{layout} {why}; pass a tensor of its own (clone() it)"), [], []
             else:
-                end = start + (sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1) * t.element_size()
+                end = (
+                    start
+                    + (sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1) * t.element_size()
+                )
             spans.append((t.get_device(), start, end, name, t))
         dtype = t.dtype
-        entries.append((name, _DTYPE_NAMES.get(dtype) or _DTYPE_NAMES.setdefault(dtype, str(dtype)), tuple(t.shape), alias))
+        entries.append(
+            (name, _DTYPE_NAMES.get(dtype) or _DTYPE_NAMES.setdefault(dtype, str(dtype)), tuple(t.shape), alias)
+        )
     return None, entries, spans
 
 
@@ -121,7 +141,11 @@ def _unusable(name: str, t: torch.Tensor, is_source: bool, device_type: str) -> 
         kind = "nested" if t.is_nested else "quantized" if t.is_quantized else f"layout {t.layout}"
         return ValueError, f"{name!r} must be a dense tensor; got a {kind} tensor"
     if t.is_meta:
-        return ValueError, f"{name!r} is a meta tensor: it has no data to {'send' if is_source else 'receive into'}; materialise it first (to_empty())"
+        return (
+            ValueError,
+            f"{name!r} is a meta tensor: it has no data to {'send' if is_source else 'receive into'}; materialise it "
+            "first (to_empty())",
+        )
     usable = {"cpu", "cuda", device_type}
     if t.device.type not in usable:
         return ValueError, f"{name!r} is on {t.device}; expected a tensor on one of {sorted(usable)}"
@@ -135,7 +159,11 @@ def mismatch(source: tuple[Entry, ...], mine: list[Entry]) -> str | None:
     lines = []
     missing = [n for n in theirs if n not in ours]
     unexpected = [n for n in ours if n not in theirs]
-    differ = [f"{n!r}: source {theirs[n][0]} {list(theirs[n][1])}, here {ours[n][0]} {list(ours[n][1])}" for n in theirs if n in ours and theirs[n] != ours[n]]
+    differ = [
+        f"{n!r}: source {theirs[n][0]} {list(theirs[n][1])}, here {ours[n][0]} {list(ours[n][1])}"
+        for n in theirs
+        if n in ours and theirs[n] != ours[n]
+    ]
     for label, names in (("missing here", missing), ("not on the source", unexpected), ("differ", differ)):
         if names:
             lines.append(f"{len(names)} {label}: {', '.join(map(str, names[:5]))}{', ...' if len(names) > 5 else ''}")
@@ -143,7 +171,8 @@ def mismatch(source: tuple[Entry, ...], mine: list[Entry]) -> str | None:
 
 
 def overlapping(spans: list[Span]) -> list[tuple[str, str, bool]]:
-    """On a destination: ``(name, name, same view)`` of every two tensors whose memory overlaps (``spans`` from :func:`describe`).
+    """On a destination: ``(name, name, same view)`` of every two tensors whose memory overlaps (``spans`` from
+    :func:`describe`).
 
     Spans of memory are sorted and swept once (the common case, no two spans
     meeting, ends there); tensors whose spans meet but which are not the same
@@ -170,7 +199,8 @@ def overlapping(spans: list[Span]) -> list[tuple[str, str, bool]]:
 
 
 def uncovered(pairs: list[tuple[str, str, bool]], plan: Plan) -> Problem:
-    """The destination's overlapping tensors that the source does not hold as one tied tensor (they cannot all get its values)."""
+    """The destination's overlapping tensors that the source does not hold as one tied tensor (they cannot all get its
+    values)."""
     index = {name: i for i, name in enumerate(plan.names)}
     root = dict(plan.aliases)
     for a, b, same in pairs:
@@ -179,7 +209,8 @@ def uncovered(pairs: list[tuple[str, str, bool]], plan: Plan) -> Problem:
             continue
         how = "are one tensor" if same else "share memory"
         return ValueError, (
-            f"{a!r} and {b!r} {how} here, but on the source they are not one tied tensor: they cannot both hold the source's values; "
+            f"{a!r} and {b!r} {how} here, but on the source they are not one tied tensor: they cannot both hold the "
+            "source's values; "
             "pass tensors of their own (clone() one)"
         )
     return None
@@ -194,7 +225,9 @@ def _bytes_of(marks: torch.Tensor, base: int, t: torch.Tensor) -> torch.Tensor:
 def _share_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether any byte of ``a`` is a byte of ``b`` (their spans overlap; each has no overlap of its own)."""
     base = min(a.data_ptr(), b.data_ptr())
-    end = max(t.data_ptr() + (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size() for t in (a, b))
+    end = max(
+        t.data_ptr() + (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size() for t in (a, b)
+    )
     if end - base > _EXACT_CHECK_BYTES:
         return True  # too large to work out here: refused as overlapping
     marks = torch.zeros(end - base, dtype=torch.uint8)

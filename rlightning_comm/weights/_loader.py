@@ -50,7 +50,9 @@ class LoadPipeline(Transfer):
         self._next = 0  # the next delivery to receive
         self._given = 0  # deliveries received and done with
         self._loaded = 0  # load calls that returned
-        self._error: tuple[Exception, int] | None = None  # what load raised, on which bucket; the rest is received and dropped
+        self._error: tuple[Exception, int] | None = (
+            None  # what load raised, on which bucket; the rest is received and dropped
+        )
 
     def _left(self) -> str:
         total = len(self._deliveries)
@@ -65,7 +67,9 @@ class LoadPipeline(Transfer):
         buffer = self._slots[slot]
         if buffer is None or buffer.numel() < delivery.nbytes:
             self._slots[slot] = None  # free the old one first
-            buffer = self._slots[slot] = torch.empty(max(delivery.nbytes, self._floors[slot]), dtype=torch.uint8, device=self._device)
+            buffer = self._slots[slot] = torch.empty(
+                max(delivery.nbytes, self._floors[slot]), dtype=torch.uint8, device=self._device
+            )
         self._buffers[slot] = buffer
         units = self._plan.units
         for index, at in zip(delivery.units, delivery.offsets):
@@ -110,7 +114,8 @@ class LoadPipeline(Transfer):
             (err, bucket), self._error = self._error, None
             if hasattr(err, "add_note"):  # Python 3.11+
                 err.add_note(
-                    f"broadcast_state_dict: load raised on bucket {bucket} of {len(self._deliveries)}; the transfer completed "
+                    f"broadcast_state_dict: load raised on bucket {bucket} of {len(self._deliveries)}; the transfer "
+                    "completed "
                     "(the later buckets were received and dropped), so the group is still in step"
                 )
             raise err

@@ -89,7 +89,9 @@ class Pipeline(Transfer):
         self._arrived = 0  # units received and written here
         self._written = False  # whether any byte of this destination's tensors may have changed
         # Inference tensors (a model built under torch.inference_mode) take in-place writes only inside it.
-        self._writes = torch.inference_mode if not is_source and any(t.is_inference() for t in tensors) else contextlib.nullcontext
+        self._writes = (
+            torch.inference_mode if not is_source and any(t.is_inference() for t in tensors) else contextlib.nullcontext
+        )
 
     def _left(self) -> str:
         units = len(self._plan.units)
@@ -123,7 +125,10 @@ class Pipeline(Transfer):
         kept = self._mirrors[slot]
         if kept is None or kept[0].numel() < nbytes:
             self._mirrors[slot] = None
-            kept = self._mirrors[slot] = (torch.empty(max(nbytes, self._plan.slot_bytes), dtype=torch.uint8, pin_memory=True), None)
+            kept = self._mirrors[slot] = (
+                torch.empty(max(nbytes, self._plan.slot_bytes), dtype=torch.uint8, pin_memory=True),
+                None,
+            )
         if kept[1] is not None:
             kept[1].synchronize()
         return kept[0][:nbytes]
@@ -154,7 +159,8 @@ class Pipeline(Transfer):
             _copy_pieces(mirror, on_host, False)
 
     def _slot(self, nbytes: int, block: bool) -> torch.Tensor | None:
-        """A free staging buffer's first ``nbytes`` bytes; waits for the older unit that holds it unless not ``block``."""
+        """A free staging buffer's first ``nbytes`` bytes; waits for the older unit that holds it unless not
+        ``block``."""
         slot = self._next_slot
         while any(entry[1] == slot for entry in self._pending):
             if not block:
@@ -163,7 +169,9 @@ class Pipeline(Transfer):
         buffer = self._slots[slot]
         if buffer is None or buffer.numel() < nbytes:
             self._slots[slot] = None  # free the old one first
-            buffer = self._slots[slot] = torch.empty(max(nbytes, self._plan.slot_bytes), dtype=torch.uint8, device=self._device)
+            buffer = self._slots[slot] = torch.empty(
+                max(nbytes, self._plan.slot_bytes), dtype=torch.uint8, device=self._device
+            )
         self._next_slot = 1 - slot
         return buffer[:nbytes]
 
@@ -201,7 +209,8 @@ class Pipeline(Transfer):
         return True
 
     def _start(self) -> None:
-        """Launch every unit that needs no wait: all in-place pieces up to the third bucket, and the first two buckets."""
+        """Launch every unit that needs no wait: all in-place pieces up to the third bucket, and the first two
+        buckets."""
         while self._step(block=False):
             pass
         self._tell_source()

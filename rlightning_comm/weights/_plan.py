@@ -28,7 +28,8 @@ DIRECT_BYTES = 256 * 2**10
 
 _ALIGN = 16  # every piece starts on a multiple of the largest element size, so a bucket slice views as any dtype
 
-# One manifest entry: name, dtype name, shape, and the index of an earlier entry that is the very same tensor on the source (-1: none).
+# One manifest entry: name, dtype name, shape, and the index of an earlier entry that is the very same tensor on the
+# source (-1: none).
 Entry = tuple[str, str, tuple[int, ...], int]
 
 
@@ -42,7 +43,8 @@ class Piece(NamedTuple):
 
 
 class Unit(NamedTuple):
-    """One transfer (a broadcast, or a send to each destination over gloo): a single piece that may travel in place (``direct``), or a bucket of coalesced pieces."""
+    """One transfer (a broadcast, or a send to each destination over gloo): a single piece that may travel in place
+    (``direct``), or a bucket of coalesced pieces."""
 
     pieces: tuple[Piece, ...]
     nbytes: int
@@ -66,11 +68,14 @@ class Plan(NamedTuple):
 
 
 class Delivery(NamedTuple):
-    """What one ``load`` call gets: the consecutive units ``units`` received into one buffer, and the tensors they hold."""
+    """What one ``load`` call gets: the consecutive units ``units`` received into one buffer, and the tensors they
+    hold."""
 
     units: range
     offsets: tuple[int, ...]  # where each unit's bytes land in the buffer
-    tensors: tuple[tuple[int, int], ...]  # (manifest index, byte offset) of each whole tensor, aliases and empty ones included
+    tensors: tuple[
+        tuple[int, int], ...
+    ]  # (manifest index, byte offset) of each whole tensor, aliases and empty ones included
     nbytes: int
 
 
@@ -84,7 +89,8 @@ def _align(n: int) -> int:
 
 
 def _pieces(shape: tuple[int, ...], limit: int, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], int]]:
-    """``(index, numel)`` of views that cover a tensor of ``shape`` in order, each of at most ``limit`` elements (or one element)."""
+    """``(index, numel)`` of views that cover a tensor of ``shape`` in order, each of at most ``limit`` elements (or one
+    element)."""
     numel = math.prod(shape)
     if numel <= limit:
         yield prefix, numel
@@ -101,7 +107,8 @@ def _pieces(shape: tuple[int, ...], limit: int, prefix: tuple[Any, ...] = ()) ->
 
 
 def build_plan(manifest: list[Entry], bucket_bytes: int) -> Plan:
-    """The units that move every tensor of ``manifest`` (the source's order), with buckets of at most ``bucket_bytes``."""
+    """The units that move every tensor of ``manifest`` (the source's order), with buckets of at most
+    ``bucket_bytes``."""
     direct_bytes = min(bucket_bytes, DIRECT_BYTES)
     units: list[Unit] = []
     open_: list[Piece] = []
@@ -134,7 +141,8 @@ def build_plan(manifest: list[Entry], bucket_bytes: int) -> Plan:
 
 
 def deliveries(plan: Plan) -> tuple[Delivery, ...]:
-    """The plan's units grouped for a ``load`` destination: buffers of at most one bucket, a tensor larger than that alone.
+    """The plan's units grouped for a ``load`` destination: buffers of at most one bucket, a tensor larger than that
+    alone.
 
     Tensors of no elements and the aliases of tied tensors go with the
     delivery of their first tensor (with the first one for an empty tensor).

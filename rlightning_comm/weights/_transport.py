@@ -51,15 +51,16 @@ from typing import Any
 
 import torch
 
-from rlightning_comm.weights._plan import Plan
 from rlightning_comm.errors import CommError
 from rlightning_comm.failures import LAUNCH_ERRORS, close_gloo_group
+from rlightning_comm.weights._plan import Plan
 
 _TAG = 0x5754  # the point-to-point tag of every unit ("WT"); other traffic on the group is told apart by its own tags
 
 
 def point_to_point(comm: Any) -> bool:
-    """Whether a transfer on ``comm`` moves its data (and its handshake) point to point: gloo on host tensors (gloo's send reads host memory only)."""
+    """Whether a transfer on ``comm`` moves its data (and its handshake) point to point: gloo on host tensors (gloo's
+    send reads host memory only)."""
     return comm.backend == "gloo" and comm.device.type == "cpu"
 
 
@@ -83,7 +84,9 @@ class Transfer:
             every member) rather than by the communicator's ``broadcast``.
     """
 
-    def __init__(self, comm: Any, plan: Plan, src: int, is_source: bool, slots: list[torch.Tensor | None], sends: bool) -> None:
+    def __init__(
+        self, comm: Any, plan: Plan, src: int, is_source: bool, slots: list[torch.Tensor | None], sends: bool
+    ) -> None:
         self._comm = comm
         self._plan = plan
         self._src = src
@@ -106,9 +109,12 @@ class Transfer:
             self._posted = self._tokens()
 
     def _tokens(self) -> list[Any]:
-        """On the source over gloo: the receives of one small message from every destination (its "posted" message or a receipt)."""
+        """On the source over gloo: the receives of one small message from every destination (its "posted" message or a
+        receipt)."""
         group, tokens = self._comm.group, torch.empty(len(self._peers), dtype=torch.uint8)
-        return self._point_to_point(lambda: [group.recv([tokens[i : i + 1]], peer, _TAG) for i, peer in enumerate(self._peers)])
+        return self._point_to_point(
+            lambda: [group.recv([tokens[i : i + 1]], peer, _TAG) for i, peer in enumerate(self._peers)]
+        )
 
     def _token(self) -> list[Any]:
         """On a destination over gloo: the send of one small message to the source."""
@@ -125,7 +131,8 @@ class Transfer:
         self._guarded(self._start)
 
     def finish(self) -> None:
-        """Launch the rest and wait for everything; then nothing (a second call returns at once, even after an error)."""
+        """Launch the rest and wait for everything; then nothing (a second call returns at once, even after an
+        error)."""
         if self._done:
             return
         try:
@@ -181,12 +188,14 @@ class Transfer:
             self._posted = self._token()
 
     def _received(self, unit: int) -> None:
-        """On a destination over gloo, once unit ``unit`` has arrived: a bucket's receipt, so the source may reuse its buffer."""
+        """On a destination over gloo, once unit ``unit`` has arrived: a bucket's receipt, so the source may reuse its
+        buffer."""
         if self._sends and not self._is_source and not self._plan.units[unit].direct:
             self._posted = (self._posted or []) + self._token()
 
     def _move(self, data: torch.Tensor) -> list[Any]:
-        """Start moving ``data`` from the source to every destination; the handles to wait for (on the source over gloo, one per destination, in order)."""
+        """Start moving ``data`` from the source to every destination; the handles to wait for (on the source over gloo,
+        one per destination, in order)."""
         comm = self._comm
         if not self._sends:
             return [comm.broadcast(data, src=self._src, async_op=True)]
@@ -215,11 +224,14 @@ class Transfer:
                 work.wait()
             except CommError:
                 if self._sends and self._is_source:
-                    self._failed_peer = self._peers[k % len(self._peers)]  # a bucket's receipts, then its sends: one per destination each
+                    self._failed_peer = self._peers[
+                        k % len(self._peers)
+                    ]  # a bucket's receipts, then its sends: one per destination each
                 raise
 
     def _wait_source_posted(self) -> None:
-        """On the source over gloo: wait until every destination's receives are posted (gloo then writes each send from this thread)."""
+        """On the source over gloo: wait until every destination's receives are posted (gloo then writes each send from
+        this thread)."""
         if self._is_source and self._posted:
             posted, self._posted = self._posted, []  # each gloo point-to-point work is waited once, even if one raises
             for k, work in enumerate(posted):
@@ -230,7 +242,8 @@ class Transfer:
                     raise
 
     def _drain(self, complete: Any) -> None:
-        """Wait for every pending unit, calling ``complete(entry)`` on each in order; then the "posted" messages and receipts.
+        """Wait for every pending unit, calling ``complete(entry)`` on each in order; then the "posted" messages and
+        receipts.
 
         On the source over gloo every destination's receipt of the whole
         transfer comes first (every send has completed then); elsewhere the
