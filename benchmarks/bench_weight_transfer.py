@@ -184,7 +184,9 @@ def main() -> None:
         "--threads",
         type=int,
         default=0,
-        help="torch's intra-op threads per rank (0: torch's default; torchrun sets OMP_NUM_THREADS=1 for several ranks)",
+        help=(
+            "torch's intra-op threads per rank (0: torch's default; torchrun sets OMP_NUM_THREADS=1 for several ranks)"
+        ),
     )
     parser.add_argument(
         "--ways", help="comma-separated ways to run (library, rlightning and limit always run); default: all"

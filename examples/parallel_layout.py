@@ -146,7 +146,10 @@ def _check_weight_transfer(ctx: CommContext, failures: list[str]) -> str:
     bad = [r for r in dsts if blobs[r] != blobs[src]]
     if bad:
         failures.append(f"rank {me} WEIGHT_TRANSFER broadcast_state_dict: ranks {bad} differ from source {src}")
-    return f"broadcast_state_dict from rank {src} to {dsts}: {'bit-identical' if not bad else 'MISMATCH'} ({len(blob)} bytes)"
+    return (
+        f"broadcast_state_dict from rank {src} to {dsts}: {'bit-identical' if not bad else 'MISMATCH'} ({len(blob)} "
+        "bytes)"
+    )
 
 
 def run(

@@ -50,7 +50,8 @@ def test_local_ranks_get_the_callers_environment_and_torchruns_placement_and_a_f
         monkeypatch.delenv(name, raising=False)
     launch._process_context()
     if sys.platform.startswith("linux"):
-        multiprocessing.forkserver.ensure_running()  # the fork server exists before the variable: its ranks must get it anyway
+        # The fork server exists before the variable: its ranks must get it anyway.
+        multiprocessing.forkserver.ensure_running()
     monkeypatch.setenv("RLC_CALLER_SET", "at run()")  # the ranks start with the caller's environment at the call
     with pytest.raises(RuntimeError, match=r"local ranks failed: exit codes \{.*'rank1': 1"):
         run(_report_then_fail_on_rank_one, 2, str(tmp_path), timeout=20)
@@ -110,7 +111,10 @@ def test_init_distributed_env_in_a_launched_function_is_a_no_op_for_its_world_an
         assert set(refused) == {"default backend", "timeout", "world_size", "rank", "url", "bounded_wait", "bad"}, (
             refused
         )
-        head = f"rlightning_comm.launch.run already initialised this process's world with world_size=2, rank={rank}, backend='gloo', timeout=20 s, bounded_wait=False"
+        head = (
+            f"rlightning_comm.launch.run already initialised this process's world with world_size=2, rank={rank}, "
+            "backend='gloo', timeout=20 s, bounded_wait=False"
+        )
         assert all(
             refused[k].startswith(head)
             for k in ("default backend", "timeout", "world_size", "rank", "url", "bounded_wait")

@@ -249,7 +249,10 @@ def test_local_rank_must_name_a_visible_gpu(world, cuda, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "4")
     with pytest.raises(
         ValueError,
-        match=r"LOCAL_RANK=4 names no GPU of this process: expected 0 <= LOCAL_RANK < 4 \(torch.cuda.device_count\(\)\)",
+        match=(
+            r"LOCAL_RANK=4 names no GPU of this process: expected 0 <= LOCAL_RANK < 4 "
+            r"\(torch.cuda.device_count\(\)\)"
+        ),
     ):
         NcclCommunicator(dist.group.WORLD, [0], "gpu")
     with pytest.raises(ValueError, match="LOCAL_RANK=4 names no GPU"):  # init_group refuses before any group is created
@@ -382,7 +385,10 @@ def test_a_backends_own_refusal_is_reported_as_one_and_the_group_still_works(wor
     comm = HostNccl(_Refusing(raised), [0], "TP")
     with pytest.raises(
         expected,
-        match=r"all_reduce on mode 'TP' was refused by the backend's own check on this rank.*the group still works here",
+        match=(
+            r"all_reduce on mode 'TP' was refused by the backend's own check on this rank"
+            r".*the group still works here"
+        ),
     ) as info:
         comm.all_reduce(torch.ones(4))
     assert "a peer is gone" not in str(info.value) and info.value.__cause__ is raised

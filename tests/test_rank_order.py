@@ -144,7 +144,10 @@ def _creation_paths(rank: int, size: int, url: str) -> list:
         ctx.init_group([0, 1], "SORTED_OLD")  # a sorted declaration works on any torch
         with pytest.raises(
             CommError,
-            match=r"mode 'OLD': group \[1, 0\] is declared out of ascending order.*needs torch >= 2.12.*Declare the group as \[0, 1\]",
+            match=(
+                r"mode 'OLD': group \[1, 0\] is declared out of ascending order.*needs torch >= 2.12.*Declare the "
+                r"group as \[0, 1\]"
+            ),
         ):
             ctx.init_group([1, 0], "OLD")
     finally:

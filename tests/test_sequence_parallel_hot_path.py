@@ -123,18 +123,27 @@ def test_debug_mode_names_every_ranks_length_before_sending(world2) -> None:
     # The fingerprint of the wire tensors names each rank's length along the sequence (4 on rank 0, 3 on rank 1),
     # as a row shape [4, ...] vs [3, ...] or as the rows each rank sends and expects.
     named = {
-        "all_to_all": "rows of shape [2, 4, 2, 3] on global ranks [0]; float64 rows of shape [2, 3, 2, 3] on global ranks [1]",
-        "gather r0=True": "input_tensor: float64[2, 4, 4, 3] on global ranks [0]; float64[2, 3, 4, 3] on global ranks [1]",
-        "gather r0=False": "input_tensor: float64[2, 4, 4, 3] on global ranks [0]; float64[2, 3, 4, 3] on global ranks [1]",
+        "all_to_all": (
+            "rows of shape [2, 4, 2, 3] on global ranks [0]; float64 rows of shape [2, 3, 2, 3] on global ranks [1]"
+        ),
+        "gather r0=True": (
+            "input_tensor: float64[2, 4, 4, 3] on global ranks [0]; float64[2, 3, 4, 3] on global ranks [1]"
+        ),
+        "gather r0=False": (
+            "input_tensor: float64[2, 4, 4, 3] on global ranks [0]; float64[2, 3, 4, 3] on global ranks [1]"
+        ),
         "all_gather": "input_tensor: float64[2, 4, 4, 3] on global ranks [0]; float64[2, 3, 4, 3] on global ranks [1]",
-        "ulysses_attention": "rows of shape [2, 4, 2, 3] on global ranks [0]; float64 rows of shape [2, 3, 2, 3] on global ranks [1]",  # x once for q, k, v
+        # x once for q, k, v
+        "ulysses_attention": (
+            "rows of shape [2, 4, 2, 3] on global ranks [0]; float64 rows of shape [2, 3, 2, 3] on global ranks [1]"
+        ),
         "reduce_scatter": "output: float32[2, 4, 4] on global ranks [0]; float32[2, 3, 4] on global ranks [1]",
         "scatter r0=True": "global rank 0 sends 4 rows to global rank 1, which expects 3",
     }
     # A gather-type op without lengths names the argument and the call that gives them, on every rank.
     hints = {
-        name: "Hint: seq_lens was not given, so each rank took its own length along dim 1 as every rank's, but the ranks hold [4, 3] "
-        "(in group rank order), as the default split of 7 over a group of 2 leaves them: pass "
+        name: "Hint: seq_lens was not given, so each rank took its own length along dim 1 as every rank's, but the "
+        "ranks hold [4, 3] (in group rank order), as the default split of 7 over a group of 2 leaves them: pass "
         "seq_lens=sequence_split_sizes(7, 2) on every rank"
         for name in (
             "gather r0=True",

@@ -97,7 +97,7 @@ def test_stats_count_bytes_async_reset_and_unwrap(world2):
         "barrier": [0, 1],
         "reduce_scatter": [24, 1],
     }
-    for rank, rep in enumerate(reports):
+    for rep in reports:
         assert rep["off_before"] and rep["wrapped"] and rep["pair_wrapped"] and rep["off_after"]
         o = rep["dict_oracle"]
         assert rep["dict_sum"] == [o[0], o[1:4], o[4]]

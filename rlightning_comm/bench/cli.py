@@ -34,7 +34,10 @@ def build_parser(prog: str = "rlightning-comm bench") -> argparse.ArgumentParser
     """The bench's argument parser."""
     p = argparse.ArgumentParser(
         prog=prog,
-        description="Time every collective of rlightning_comm against raw torch.distributed, like nccl-tests: time, algbw, busbw and wrong results per size.",
+        description=(
+            "Time every collective of rlightning_comm against raw torch.distributed, like nccl-tests: time, algbw, "
+            "busbw and wrong results per size."
+        ),
     )
     p.add_argument(
         "--nproc",

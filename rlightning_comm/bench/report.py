@@ -19,7 +19,10 @@ _COLUMNS = (
     f" {'raw(us)':>10} {'raw busbw':>10} {'overhead(%)':>11} {'spread(%)':>15}"
 )
 
-PLOT_MISSING = "--plot needs matplotlib, which is not installed. Install it with: pip install 'rlightning-comm[plot]' (or pip install matplotlib)"
+PLOT_MISSING = (
+    "--plot needs matplotlib, which is not installed. Install it with: pip install 'rlightning-comm[plot]' (or pip "
+    "install matplotlib)"
+)
 
 
 def header(cfg: BenchConfig, world_size: int, group_size: int) -> str:

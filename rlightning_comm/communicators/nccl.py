@@ -57,7 +57,8 @@ def enable_blocking_wait() -> bool:
 # their real pairs. int16, the unsigned types above 8 bits and float8_e8m0fnu have no NCCL type: every op refuses them.
 _MOVES = frozenset(
     {
-        torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool,
+        torch.float32, torch.float64, torch.float16, torch.bfloat16,
+        torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool,
         torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
         torch.complex32, torch.complex64, torch.complex128,
     }

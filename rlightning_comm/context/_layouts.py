@@ -45,7 +45,10 @@ def _local_placement(
             names = _NODE_ENV[name]
             found = next((n for n in names if n in os.environ), None)
             if found is None:
-                return f"{name} was not given and {' / '.join(names)} is not set in the environment (launch with torchrun or pass {name}=)"
+                return (
+                    f"{name} was not given and {' / '.join(names)} is not set in the environment (launch with "
+                    f"torchrun or pass {name}=)"
+                )
             try:
                 value = parse_int(found, os.environ[found])
             except ValueError as err:

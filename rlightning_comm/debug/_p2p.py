@@ -96,7 +96,10 @@ class PairChecker:
         k = counts[peer]
         counts[peer] += 1
         base = f"{sender}>{receiver}/{k}"
-        what = f"{op} #{k} between global rank {self.ranks[sender]} (sending) and global rank {self.ranks[receiver]} (receiving) on mode {self.mode!r}"
+        what = (
+            f"{op} #{k} between global rank {self.ranks[sender]} (sending) and global rank {self.ranks[receiver]} "
+            f"(receiving) on mode {self.mode!r}"
+        )
         if self.store.add(f"{base}/n", 1) >= _GAVE_UP:
             raise CommTimeoutError(
                 f"debug check of {what}: global rank {self.ranks[peer]} gave this pair's call up after the group's "

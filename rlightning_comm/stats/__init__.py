@@ -96,7 +96,10 @@ def reset() -> None:
 def format_table(data: dict[str, dict[str, dict[str, Any]]] | None = None) -> str:
     """A fixed-width table of :func:`snapshot` (or of ``data``), one line per mode and op."""
     data = snapshot() if data is None else data
-    head = f"{'mode':<20} {'op':<22} {'count':>8} {'bytes':>14} {'total ms':>10} {'mean us':>10} {'max us':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}"
+    head = (
+        f"{'mode':<20} {'op':<22} {'count':>8} {'bytes':>14} {'total ms':>10} {'mean us':>10} {'max us':>10} "
+        f"{'algbw GB/s':>11} {'busbw GB/s':>11}"
+    )
     lines = [head, "-" * len(head)]
     for mode, ops in data.items():
         for op, s in ops.items():
