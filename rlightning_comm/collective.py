@@ -15,6 +15,13 @@ from torch.distributed import ReduceOp
 from rlightning_comm.context import CommContext
 from rlightning_comm.modes import CommMode
 
+# The seed's autograd ops, re-exported (the `as` form marks the re-export).
+from rlightning_comm.sequence_parallel import all_to_all as all_to_all
+from rlightning_comm.sequence_parallel import (
+    gather_from_sequence_parallel_region as gather_from_sequence_parallel_region,
+)
+from rlightning_comm.sequence_parallel import scatter_to_sequence_parallel_region as scatter_to_sequence_parallel_region
+
 _context = CommContext()
 
 

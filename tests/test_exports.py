@@ -108,3 +108,77 @@ def test_the_launcher_is_exported_with_its_signature():
         params["timeout"].default,
         params["bounded_wait"].default,
     ) == (4, "gloo", 1800, False)
+
+
+# Module paths users import or the docs name; each must keep importing after the package moves.
+MODULE_PATHS = [
+    "rlightning_comm.collective",
+    "rlightning_comm.sequence_parallel",
+    "rlightning_comm.context",
+    "rlightning_comm.weights",
+    "rlightning_comm.debug",
+    "rlightning_comm.stats",
+    "rlightning_comm.bench",
+    "rlightning_comm.connect",
+    "rlightning_comm.communicators",
+    "rlightning_comm.communicators.base",
+    "rlightning_comm.communicators.gloo",
+    "rlightning_comm.communicators.nccl",
+    "rlightning_comm.communicators.registry",
+    "rlightning_comm.errors",
+    "rlightning_comm.failures",
+    "rlightning_comm.launch",
+    "rlightning_comm.layout",
+    "rlightning_comm.modes",
+    "rlightning_comm.config",
+    "rlightning_comm.topology",
+    "rlightning_comm.rendezvous",
+    "rlightning_comm.bandwidth",
+]
+
+
+def _resolves(dotted: str) -> bool:
+    import importlib
+
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for attr in parts[cut:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+def test_every_documented_module_path_imports():
+    import importlib
+
+    for path in MODULE_PATHS:
+        importlib.import_module(path)
+    assert rlightning_comm.context.CommContext is rlightning_comm.CommContext
+    assert rlightning_comm.weights.broadcast_state_dict is rlightning_comm.broadcast_state_dict
+
+
+def test_every_dotted_name_in_the_docs_and_docstrings_resolves():
+    """``rlightning_comm.x.y`` in README.md, docs/ or a docstring of the package names something that exists."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    texts = [
+        root / "README.md",
+        *sorted((root / "docs").rglob("*.md")),
+        *sorted((root / "rlightning_comm").rglob("*.py")),
+    ]
+    dotted = re.compile(r"(?<![\w/.])rlightning_comm(?:\.[A-Za-z_]\w*)+")
+    broken = set()
+    for path in texts:
+        for name in set(dotted.findall(path.read_text())):
+            name = name.rstrip(".")
+            if not _resolves(name):
+                broken.add(f"{path.relative_to(root)}: {name}")
+    assert not broken, sorted(broken)

@@ -1,0 +1,52 @@
+"""The docs site's structure: every public name has a reference entry, every guide is in the navigation."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import rlightning_comm
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+DIRECTIVE = re.compile(r"^::: (rlightning_comm(?:\.\w+)*)$", re.M)
+
+
+def _directives() -> set[str]:
+    return {m.group(1) for page in (DOCS / "reference").glob("*.md") for m in DIRECTIVE.finditer(page.read_text())}
+
+
+def test_every_public_name_is_in_the_api_reference():
+    directives = _directives()
+    missing = []
+    for name in rlightning_comm.__all__:
+        obj = getattr(rlightning_comm, name)
+        home = getattr(obj, "__module__", None) or obj.__name__  # a module's own name
+        covered = f"rlightning_comm.{name}" in directives or any(
+            home == d or home.startswith(d + ".") for d in directives if d.count(".") >= 1 and d != "rlightning_comm"
+        )
+        if not covered:
+            missing.append(f"{name} (defined in {home})")
+    assert not missing, f"public names with no '::: ...' entry under docs/reference/: {missing}"
+
+
+def test_every_reference_directive_names_something_that_exists():
+    import importlib
+
+    for target in sorted(_directives()):
+        parts = target.split(".")
+        for cut in range(len(parts), 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+            except ModuleNotFoundError:
+                continue
+            for attr in parts[cut:]:
+                assert hasattr(obj, attr), f"docs/reference names {target}, which does not exist"
+                obj = getattr(obj, attr)
+            break
+
+
+def test_every_page_is_in_the_navigation_and_every_nav_entry_exists():
+    nav = set(re.findall(r"([\w/-]+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), re.M))
+    pages = {str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md")}
+    assert pages == nav, f"only in docs/: {sorted(pages - nav)}; only in mkdocs.yml: {sorted(nav - pages)}"
