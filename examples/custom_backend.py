@@ -1,6 +1,7 @@
 """A custom backend: a gloo communicator that records every call, registered by name.
 
-The class is README "Custom backends"'s, with ``broadcast`` recorded too. From the repository root, with the package
+The class is the one in the custom-backends guide (docs/custom-backends.md), with ``broadcast`` recorded too. From the
+repository root, with the package
 installed (``pip install .``)::
 
     python examples/custom_backend.py                       # 2 local ranks, no launcher

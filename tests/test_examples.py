@@ -1,4 +1,4 @@
-"""The README's examples run as their docstrings show, with and without a launcher, and print the right values."""
+"""The examples run as their docstrings show, with and without a launcher, and print the right values."""
 
 from __future__ import annotations
 

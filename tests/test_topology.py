@@ -31,7 +31,7 @@ def test_every_layout_matches_the_coordinate_oracle(world_size: int) -> None:
 
 
 def test_megatron_example_layout() -> None:
-    # The README's table: world 8, tp 2, sp 2, order tp-sp-dp.
+    # The layouts guide's table (docs/layouts.md): world 8, tp 2, sp 2, order tp-sp-dp.
     got = parallel_partitions(
         ParallelConfig(tensor_parallel_size=2, sequence_parallel_size=2, bind_train_data_parallel=True), 8
     )

@@ -142,7 +142,7 @@ class CommContext(ContextLookups, ContextLayouts, ContextConnect, ContextPolicie
                 ``TORCH_NCCL_BLOCKING_WAIT=1`` for the process before any group is
                 created (torch then runs no NCCL watchdog thread). The cost: no
                 call returns before its data has arrived. No effect on gloo. See
-                README "Failure behaviour".
+                the failure guide, docs/failures.md.
 
         With a loopback rendezvous address (``tcp://127.0.0.1:port``, or
         ``env://`` with such a ``MASTER_ADDR`` outside torchrun) the store

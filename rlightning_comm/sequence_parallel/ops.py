@@ -1,6 +1,6 @@
 """Differentiable sequence-parallel communication: thin public functions over the Functions in ``_functions.py``.
 
-The gradient contract (see the README's "Sequence parallelism" section for
+The gradient contract (see the sequence-parallelism guide, docs/sequence-parallel.md, for
 the table): every backward is the exact gradient of one global loss under the
 assumption its docstring names. Words used below:
 
