@@ -1,8 +1,7 @@
 """A custom backend: a gloo communicator that records every call, registered by name.
 
 The class is the one in the custom-backends guide (docs/custom-backends.md), with ``broadcast`` recorded too. From the
-repository root, with the package
-installed (``pip install .``)::
+repository root, with the package installed (``pip install .``)::
 
     python examples/custom_backend.py                       # 2 local ranks, no launcher
     torchrun --nproc-per-node 2 examples/custom_backend.py
