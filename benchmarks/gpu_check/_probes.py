@@ -11,15 +11,17 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import _gpu_matrix as matrix
 import torch
 import torch.distributed as dist
-from _gpu_cells import NotApplicable, Recorder
 from torch.distributed.distributed_c10d import AllgatherOptions
 
 from rlightning_comm import CommContext, CommMismatchError, collective
 
-TESTS = str(Path(__file__).resolve().parents[1] / "tests")
+from .._common import ROOT
+from . import _matrix as matrix
+from ._cells import NotApplicable, Recorder
+
+TESTS = str(ROOT / "tests")
 
 
 def _is_nccl(group: Any) -> bool:
