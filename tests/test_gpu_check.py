@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.py on a CPU machine: its CPU mode end to end, and its machinery (oracles, roots, lockstep,
+"""benchmarks/gpu_check on a CPU machine: its CPU mode end to end, and its machinery (oracles, roots, lockstep,
 probes, kills).
 
 The check's own cells run here on gloo through the library's real ops; a
@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -22,17 +23,21 @@ from world import init_world
 
 from rlightning_comm.bench.cli import build_parser
 
-BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "benchmarks" / "gpu_check"
 
 
 def _module(name: str):
-    if BENCHMARKS not in sys.path:
-        sys.path.insert(0, BENCHMARKS)
-    return importlib.import_module(name)
+    """``benchmarks.gpu_check.<name>`` of this checkout (the package's own modules import each other relatively)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    module = importlib.import_module(f"benchmarks.gpu_check.{name}")
+    assert Path(module.__file__).resolve() == PACKAGE / f"{name}.py", module.__file__  # not another checkout's
+    return module
 
 
 def test_cpu_mode_runs_end_to_end_skips_every_cuda_step_and_reports_a_wrong_op(tmp_path, capsys):
-    gpu_check = _module("gpu_check")
+    gpu_check = _module("_cli")
     status = gpu_check.main(
         [
             "--cpu-only",
@@ -76,14 +81,27 @@ def test_cpu_mode_runs_end_to_end_skips_every_cuda_step_and_reports_a_wrong_op(t
     assert "nccl_world1    FAIL" in out and "all_reduce|float32|sync|plain: wrong" in out
 
 
+def test_the_command_runs_by_path_from_another_folder_with_nothing_on_pythonpath(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # as on a bare GPU machine
+    argv = ["--cpu-only", "--quick", "--steps", "nccl_world1", "--out", "out"]
+    done = subprocess.run(
+        [sys.executable, str(PACKAGE), *argv], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    doc = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert doc["root"] == str(ROOT) and doc["command"][1:] == [str(PACKAGE), *argv]
+    run = doc["steps"]["nccl_world1"]["runs"]["world1"]
+    assert run["status"] == "ok" and run["cells"] and all(c["status"] not in ("wrong", "error") for c in run["cells"])
+
+
 def _cells_on_two_ranks(rank, size, url):
     import torch.distributed as dist
 
     matrix, probes, comms, cells = (
-        _module("_gpu_matrix"),
-        _module("_gpu_probes"),
-        _module("_gpu_comms"),
-        _module("_gpu_cells"),
+        _module("_matrix"),
+        _module("_probes"),
+        _module("_comms"),
+        _module("_cells"),
     )
     ctx = init_world(rank, size, url, timeout=30)
     store = dist.FileStore(os.path.join(url.removeprefix("file://").rsplit("/", 1)[0], "lockstep"), size)
@@ -152,7 +170,7 @@ def test_the_matrix_passes_the_librarys_ops_with_a_non_zero_root_and_reports_a_w
 
 
 def _skipped_call(rank, size, url):
-    probes, cells = _module("_gpu_probes"), _module("_gpu_cells")
+    probes, cells = _module("_probes"), _module("_cells")
     init_world(rank, size, url, timeout=30)
     rec = cells.Recorder(rank=rank)
     probes.skip_call(rec, torch.device("cpu"), url.removeprefix("file://").rsplit("/", 1)[0], timeout=1.0, hold_s=20)
@@ -162,13 +180,13 @@ def _skipped_call(rank, size, url):
 def test_a_call_one_rank_skips_is_measured_against_the_failure_table(world2):
     caller, skipper = world2.run(_skipped_call, timeout=60)
     verdicts = {c["cell"]: c for c in caller}
-    assert verdicts["against the README's failure table"]["status"] == "ok", verdicts
+    assert verdicts["against the failure guide's table"]["status"] == "ok", verdicts
     assert verdicts["blocking all_reduce a peer skips"]["detail"].startswith("CommTimeoutError after")
     assert [c["cell"] for c in skipper] == ["init_group([0, 1], timeout=1)", "warm-up all_reduce"]
 
 
 def test_cells_are_classified_by_who_refused(tmp_path):
-    cells = _module("_gpu_cells")
+    cells = _module("_cells")
     from rlightning_comm import CommContext
 
     rec = cells.Recorder(str(tmp_path / "cells.jsonl"))
@@ -187,7 +205,7 @@ def test_cells_are_classified_by_who_refused(tmp_path):
         ("not here", "n/a"),
         ("late", "skipped"),
     ]
-    launch = _module("_gpu_launch")
+    launch = _module("_launch")
     with open(tmp_path / "cells.jsonl", "a") as f:
         f.write(
             json.dumps({"event": "start", "cell": "hangs here", "rank": 0}) + "\n" + '{"event": "cell", "cell": "cut sh'
@@ -199,7 +217,7 @@ def test_cells_are_classified_by_who_refused(tmp_path):
 def test_lockstep_stops_a_run_only_when_a_collective_may_be_half_done():
     import torch.distributed as dist
 
-    cells = _module("_gpu_cells")
+    cells = _module("_cells")
     store = dist.HashStore()
     steps = [cells.Lockstep(store, rank, 2, timeout=5) for rank in range(2)]
     outcomes = {}
@@ -227,7 +245,7 @@ def test_lockstep_stops_a_run_only_when_a_collective_may_be_half_done():
 
 
 def test_a_hung_command_is_killed_with_its_children(tmp_path):
-    launch = _module("_gpu_launch")
+    launch = _module("_launch")
     child = tmp_path / "child.pid"
     result = launch.run_command("hang", ["bash", "-c", f"sleep 60 & echo $! > {child}; wait"], tmp_path, timeout=1)
     assert result["killed_at_deadline"] and result["seconds"] < 15
@@ -241,7 +259,7 @@ def test_a_hung_command_is_killed_with_its_children(tmp_path):
 
 
 def test_the_cuda_tests_step_selects_what_skips_without_cuda():
-    plugin = _module("_gpu_pytest_plugin")
+    plugin = _module("_pytest_plugin")
     skip = pytest.mark.skipif
     assert plugin.needs_cuda([], "tests/test_nccl.py")
     assert plugin.needs_cuda(
@@ -255,7 +273,7 @@ def test_the_cuda_tests_step_selects_what_skips_without_cuda():
 
 
 def test_bench_commands_are_valid_bench_arguments(tmp_path):
-    commands = _module("gpu_check").bench_commands(tmp_path, "3")
+    commands = _module("_cli").bench_commands(tmp_path, "3")
     nccl = build_parser().parse_args(commands["nccl"][0])
     assert (nccl.backend, nccl.nproc) == ("nccl", 1)
     gloo = build_parser().parse_args(commands["gloo_cuda"][0])

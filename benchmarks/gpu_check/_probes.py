@@ -11,15 +11,17 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import _gpu_matrix as matrix
 import torch
 import torch.distributed as dist
-from _gpu_cells import NotApplicable, Recorder
 from torch.distributed.distributed_c10d import AllgatherOptions
 
 from rlightning_comm import CommContext, CommMismatchError, collective
 
-TESTS = str(Path(__file__).resolve().parents[1] / "tests")
+from .._common import ROOT
+from . import _matrix as matrix
+from ._cells import NotApplicable, Recorder
+
+TESTS = str(ROOT / "tests")
 
 
 def _is_nccl(group: Any) -> bool:
@@ -77,7 +79,7 @@ def pg_returns(rec: Recorder, device: torch.device) -> None:
             if on_nccl and work is not None and name not in ("send", "recv"):
                 return (
                     "differs",
-                    f"returns {kind}; the README says ProcessGroupNCCL returns no work for a blocking call",
+                    f"returns {kind}; the failure guide says ProcessGroupNCCL returns no work for a blocking call",
                 )
             return ("ok" if on_nccl else "observed"), f"returns {kind}"
 
@@ -272,15 +274,15 @@ def skip_call(rec: Recorder, device: torch.device, store_dir: str, timeout: floa
         ok = outcome.get("raised") == "CommTimeoutError" and 0.5 * timeout <= time.time() - started <= 4 * timeout + 10
         verdict = (
             "ok" if ok else "differs",
-            f"README: CommTimeoutError after the group's timeout ({timeout:g} s), the process lives; got {outcome}",
+            f"docs: CommTimeoutError after the group's timeout ({timeout:g} s), the process lives; got {outcome}",
         )
     else:
         verdict = (
             "differs",
-            "README: the process is ended by the watchdog after the timeout; it is still running after "
+            "docs: the process is ended by the watchdog after the timeout; it is still running after "
             f"{time.time() - started:.1f} s: {outcome}",
         )
-    rec.run("against the README's failure table", lambda: verdict, min_s=0)
+    rec.run("against the failure guide's table", lambda: verdict, min_s=0)
     rec.run("destroy() after the failure", lambda: ctx.destroy(), min_s=0)
     Path(done).touch()
 

@@ -1,30 +1,4 @@
-"""GPU check: one bounded command that verifies the NCCL paths on a CUDA machine and writes a JSON report of every cell.
-
-    python benchmarks/gpu_check.py --out gpu-out          # then read gpu-out/gpu_check.json
-    python benchmarks/gpu_check.py --cpu-only --out cpu-out
-
-Steps, each guarded (a failure, a hang or a crash is recorded and the next
-step still runs; every process has a deadline and is killed with its process
-group), all within ``--budget-s`` (a step that no longer fits is skipped with
-"no time left"):
-
-1. ``nccl_world1`` (about 30 s): NCCL at world size 1: what every process-group
-   call returns with ``asyncOp=False``, then every op x dtype x sync/async x
-   plain/stats/debug mode against an oracle; then ``bounded_wait=True``.
-2. ``cuda_tests`` (1 to 3 min): the suite's CUDA tests (pytest, per-test outcomes).
-3. ``nccl_ranks`` (1 to 3 min): 2 NCCL ranks on the one GPU (a distinct
-   ``NCCL_HOSTID`` each, sockets on loopback): a 20 s raw smoke test first,
-   then the matrix with non-zero roots, gradients, groups, a call one rank
-   skips (default and ``bounded_wait=True``), a connected mode and a kill.
-4. ``cuda_branches`` (about 1 min): the NCCL-only Python branches on 4 gloo
-   ranks with CUDA tensors (a test-only communicator staging on ``cuda:0``).
-5. ``bench``: ``rlightning-comm bench`` with whatever time is left.
-
-Without CUDA (or with ``--cpu-only``) every CUDA step is skipped with the
-reason "no CUDA", and steps 1, 3 and 4 run their machinery on gloo with CPU
-tensors as a self-test. Exit status 1 when a step failed (a wrong result, an
-error, a crash or hang, a README claim contradicted), else 0.
-"""
+"""The GPU check's command: its options, the report after every step, and the summary (see the package's docstring)."""
 
 from __future__ import annotations
 
@@ -38,8 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _gpu_launch import ROOT, kill_all
-from _gpu_steps import NEEDS, RUNNERS, STEPS, Plan, bench_commands
+from ._launch import ROOT, kill_all
+from ._steps import NEEDS, RUNNERS, STEPS, Plan, bench_commands
 
 __all__ = ["STEPS", "bench_commands", "main", "summary_lines"]
 
@@ -90,7 +64,8 @@ def summary_lines(doc: dict[str, Any]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        description="GPU check for rlightning_comm: verify the NCCL paths on one GPU in minutes, with a JSON report of every cell"
+        description="GPU check for rlightning_comm: verify the NCCL paths on one GPU in minutes, "
+        "with a JSON report of every cell"
     )
     p.add_argument(
         "--out",
@@ -129,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     plan.out.mkdir(parents=True, exist_ok=True)
     started = time.time()
     doc: dict[str, Any] = {
-        "command": [sys.executable, *sys.argv] if argv is None else ["gpu_check.py", *argv],
+        "command": [sys.executable, *sys.argv] if argv is None else ["benchmarks/gpu_check", *argv],
         "root": str(ROOT),
         "budget_s": args.budget_s,
     }

@@ -2,7 +2,7 @@
 
 Written for any group (world size 1 on NCCL, 2 NCCL ranks, 4 gloo ranks with
 CUDA tensors, gloo on the CPU as a self-test), any root and any device; the
-ops are in :mod:`_gpu_ops`, the inputs and oracles in :mod:`_gpu_case`.
+ops are in :mod:`._ops`, the inputs and oracles in :mod:`._case`.
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
-from _gpu_case import DTYPES, SP_MODE, Case, Check, compare
-from _gpu_cells import Recorder
-from _gpu_ops import OPS
 
 from rlightning_comm import CommContext
+
+from ._case import DTYPES, SP_MODE, Case, Check, compare
+from ._cells import Recorder
+from ._ops import OPS
 
 __all__ = ["CALLS", "DTYPES", "MODES", "OPS", "SP_MODE", "run_cell", "run_matrix"]
 

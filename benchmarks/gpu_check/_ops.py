@@ -13,12 +13,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _gpu_case import GRAD_DTYPES, SP_MODE, Case, Check, combine
-from _gpu_cells import NotApplicable
 from torch.distributed import ReduceOp
 
 from rlightning_comm import CommContext, broadcast_state_dict, collective
 from rlightning_comm import sequence_parallel as sp
+
+from ._case import GRAD_DTYPES, SP_MODE, Case, Check, combine
+from ._cells import NotApplicable
 
 
 def _all_reduce(op: Any) -> Callable[[Case], list[Check]]:
@@ -171,7 +172,7 @@ def _state(c: Case, seed: int) -> dict[str, torch.Tensor]:
 
 
 BETWEEN = "BETWEEN"
-"""A gloo group over the whole world: what may run while an async transfer is in flight on any backend (README: on
+"""A gloo group over the whole world: what may run while an async transfer is in flight on any backend (docs: on
 NCCL no other NCCL group before ``wait()``; with broadcasts, not this mode)."""
 
 

@@ -1,5 +1,5 @@
-"""The GPU check's steps: what each one launches, with what time, and how its runs make its verdict (see
-``gpu_check.py``)."""
+"""The GPU check's steps: what each one launches, with what time, and how its runs make its verdict (see the
+package's docstring)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
-from _gpu_launch import Launch, run_command
-from _gpu_matrix import OPS
+from ._launch import Launch, run_command
+from ._matrix import OPS
 
 STEPS = ("nccl_world1", "cuda_tests", "nccl_ranks", "cuda_branches", "bench")
 NEEDS = {
@@ -133,7 +133,8 @@ def _self_test_note(plan: Plan) -> str:
     return (
         ""
         if plan.cuda
-        else "no CUDA: the NCCL and CUDA cells did not run; this ran the step's machinery on gloo with CPU tensors as a self-test"
+        else "no CUDA: the NCCL and CUDA cells did not run; "
+        "this ran the step's machinery on gloo with CPU tensors as a self-test"
     )
 
 
@@ -181,7 +182,7 @@ def step_cuda_tests(plan: Plan) -> dict[str, Any]:
         "pytest",
         "tests",
         "-p",
-        "_gpu_pytest_plugin",
+        f"{__package__}._pytest_plugin",
         "-p",
         "no:cacheprovider",
         "-v",
@@ -202,7 +203,7 @@ def step_cuda_tests(plan: Plan) -> dict[str, Any]:
 
 
 def _death(run: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """Default-mode probe: how rank 0's process ended, seconds after its call, against the README (the watchdog ends
+    """Default-mode probe: how rank 0's process ended, seconds after its call, against the failure guide (the watchdog ends
     it)."""
     calls = [n["t0"] for n in run.get("notes", []) if n.get("rank") == 0 and n.get("probe") == "call"]
     rank0 = next((r for r in run.get("ranks", []) if r["rank"] == 0), None)

@@ -10,7 +10,7 @@ plain, stats or debug mode; or one probe). Its status:
   ``ValueError`` (a documented refusal, e.g. a reduction NCCL lacks);
 * ``backend_refused``: the backend's own check refused it (the library says so);
 * ``error``: any other exception (type and message kept);
-* ``differs``: a probe observed something other than what the README states;
+* ``differs``: a probe observed something other than what the docs state;
 * ``observed``: a probe's measurement with nothing to compare against;
 * ``n/a``: the configuration does not apply (a send at world size 1);
 * ``skipped``: not run (no time left, or the group fell out of step).

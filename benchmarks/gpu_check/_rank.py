@@ -1,4 +1,5 @@
-"""One rank of a GPU check run: ``python benchmarks/_gpu_rank.py SPEC_JSON RANK`` (started by ``gpu_check.py``).
+"""One rank of a GPU check run: ``python -m benchmarks.gpu_check._rank SPEC_JSON RANK`` in the checkout (started by
+:mod:`._launch`).
 
 The spec names the run (see :data:`RUNS`), the backend, the device, the
 world's timeout, the root and what part of the matrix to run. Every outcome
@@ -19,14 +20,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import _gpu_comms as comms
-import _gpu_matrix as matrix
-import _gpu_probes as probes
 import torch
 import torch.distributed as dist
-from _gpu_cells import Lockstep, Recorder
 
 from rlightning_comm import CommContext
+
+from . import _comms as comms
+from . import _matrix as matrix
+from . import _probes as probes
+from ._cells import Lockstep, Recorder
 
 
 def _device(spec: dict[str, Any]) -> torch.device:

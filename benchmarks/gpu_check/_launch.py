@@ -17,18 +17,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT  # also puts the checkout on sys.path
-from _gpu_cells import FAILING, counts
+from .._common import ROOT
+from ._cells import FAILING, counts
 
-BENCHMARKS = Path(__file__).resolve().parent
-RANK_PROGRAM = str(BENCHMARKS / "_gpu_rank.py")
+RANK_MODULE = f"{__package__}._rank"
+"""The rank program, run as ``python -m`` from the checkout: its relative imports need the package."""
 _TAIL = 4000
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """This process's environment, with the checkout and ``benchmarks/`` importable, plus ``extra``."""
+    """This process's environment, with the checkout (and so this package) importable first, plus ``extra``."""
     env = dict(os.environ)
-    paths = [str(ROOT), str(BENCHMARKS), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    paths = [str(ROOT), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
@@ -94,7 +94,7 @@ def read_cells(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]], 
 
 
 class Launch:
-    """One run of the rank program on ``size`` processes (``python benchmarks/_gpu_rank.py SPEC --rank R``).
+    """One run of the rank program on ``size`` processes (``python -m benchmarks.gpu_check._rank SPEC RANK``).
 
     Args:
         name: The run's name (file names, the report).
@@ -146,7 +146,7 @@ class Launch:
             env = child_env({"GPU_CHECK_RANK": str(rank), **self.env(rank)})
             self.procs.append(
                 subprocess.Popen(
-                    [sys.executable, RANK_PROGRAM, json.dumps(spec), str(rank)],
+                    [sys.executable, "-m", RANK_MODULE, json.dumps(spec), str(rank)],
                     cwd=ROOT,
                     env=env,
                     stdout=log,
