@@ -101,4 +101,5 @@ def machine() -> str:
 
     import torch
 
-    return f"{os.cpu_count()} CPU cores ({platform.machine()}), torch {torch.__version__}, python {platform.python_version()}"
+    cores = f"{os.cpu_count()} CPU cores ({platform.machine()})"
+    return f"{cores}, torch {torch.__version__}, python {platform.python_version()}"

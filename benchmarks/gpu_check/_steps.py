@@ -203,8 +203,8 @@ def step_cuda_tests(plan: Plan) -> dict[str, Any]:
 
 
 def _death(run: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """Default-mode probe: how rank 0's process ended, seconds after its call, against the failure guide (the watchdog ends
-    it)."""
+    """Default-mode probe: how rank 0's process ended, seconds after its call, against the failure guide (the
+    watchdog ends it)."""
     calls = [n["t0"] for n in run.get("notes", []) if n.get("rank") == 0 and n.get("probe") == "call"]
     rank0 = next((r for r in run.get("ranks", []) if r["rank"] == 0), None)
     if not calls or rank0 is None:
