@@ -20,8 +20,10 @@ from torch import nn
 
 from rlightning_comm.context import CommContext
 from rlightning_comm.modes import CommMode, ParallelMode
+from rlightning_comm.weights._commit import Sync, mode_store
 from rlightning_comm.weights._handshake import agree
-from rlightning_comm.weights._transport import Transfer
+from rlightning_comm.weights._report import WeightSyncReport
+from rlightning_comm.weights._versions import SyncOptions
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20
 
@@ -38,7 +40,7 @@ class StateDictTransfer:
 
     __slots__ = ("_comm", "_pipeline")
 
-    def __init__(self, comm: Any, pipeline: Transfer) -> None:
+    def __init__(self, comm: Any, pipeline: Sync) -> None:
         self._comm = comm
         self._pipeline = pipeline
 
@@ -47,16 +49,20 @@ class StateDictTransfer:
         completed it first."""
         return self._pipeline.done
 
-    def wait(self) -> None:
+    def wait(self) -> WeightSyncReport:
         """Launch the transfers still to go, wait for all of them, and (on a destination) write the last tensors or call
-        ``load``; a second call returns at once.
+        ``load``, verify and commit; a second call returns the report at once.
+
+        Returns:
+            The :class:`WeightSyncReport` of the sync.
 
         Raises:
-            CommTimeoutError, CommError: as for :func:`broadcast_state_dict`.
+            CommTimeoutError, CommError, CommMismatchError: as for :func:`broadcast_state_dict`.
         """
         if not self._pipeline.done:
             with self._comm._exclusive("broadcast_state_dict"):
-                self._pipeline.finish()
+                return self._pipeline.finish()
+        return self._pipeline.finish()
 
 
 def broadcast_state_dict(
@@ -65,7 +71,13 @@ def broadcast_state_dict(
     src: int | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     async_op: bool = False,
-) -> StateDictTransfer | None:
+    *,
+    version: int | None = None,
+    verify: bool = False,
+    atomic: bool = False,
+    staging_device: torch.device | str | None = None,
+    record_as: CommMode | ParallelMode | str | None = None,
+) -> WeightSyncReport | StateDictTransfer | None:
     """Copy every tensor of ``state_dict`` from rank ``src`` into the same-named tensors of every other rank of
     ``comm_mode``.
 
@@ -154,19 +166,25 @@ def broadcast_state_dict(
         CommTimeoutError, CommError: a transfer (a send, receive or broadcast) failed, or a peer never joined.
     """
     comm = CommContext().get_communicator(comm_mode)
-    return transfer(comm, state_dict, src, bucket_bytes, async_op)
+    options = SyncOptions(version, verify, atomic, staging_device, record_as, comm.mode)
+    return transfer(comm, state_dict, src, bucket_bytes, async_op, options)
 
 
-def transfer(comm: Any, state_dict: Any, src: Any, bucket_bytes: Any, async_op: bool) -> StateDictTransfer | None:
+def transfer(
+    comm: Any, state_dict: Any, src: Any, bucket_bytes: Any, async_op: bool, options: SyncOptions | None = None
+) -> WeightSyncReport | StateDictTransfer | None:
     """:func:`broadcast_state_dict` on the communicator ``comm`` (bound to a mode, or built by the caller)."""
     if not comm.is_member:
         return None
+    if options is None:
+        options = SyncOptions(None, False, False, None, None, comm.mode)
+    if options.atomic is True and options.problem is None and mode_store(comm) is None:
+        options.problem = (ValueError, f"atomic=True needs a store every member of mode {comm.mode!r} reaches")
     with comm._exclusive("broadcast_state_dict"):
         declared = _declared_source(comm) if src is None else None
-        pipeline = agree(comm, state_dict, src, bucket_bytes, declared)
+        pipeline = agree(comm, state_dict, src, bucket_bytes, declared, options)
         if not async_op:
-            pipeline.finish()
-            return None
+            return pipeline.finish()
         pipeline.start()
     return StateDictTransfer(comm, pipeline)
 

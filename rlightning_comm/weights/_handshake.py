@@ -37,11 +37,14 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions
 
 from rlightning_comm.failures import LAUNCH_ERRORS
+from rlightning_comm.weights._commit import Sync, staging
+from rlightning_comm.weights._digest import Digests
 from rlightning_comm.weights._inputs import Problem, describe, mismatch, named_tensors, overlapping, uncovered
 from rlightning_comm.weights._loader import LoadPipeline
 from rlightning_comm.weights._pipeline import Pipeline
 from rlightning_comm.weights._plan import Delivery, Entry, Plan, build_plan, deliveries
 from rlightning_comm.weights._transport import Transfer, point_to_point
+from rlightning_comm.weights._versions import SyncOptions
 
 HANDSHAKE_TAG = 0x5755  # the point-to-point tag of the exchange over gloo (the data's is the next-lower one)
 _ERRORS: dict[str, type[Exception]] = {
@@ -58,7 +61,7 @@ class Kept:
         self.plans: dict[int, tuple[tuple[int, int], Plan, tuple[Delivery, ...] | None]] = {}
         self.slots: list[torch.Tensor | None] = [None, None]
         self.mirrors: list[Any] = [None, None]
-        self.unfinished: Transfer | None = None  # an async transfer not yet waited: it holds the slots
+        self.unfinished: Any = None  # an async transfer not yet waited: it holds the slots
         # (manifest, bucket_bytes, hash of its sorted names/dtypes/shapes, hash of (manifest, bucket_bytes) or None)
         self.hashed: tuple[list[Entry], int, tuple[int, int], tuple[int, int] | None] | None = None
         self.stream: Any = None  # the handshake's own CUDA stream
@@ -241,10 +244,11 @@ def _inspect(
         )
 
 
-def agree(comm: Any, state_dict: Any, src: Any, bucket_bytes: Any, declared: int | None) -> Transfer:
-    """The handshake: every member ends with the same plan and a transfer ready to start, or raises the same error.
+def agree(comm: Any, state_dict: Any, src: Any, bucket_bytes: Any, declared: int | None, options: SyncOptions) -> Sync:
+    """The handshake: every member ends with the same plan and a sync ready to start, or raises the same error.
 
-    ``declared`` is the mode's declared source (``src=None`` means it).
+    ``declared`` is the mode's declared source (``src=None`` means it); ``options`` the call's versions, verification
+    and commit (their words ride on the first round, and their refusals are raised on every member here).
     """
     memory = kept(comm)
     if memory.unfinished is not None:  # every rank has it, in the same program order: complete it first
@@ -253,7 +257,7 @@ def agree(comm: Any, state_dict: Any, src: Any, bucket_bytes: Any, declared: int
     src, problem = _check_arguments(comm, src, bucket_bytes, declared)
     is_source = src == comm._global_rank
     items, load, mine, shared, bad = _inspect(state_dict, is_source, comm)
-    problem = problem or bad
+    problem = problem or bad or options.problem
     kept_plan = memory.plans.get(src) if src is not None else None
     # With a problem anywhere every member raises before the keys are read.
     tensors_key, plan_key = (
@@ -270,6 +274,7 @@ def agree(comm: Any, state_dict: Any, src: Any, bucket_bytes: Any, declared: int
         *kept_key,
         int(_instrumented(comm)),
         int(load is not None),
+        *options.words(),
     ]
     rows = exchange(comm, words, memory)
     if any(row[0] for row in rows):
@@ -281,10 +286,13 @@ def agree(comm: Any, state_dict: Any, src: Any, bucket_bytes: Any, declared: int
             "src on every rank"
         )
     src = rows[0][1]  # every rank reported a valid input and this src
+    options.check(comm.ranks, [row[10:] for row in rows], src, "broadcast_state_dict")
+    cached = True
     source = rows[comm.ranks.index(src)]
     same_tensors = all(row[9] or row[2:4] == source[2:4] for row in rows)  # a load callable takes any manifest
     if not (same_tensors and kept_plan is not None and all(row[6:8] == source[4:6] for row in rows)):
         # The source's manifest, then a second round: each rank's verdict on it and on its tensors against it.
+        cached = False
         try:
             kept_plan = (
                 (source[4], source[5]),
@@ -306,16 +314,47 @@ def agree(comm: Any, state_dict: Any, src: Any, bucket_bytes: Any, declared: int
         memory.plans[src] = kept_plan
     plan = kept_plan[1]
     sends = point_to_point(comm) and not any(row[8] for row in rows)  # the same choice on every member
-    if load is not None:
+    digests = Digests(plan.names, plan.aliases) if options.verify else None
+    peers = [r for r in comm.ranks if r != src]
+    sent = {r: plan.total_bytes for r in peers} if is_source else {}
+    received = {} if is_source else {src: plan.total_bytes}
+    live: tuple[Any, list[Any]] | None = None
+    if load is not None and not options.atomic:
         if kept_plan[2] is None:
             kept_plan = memory.plans[src] = (*kept_plan[:2], deliveries(plan))
-        memory.unfinished = LoadPipeline(comm, plan, load, src, memory.slots, sends, kept_plan[2])
-        return memory.unfinished
-    by_name = dict(items)
-    tensors = [by_name[name] for name in plan.names]
-    tensors = [t.detach() if t.requires_grad else t for t in tensors]  # the pipeline writes them in place
-    memory.unfinished = Pipeline(comm, plan, tensors, src, is_source, memory.slots, sends, memory.mirrors)
-    return memory.unfinished
+        if digests is not None:
+            load = _hashing(load, digests, plan)
+        data: Transfer = LoadPipeline(comm, plan, load, src, memory.slots, sends, kept_plan[2])
+    else:
+        if load is None:
+            by_name = dict(items)
+            tensors = [by_name[name] for name in plan.names]
+            tensors = [t.detach() if t.requires_grad else t for t in tensors]  # the pipeline writes them in place
+        if options.atomic and not is_source:  # received into staging; the live tensors wait for the commit
+            staged = staging(plan, None if load is not None else tensors, options.staging_device, comm.device)
+            live = (load, list(zip(plan.names, staged))) if load is not None else (tensors, staged)
+            tensors = staged
+        data = Pipeline(comm, plan, tensors, src, is_source, memory.slots, sends, memory.mirrors)
+        data.digests = digests
+        data.staging = live is not None
+    rounds = (lambda words: exchange(comm, words, memory), lambda text: _exchange_texts(comm, text, memory))
+    sync = Sync(comm, data, options, src, sent, received, digests, live, cached, rounds, "broadcast_state_dict")
+    memory.unfinished = sync
+    return sync
+
+
+def _hashing(load: Any, digests: Digests, plan: Plan) -> Any:
+    """``load`` that first feeds ``digests`` with each whole tensor it is given (a view of the bucket it arrived in)."""
+    index = {name: i for i, name in enumerate(plan.names)}
+    aliased = {i for i, _ in plan.aliases}
+
+    def hashed(named: list[tuple[str, torch.Tensor]]) -> Any:
+        for name, tensor in named:
+            if index[name] not in aliased:
+                digests.update(index[name], tensor)
+        return load(named)
+
+    return hashed
 
 
 def _instrumented(comm: Any) -> bool:

@@ -88,6 +88,8 @@ class Pipeline(Transfer):
         self._next_unit = 0
         self._arrived = 0  # units received and written here
         self._written = False  # whether any byte of this destination's tensors may have changed
+        self.digests: Any = None  # a Digests fed with every piece's bytes as they pass (verify=True)
+        self.staging = False  # the tensors are an atomic sync's staging, not the live weights
         # Inference tensors (a model built under torch.inference_mode) take in-place writes only inside it.
         self._writes = (
             torch.inference_mode if not is_source and any(t.is_inference() for t in tensors) else contextlib.nullcontext
@@ -95,6 +97,11 @@ class Pipeline(Transfer):
 
     def _left(self) -> str:
         units = len(self._plan.units)
+        if self.staging:
+            return (
+                f"this destination received into staging ({self._arrived} of {units} units had arrived); its live "
+                "tensors were not written"
+            )
         if not self._written:
             return f"this destination's tensors were not written ({self._arrived} of {units} units had arrived)"
         return (
@@ -179,11 +186,24 @@ class Pipeline(Transfer):
         works, slot, unit, staged = entry
         self._wait(works)  # on the source over gloo, a bucket's receipts come first: see _weight_transport
         self._received(unit)
+        if not self._is_source:
+            self._feed(self._plan.units[unit], staged)
         if staged is not None and not self._is_source:
             self._written = True
             with self._writes():
                 self._stage(staged, self._plan.units[unit], slot, pack=False)
         self._arrived += 1
+
+    def _feed(self, unit: Unit, staged: torch.Tensor | None) -> None:
+        """Feed the digests (``verify=True``) with the unit's bytes as they travel: the bucket's, or the piece's own."""
+        digests = self.digests
+        if digests is None:
+            return
+        for piece in unit.pieces:
+            if staged is not None:
+                digests.update(piece.index, staged[piece.at : piece.at + piece.nbytes])
+            else:
+                digests.update(piece.index, _view(self._tensors[piece.index], piece.where))
 
     def _step(self, block: bool) -> bool:
         """Launch the next unit; ``False`` when it needs a busy buffer and ``block`` is off, or when none is left."""
@@ -204,6 +224,8 @@ class Pipeline(Transfer):
             data = staged
         elif not self._is_source:
             self._written = True  # received straight into the tensor: written as the bytes arrive
+        if self._is_source:
+            self._feed(unit, staged)
         self._launch(data, slot, index, staged)
         self._next_unit += 1
         return True
