@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from rlightning_comm.context import CommContext
+from rlightning_comm.errors import CommError
 from rlightning_comm.modes import CommMode, ParallelMode
 from rlightning_comm.weights._commit import Sync, mode_store
 from rlightning_comm.weights._handshake import agree
@@ -182,7 +183,18 @@ def transfer(
         options.problem = (ValueError, f"atomic=True needs a store every member of mode {comm.mode!r} reaches")
     with comm._exclusive("broadcast_state_dict"):
         declared = _declared_source(comm) if src is None else None
-        pipeline = agree(comm, state_dict, src, bucket_bytes, declared, options)
+        try:
+            pipeline = agree(comm, state_dict, src, bucket_bytes, declared, options)
+        except CommError as err:  # a member lost or absent in the handshake: nothing moved
+            if options.version is None and not options.atomic:
+                raise
+            held = CommContext().get_weight_version(options.record_as)
+            left = "no committed version" if held is None else f"version {held}"
+            raise type(err)(
+                f"broadcast_state_dict: version {options.version} not committed; live weights are {left} (nothing "
+                f"was transferred): {err}",
+                *err.args[1:],
+            ) from err
         if not async_op:
             return pipeline.finish()
         pipeline.start()
