@@ -1,13 +1,16 @@
 """An atomic sync whose destination is SIGKILLed at six points: every survivor ends on one version, never a mix.
 
-A connected mode of 5 members: the 4 ranks of a spawned world (rank 0 the trainer, ranks 1 to 3 engines that survive)
-and a victim engine, a process of its own per round (started up front, each waiting for its round). Round ``k``
+A connected mode of 5 members: the 4 ranks of a spawned world (rank 0 the trainer, member 0; ranks 1 to 3 engines that
+survive, members 1, 3 and 4) and a victim engine, member 2, a process of its own per round (started up front, each
+waiting for its round). The sync relays (the default over gloo): 0 -> 1 -> 2 -> 3 -> 4, so the victim is a relay with
+two engines downstream of it. Round ``k``
 syncs version ``k + 1`` atomically and the victim dies at its point; the survivors re-form the mode with the next
 victim. The oracle is the test's: the SHA-256 of each tensor of the state the trainer sent, computed here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import signal
@@ -27,6 +30,8 @@ COMMITTED = {"none", "decided", "applying"}  # after it: the new version on ever
 TENSORS, ELEMENTS, BUCKET = 24, 512, 4096
 BOUND = 10.0  # seconds any member's call may take on this loaded 2-core machine (the group's timeout is 30 s)
 MODE = "ATOMIC"
+VICTIM = 2
+MEMBER = [0, 1, 3, 4]  # the world's ranks' members of the mode
 
 
 def _state(version: int) -> dict[str, torch.Tensor]:
@@ -76,14 +81,14 @@ def _arm(point: str) -> None:
 
 
 def _victim(address: str, round_: int) -> None:
-    """A victim engine: waits for its round, joins the mode as member 4, dies at the round's point."""
+    """A victim engine: waits for its round, joins the mode as member 2, dies at the round's point."""
     from rlightning_comm import CommContext, broadcast_state_dict
 
     host, port = address.rsplit(":", 1)
     store = dist.TCPStore(host, int(port), None, False, timedelta(seconds=120))
     store.wait([f"kills/go/{round_}"], timedelta(seconds=240))
     ctx = CommContext()
-    ctx.connect(MODE, rank=4, world_size=5, address=address, timeout=30)
+    ctx.connect(MODE, rank=VICTIM, world_size=5, address=address, timeout=30)
     _arm(POINTS[round_])
     try:
         broadcast_state_dict(_state(0), MODE, src=0, bucket_bytes=BUCKET, version=round_ + 1, atomic=True)
@@ -112,15 +117,17 @@ def _rounds(rank: int, size: int, url: str) -> list[dict]:
         for k in range(len(POINTS)):
             if rank == 0:
                 store.set(f"kills/go/{k}", "1")
-            ctx.connect(MODE, rank=rank, world_size=5, address=address, timeout=30)
+            ctx.connect(MODE, rank=MEMBER[rank], world_size=5, address=address, timeout=30)
             state = _state(k + 1) if rank == 0 else live
             start = time.monotonic()
             try:
-                broadcast_state_dict(state, MODE, src=0, bucket_bytes=BUCKET, version=k + 1, atomic=True)
+                report = broadcast_state_dict(state, MODE, src=0, bucket_bytes=BUCKET, version=k + 1, atomic=True)
                 result = {"type": None}
             except Exception as err:  # noqa: BLE001 - each survivor's outcome goes back to the parent
                 result = {"type": type(err).__name__, "msg": str(err)}
             result.update(elapsed=time.monotonic() - start, held=_oracle(live), version=ctx.get_weight_version(MODE))
+            if result["type"] is None:
+                result["report"] = dataclasses.asdict(report)
             out.append(result)
             dist.barrier()  # every survivor is done with round k before its victim may go
             if rank == 0:
@@ -162,3 +169,6 @@ def test_a_destination_killed_at_any_point_leaves_every_survivor_on_one_version(
                 assert e["version"] == version and e["type"] is not None, (point, e)
                 assert f"version {k + 1} not committed; live weights are {before}" in e["msg"], (point, e["msg"])
             assert source["type"] is not None and f"version {k + 1} not committed" in source["msg"], source
+    total = TENSORS * ELEMENTS * 4
+    assert results[0][0]["report"]["sent"] == {1: total}  # the trainer sends one model's bytes; the engines relay
+    assert [results[r][0]["report"]["sent"] for r in (1, 2, 3)] == [{2: total}, {4: total}, {}]

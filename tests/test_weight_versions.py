@@ -94,7 +94,9 @@ def _cases(rank: int, size: int, url: str) -> dict:
     def sync(**kw):
         return broadcast_state_dict(arg, "SYNC", src=0, bucket_bytes=BUCKET, **kw)
 
-    out["plain"] = _outcome(lambda: sync())
+    out["plain"] = _outcome(lambda: sync(fanout="star"))
+    out["chain"] = _outcome(lambda: sync())  # the default over gloo: a relay through ranks 1 and 2 (rank 3 loads)
+    out["chain_held"] = held()
     out["v1"] = _outcome(lambda: sync(version=1, verify=True))
     out["v1_held"], out["v1_version"] = held(), ctx.get_weight_version("SYNC")
     if rank == 0:
@@ -151,6 +153,19 @@ def test_every_member_gets_a_report_with_the_bytes_it_moved(cases) -> None:
     for r in reports[1:]:
         assert r["received"] == {0: total} and r["sent"] == {} and r["version"] is None and r["digests"] == {}, r
     assert not reports[0]["plan_cached"] and cases[0]["v1"]["report"]["plan_cached"]
+
+
+def test_a_relay_sends_each_byte_once_from_the_trainer_and_arrives_bit_identical(cases) -> None:
+    total = _total()
+    sent = [c["chain"]["report"]["sent"] for c in cases]
+    received = [c["chain"]["report"]["received"] for c in cases]
+    # Rank 3 passes a load callable (it cannot forward): the source sends to it and to the head of the chain, 1 -> 2.
+    assert sent == [{1: total, 3: total}, {2: total}, {}, {}], sent
+    assert received == [{}, {0: total}, {1: total}, {0: total}], received
+    assert all(c["chain_held"] == cases[0]["chain_held"] for c in cases)
+    # Atomic syncs relay through every engine (a load callable's staging forwards too): one model's bytes from rank 0.
+    atomic = [c["v4"]["report"] for c in cases]
+    assert [a["sent"] for a in atomic] == [{1: total}, {2: total}, {3: total}, {}], atomic
 
 
 def test_digests_match_an_oracle_and_follow_a_changed_element(cases) -> None:

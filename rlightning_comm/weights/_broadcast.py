@@ -78,6 +78,7 @@ def broadcast_state_dict(
     atomic: bool = False,
     staging_device: torch.device | str | None = None,
     record_as: CommMode | ParallelMode | str | None = None,
+    fanout: str | None = None,
 ) -> WeightSyncReport | StateDictTransfer | None:
     """Copy every tensor of ``state_dict`` from rank ``src`` into the same-named tensors of every other rank of
     ``comm_mode``.
@@ -168,11 +169,17 @@ def broadcast_state_dict(
     """
     comm = CommContext().get_communicator(comm_mode)
     options = SyncOptions(version, verify, atomic, staging_device, record_as, comm.mode)
-    return transfer(comm, state_dict, src, bucket_bytes, async_op, options)
+    return transfer(comm, state_dict, src, bucket_bytes, async_op, options, fanout)
 
 
 def transfer(
-    comm: Any, state_dict: Any, src: Any, bucket_bytes: Any, async_op: bool, options: SyncOptions | None = None
+    comm: Any,
+    state_dict: Any,
+    src: Any,
+    bucket_bytes: Any,
+    async_op: bool,
+    options: SyncOptions | None = None,
+    fanout: str | None = None,
 ) -> WeightSyncReport | StateDictTransfer | None:
     """:func:`broadcast_state_dict` on the communicator ``comm`` (bound to a mode, or built by the caller)."""
     if not comm.is_member:
@@ -184,7 +191,7 @@ def transfer(
     with comm._exclusive("broadcast_state_dict"):
         declared = _declared_source(comm) if src is None else None
         try:
-            pipeline = agree(comm, state_dict, src, bucket_bytes, declared, options)
+            pipeline = agree(comm, state_dict, src, bucket_bytes, declared, options, fanout)
         except CommError as err:  # a member lost or absent in the handshake: nothing moved
             if options.version is None and not options.atomic:
                 raise

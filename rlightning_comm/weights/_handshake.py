@@ -43,7 +43,7 @@ from rlightning_comm.weights._inputs import Problem, describe, mismatch, named_t
 from rlightning_comm.weights._loader import LoadPipeline
 from rlightning_comm.weights._pipeline import Pipeline
 from rlightning_comm.weights._plan import Delivery, Entry, Plan, build_plan, deliveries
-from rlightning_comm.weights._transport import Transfer, point_to_point
+from rlightning_comm.weights._transport import Transfer, chain, point_to_point
 from rlightning_comm.weights._versions import SyncOptions
 
 HANDSHAKE_TAG = 0x5755  # the point-to-point tag of the exchange over gloo (the data's is the next-lower one)
@@ -244,7 +244,18 @@ def _inspect(
         )
 
 
-def agree(comm: Any, state_dict: Any, src: Any, bucket_bytes: Any, declared: int | None, options: SyncOptions) -> Sync:
+FANOUTS = (None, "star", "chain")
+
+
+def agree(
+    comm: Any,
+    state_dict: Any,
+    src: Any,
+    bucket_bytes: Any,
+    declared: int | None,
+    options: SyncOptions,
+    fanout: Any = None,
+) -> Sync:
     """The handshake: every member ends with the same plan and a sync ready to start, or raises the same error.
 
     ``declared`` is the mode's declared source (``src=None`` means it); ``options`` the call's versions, verification
@@ -258,6 +269,8 @@ def agree(comm: Any, state_dict: Any, src: Any, bucket_bytes: Any, declared: int
     is_source = src == comm._global_rank
     items, load, mine, shared, bad = _inspect(state_dict, is_source, comm)
     problem = problem or bad or options.problem
+    if problem is None and fanout not in FANOUTS:
+        problem = (ValueError, f"fanout must be 'star', 'chain' or None; got {fanout!r}")
     kept_plan = memory.plans.get(src) if src is not None else None
     # With a problem anywhere every member raises before the keys are read.
     tensors_key, plan_key = (
@@ -275,6 +288,7 @@ def agree(comm: Any, state_dict: Any, src: Any, bucket_bytes: Any, declared: int
         int(_instrumented(comm)),
         int(load is not None),
         *options.words(),
+        FANOUTS.index(fanout) if fanout in FANOUTS else 0,
     ]
     rows = exchange(comm, words, memory)
     if any(row[0] for row in rows):
@@ -286,7 +300,10 @@ def agree(comm: Any, state_dict: Any, src: Any, bucket_bytes: Any, declared: int
             "src on every rank"
         )
     src = rows[0][1]  # every rank reported a valid input and this src
-    options.check(comm.ranks, [row[10:] for row in rows], src, "broadcast_state_dict")
+    options.check(comm.ranks, [row[10:-1] for row in rows], src, "broadcast_state_dict")
+    if len({row[-1] for row in rows}) > 1:
+        named = ", ".join(f"rank {rank}: {FANOUTS[row[-1]]!r}" for rank, row in zip(comm.ranks, rows))
+        raise ValueError(f"broadcast_state_dict: nothing was transferred; the members pass different fanouts ({named})")
     cached = True
     source = rows[comm.ranks.index(src)]
     same_tensors = all(row[9] or row[2:4] == source[2:4] for row in rows)  # a load callable takes any manifest
@@ -315,9 +332,13 @@ def agree(comm: Any, state_dict: Any, src: Any, bucket_bytes: Any, declared: int
     plan = kept_plan[1]
     sends = point_to_point(comm) and not any(row[8] for row in rows)  # the same choice on every member
     digests = Digests(plan.names, plan.aliases) if options.verify else None
-    peers = [r for r in comm.ranks if r != src]
-    sent = {r: plan.total_bytes for r in peers} if is_source else {}
-    received = {} if is_source else {src: plan.total_bytes}
+    routes = _routes(comm, rows, src, sends, options.atomic)
+    me = comm.rank
+    into, onto = routes[me] if routes else (None if is_source else comm._group_rank_of[src], [])
+    if routes is None and is_source:
+        onto = [r for r in range(comm.world_size) if r != me]
+    sent = {comm.ranks[r]: plan.total_bytes for r in onto}
+    received = {} if into is None else {comm.ranks[into]: plan.total_bytes}
     live: tuple[Any, list[Any]] | None = None
     if load is not None and not options.atomic:
         if kept_plan[2] is None:
@@ -334,13 +355,30 @@ def agree(comm: Any, state_dict: Any, src: Any, bucket_bytes: Any, declared: int
             staged = staging(plan, None if load is not None else tensors, options.staging_device, comm.device)
             live = (load, list(zip(plan.names, staged))) if load is not None else (tensors, staged)
             tensors = staged
-        data = Pipeline(comm, plan, tensors, src, is_source, memory.slots, sends, memory.mirrors)
+        route = routes[me] if routes else None
+        data = Pipeline(comm, plan, tensors, src, is_source, memory.slots, sends, memory.mirrors, route)
         data.digests = digests
         data.staging = live is not None
     rounds = (lambda words: exchange(comm, words, memory), lambda text: _exchange_texts(comm, text, memory))
     sync = Sync(comm, data, options, src, sent, received, digests, live, cached, rounds, "broadcast_state_dict")
     memory.unfinished = sync
     return sync
+
+
+def _routes(comm: Any, rows: list[list[int]], src: int, sends: bool, atomic: bool) -> dict[int, Any] | None:
+    """The relay's routes (group ranks), the same on every member; ``None`` for a star.
+
+    A chain when the members move point to point and asked for one (or left it to the default), with at least two
+    destinations that forward (a ``load`` callable's, outside an atomic sync, is a leaf the source sends to).
+    """
+    fanout = FANOUTS[rows[0][-1]]
+    if not sends or fanout == "star":
+        return None
+    src_rank = comm._group_rank_of[src]
+    leaves = {r for r, row in enumerate(rows) if row[9] and not atomic and r != src_rank}
+    if comm.world_size - 1 - len(leaves) < 2:
+        return None
+    return chain(comm.world_size, src_rank, leaves)
 
 
 def _hashing(load: Any, digests: Digests, plan: Plan) -> Any:

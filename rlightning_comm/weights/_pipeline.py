@@ -80,8 +80,9 @@ class Pipeline(Transfer):
         slots: list[torch.Tensor | None],
         sends: bool,
         mirrors: list[Any] | None = None,
+        route: tuple[int | None, list[int]] | None = None,
     ) -> None:
-        super().__init__(comm, plan, src, is_source, slots, sends)
+        super().__init__(comm, plan, src, is_source, slots, sends, route)
         self._tensors: list[torch.Tensor] | None = tensors
         self._mirrors = mirrors if mirrors is not None else [None, None]
         self._next_slot = 0
@@ -188,10 +189,18 @@ class Pipeline(Transfer):
         self._received(unit)
         if not self._is_source:
             self._feed(self._plan.units[unit], staged)
+        forward = None
+        if self._relay and self._peers and not self._is_source:  # a relay: send it on while unpacking it
+            forward = self._forward(staged if staged is not None else self._in_place(self._plan.units[unit]), unit)
         if staged is not None and not self._is_source:
             self._written = True
             with self._writes():
                 self._stage(staged, self._plan.units[unit], slot, pack=False)
+        if forward is not None:
+            if staged is None:
+                self._forwards.append(forward)
+            else:
+                self._wait(forward, sent=True)  # the buffer is free once the successors have its bytes
         self._arrived += 1
 
     def _feed(self, unit: Unit, staged: torch.Tensor | None) -> None:
@@ -239,8 +248,10 @@ class Pipeline(Transfer):
 
     def _finish(self) -> None:
         """Launch the rest, wait for everything, unpack on a destination and fill the aliases."""
-        self._wait_source_posted()  # every destination's receives are posted: gloo writes each send from this thread
-        self._start()  # a destination tells the source before it waits for anything
+        if self._from is not None:
+            self._start()  # a destination tells its predecessor before it waits for anything
+        self._wait_source_posted()  # every successor's receives are posted: gloo writes each send from this thread
+        self._start()
         while self._step(block=True):
             pass
         self._drain(self._complete)
