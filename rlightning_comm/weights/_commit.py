@@ -42,6 +42,7 @@ from rlightning_comm.weights._versions import SyncOptions, commit, forget
 COMMIT = "commit"
 _POLL = timedelta(milliseconds=50)  # a destination's wait for the decision, between two looks at the mode's liveness
 _seq: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # atomic syncs per communicator
+_staged: weakref.WeakKeyDictionary[Any, tuple[Any, list[torch.Tensor]]] = weakref.WeakKeyDictionary()
 
 
 def mode_store(comm: Any) -> dist.Store | None:
@@ -55,12 +56,20 @@ def mode_store(comm: Any) -> dist.Store | None:
     return dist.PrefixStore(f"rlightning_comm/weights/commit/{group.group_name}", own)
 
 
-def staging(plan: Plan, live: list[torch.Tensor] | None, device: torch.device | None, default: torch.device) -> list:
+def staging(
+    comm: Any, plan: Plan, live: list[torch.Tensor] | None, device: torch.device | None, default: torch.device
+) -> list:
     """Tensors to receive an atomic sync into, one per manifest entry (an alias is its target's very tensor).
 
     Each like its live tensor (contiguous) on ``device``, or on the live tensor's own device; with no live tensors (a
-    ``load`` callable) from the manifest, on ``device`` or the communicator's ``default``.
+    ``load`` callable) from the manifest, on ``device`` or the communicator's ``default``. Kept for the next atomic
+    sync on ``comm`` with the same tensors (fresh pages cost more to fault in than the copy into them), freed with it.
     """
+    key = (plan.manifest, device, default, None if live is None else tuple(t.device for t in live))
+    kept = _staged.get(comm)
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    _staged.pop(comm, None)  # the old staging goes before the new one is made
     out: list[torch.Tensor] = []
     aliases = dict(plan.aliases)
     for index, (_, dtype, shape, _) in enumerate(plan.manifest):
@@ -71,6 +80,7 @@ def staging(plan: Plan, live: list[torch.Tensor] | None, device: torch.device | 
             out.append(torch.empty(t.shape, dtype=t.dtype, device=device or t.device))
         else:
             out.append(torch.empty(shape, dtype=dtype_of(dtype), device=device or default))
+    _staged[comm] = (key, out)
     return out
 
 
@@ -153,6 +163,8 @@ class Sync:
             try:
                 self._transfer.finish()
             except CommError as err:
+                if self._digests is not None:
+                    self._digests.close()
                 raise self._not_committed(err, None) from err
             if self._digests is not None:
                 self._report.digests = self._digests.result()

@@ -352,7 +352,7 @@ def agree(
             tensors = [by_name[name] for name in plan.names]
             tensors = [t.detach() if t.requires_grad else t for t in tensors]  # the pipeline writes them in place
         if options.atomic and not is_source:  # received into staging; the live tensors wait for the commit
-            staged = staging(plan, None if load is not None else tensors, options.staging_device, comm.device)
+            staged = staging(comm, plan, None if load is not None else tensors, options.staging_device, comm.device)
             live = (load, list(zip(plan.names, staged))) if load is not None else (tensors, staged)
             tensors = staged
         route = routes[me] if routes else None
@@ -390,7 +390,10 @@ def _hashing(load: Any, digests: Digests, plan: Plan) -> Any:
         for name, tensor in named:
             if index[name] not in aliased:
                 digests.update(index[name], tensor)
-        return load(named)
+        try:
+            return load(named)  # while the digests' thread hashes the same bytes
+        finally:
+            digests.settle()  # the views are the bucket's, valid only during this call
 
     return hashed
 
