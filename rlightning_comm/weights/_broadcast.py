@@ -104,7 +104,26 @@ def broadcast_state_dict(
     overlapped with the transfers. Over gloo the source sends each of them to
     each destination (point to point); other backends broadcast them. Each
     rank stages at most two buckets. Tensors the source holds more than once
-    (tied weights) travel once.
+    (tied weights) travel once. With two or more destinations that can
+    forward (``fanout="chain"``, the default point to point), the source
+    sends each piece once, to the first destination, and each destination
+    forwards it to the next while it receives the following one.
+
+    With ``version``, a destination records the version it committed
+    (:meth:`CommContext.get_weight_version`), and a sync is refused on every
+    member before any byte moves when a destination has committed this
+    version or a later one, or when the source itself holds another version
+    (an engine seeding a newcomer sends the version it holds). With
+    ``verify``, every member computes each tensor's SHA-256 as its bytes pass
+    and the destinations' are compared with the source's in one more small
+    round: a mismatch raises :class:`CommMismatchError` on every member,
+    naming the tensors. With ``atomic``, the destinations receive into
+    staging, verify, and write their live tensors (or call ``load`` once,
+    with every tensor) only once the source has recorded "commit" in the
+    mode's store: a death, a timeout or a mismatch before that point leaves
+    every destination's live tensors as they were ("version 7 not
+    committed; live weights are version 6"), and after it every surviving
+    destination commits.
 
     A ``load`` callable (a destination only) has the shape of vLLM's
     ``model.load_weights(weights)``: ``load(named_tensors)``, where
@@ -156,14 +175,30 @@ def broadcast_state_dict(
             all groups, call ``wait()`` before a collective on any other NCCL
             group, and issue NCCL calls from one thread. The next call on this
             mode completes an unwaited transfer first.
+        version: The version these weights are, or ``None`` (an unversioned
+            sync, which clears the destinations' record). Every member passes
+            the same.
+        verify: Check each tensor's digest on every destination against the source's.
+        atomic: All or nothing: stage, verify, then commit through the mode's store (implies ``verify``). Staging
+            holds one more copy of the destination's weights (of the source's manifest, with a ``load`` callable),
+            kept between atomic syncs on the mode.
+        staging_device: Where an atomic destination stages: ``None`` for each tensor's own device, ``"cpu"`` for the
+            host (a GPU engine short of memory).
+        record_as: The mode whose version record a destination updates (``None``: ``comm_mode``); a newcomer
+            seeded over a mode of its own records the fleet's mode.
+        fanout: ``"chain"`` (relay), ``"star"`` (the source sends to every destination), or ``None``: a chain when
+            the units move point to point and two or more destinations can forward (a ``load`` callable outside
+            an atomic sync cannot: the source sends to it directly). Every member passes the same.
 
     Returns:
-        A :class:`StateDictTransfer` when ``async_op``, else ``None``; ``None`` on a non-member.
+        The :class:`WeightSyncReport` (bytes sent and received per peer, version, digests); with ``async_op`` a
+        :class:`StateDictTransfer` whose ``wait()`` returns it. ``None`` on a non-member.
 
     Raises:
         TypeError, ValueError: a bad argument (``src``, ``bucket_bytes``,
-            ``state_dict``), a mismatch or an unusable tensor on any member,
+            ``state_dict``, ``version``, ...), a mismatch or an unusable tensor on any member,
             raised on every member before anything moves.
+        CommMismatchError: a stale version (before anything moves), or digests that differ after the transfer.
         ModeNotBoundError: ``comm_mode`` is not bound on this rank.
         CommTimeoutError, CommError: a transfer (a send, receive or broadcast) failed, or a peer never joined.
     """
