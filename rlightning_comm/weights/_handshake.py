@@ -37,13 +37,11 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions
 
 from rlightning_comm.failures import LAUNCH_ERRORS
-from rlightning_comm.weights._commit import Sync, staging
-from rlightning_comm.weights._digest import Digests
+from rlightning_comm.weights._assemble import assemble, relay_routes
+from rlightning_comm.weights._commit import Sync
 from rlightning_comm.weights._inputs import Problem, describe, mismatch, named_tensors, overlapping, uncovered
-from rlightning_comm.weights._loader import LoadPipeline
-from rlightning_comm.weights._pipeline import Pipeline
 from rlightning_comm.weights._plan import Delivery, Entry, Plan, build_plan, deliveries
-from rlightning_comm.weights._transport import Transfer, chain, point_to_point
+from rlightning_comm.weights._transport import point_to_point
 from rlightning_comm.weights._versions import SyncOptions
 
 HANDSHAKE_TAG = 0x5755  # the point-to-point tag of the exchange over gloo (the data's is the next-lower one)
@@ -331,71 +329,15 @@ def agree(
         memory.plans[src] = kept_plan
     plan = kept_plan[1]
     sends = point_to_point(comm) and not any(row[8] for row in rows)  # the same choice on every member
-    digests = Digests(plan.names, plan.aliases) if options.verify else None
-    routes = _routes(comm, rows, src, sends, options.atomic)
-    me = comm.rank
-    into, onto = routes[me] if routes else (None if is_source else comm._group_rank_of[src], [])
-    if routes is None and is_source:
-        onto = [r for r in range(comm.world_size) if r != me]
-    sent = {comm.ranks[r]: plan.total_bytes for r in onto}
-    received = {} if into is None else {comm.ranks[into]: plan.total_bytes}
-    live: tuple[Any, list[Any]] | None = None
-    if load is not None and not options.atomic:
-        if kept_plan[2] is None:
-            kept_plan = memory.plans[src] = (*kept_plan[:2], deliveries(plan))
-        if digests is not None:
-            load = _hashing(load, digests, plan)
-        data: Transfer = LoadPipeline(comm, plan, load, src, memory.slots, sends, kept_plan[2])
-    else:
-        if load is None:
-            by_name = dict(items)
-            tensors = [by_name[name] for name in plan.names]
-            tensors = [t.detach() if t.requires_grad else t for t in tensors]  # the pipeline writes them in place
-        if options.atomic and not is_source:  # received into staging; the live tensors wait for the commit
-            staged = staging(comm, plan, None if load is not None else tensors, options.staging_device, comm.device)
-            live = (load, list(zip(plan.names, staged))) if load is not None else (tensors, staged)
-            tensors = staged
-        route = routes[me] if routes else None
-        data = Pipeline(comm, plan, tensors, src, is_source, memory.slots, sends, memory.mirrors, route)
-        data.digests = digests
-        data.staging = live is not None
+    if load is not None and not options.atomic and kept_plan[2] is None:
+        kept_plan = memory.plans[src] = (*kept_plan[:2], deliveries(plan))
+    leaves = {r for r, row in enumerate(rows) if row[9] and not options.atomic and r != comm._group_rank_of[src]}
+    routes = relay_routes(comm, FANOUTS[rows[0][-1]], sends, src, leaves)
     rounds = (lambda words: exchange(comm, words, memory), lambda text: _exchange_texts(comm, text, memory))
-    sync = Sync(comm, data, options, src, sent, received, digests, live, cached, rounds, "broadcast_state_dict")
-    memory.unfinished = sync
-    return sync
-
-
-def _routes(comm: Any, rows: list[list[int]], src: int, sends: bool, atomic: bool) -> dict[int, Any] | None:
-    """The relay's routes (group ranks), the same on every member; ``None`` for a star.
-
-    A chain when the members move point to point and asked for one (or left it to the default), with at least two
-    destinations that forward (a ``load`` callable's, outside an atomic sync, is a leaf the source sends to).
-    """
-    fanout = FANOUTS[rows[0][-1]]
-    if not sends or fanout == "star":
-        return None
-    src_rank = comm._group_rank_of[src]
-    leaves = {r for r, row in enumerate(rows) if row[9] and not atomic and r != src_rank}
-    if comm.world_size - 1 - len(leaves) < 2:
-        return None
-    return chain(comm.world_size, src_rank, leaves)
-
-
-def _hashing(load: Any, digests: Digests, plan: Plan) -> Any:
-    """``load`` that first feeds ``digests`` with each whole tensor it is given (a view of the bucket it arrived in)."""
-    index = {name: i for i, name in enumerate(plan.names)}
-    aliased = {i for i, _ in plan.aliases}
-
-    def hashed(named: list[tuple[str, torch.Tensor]]) -> Any:
-        for name, tensor in named:
-            if index[name] not in aliased:
-                digests.update(index[name], tensor)
-        try:
-            return load(named)  # while the digests' thread hashes the same bytes
-        finally:
-            digests.settle()  # the views are the bucket's, valid only during this call
-
-    return hashed
+    memory.unfinished = assemble(
+        comm, plan, kept_plan[2], src, items, load, sends, routes, options, memory, cached, rounds
+    )
+    return memory.unfinished
 
 
 def _instrumented(comm: Any) -> bool:
