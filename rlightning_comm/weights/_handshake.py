@@ -3,8 +3,10 @@
 One exchange of a few integers per rank: each rank's verdict on its own
 arguments and tensors (:mod:`._weight_inputs`), the source it names, a hash
 of its tensors' names, dtypes and shapes, the plan it kept from its last
-call, whether stats or debug mode instruments its broadcasts, and whether it
-passed a ``load`` callable. When every rank holds the plan of the source's
+call, whether stats or debug mode instruments its broadcasts, whether it
+passed a ``load`` callable, the call's version, verification and commit
+words (:mod:`._versions`, whose refusals are raised here on every member) and
+its fanout. When every rank holds the plan of the source's
 current manifest (the steady state of a training loop), that is all;
 otherwise (and whenever a destination holds tensors that share memory in a way
 its kept plan does not cover) the source broadcasts its manifest (JSON, two
