@@ -25,7 +25,6 @@ import json
 import time
 import weakref
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -40,7 +39,9 @@ from rlightning_comm.weights._report import WeightSyncReport
 from rlightning_comm.weights._versions import SyncOptions, commit, forget
 
 COMMIT = "commit"
-_POLL = timedelta(milliseconds=50)  # a destination's wait for the decision, between two looks at the mode's liveness
+# A destination's looks at the store for the decision: often there already; then every few milliseconds, and at each
+# look at the mode's liveness too.
+_FIRST_PAUSE, _LAST_PAUSE = 0.0005, 0.01
 _seq: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # atomic syncs per communicator
 _staged: weakref.WeakKeyDictionary[Any, tuple[Any, list[torch.Tensor]]] = weakref.WeakKeyDictionary()
 
@@ -246,13 +247,16 @@ class Sync:
         or the group's timeout passed first."""
         timeout = self._comm.timeout or 1800.0
         deadline = time.monotonic() + timeout
+        pause = _FIRST_PAUSE
         while True:
             try:
-                self._store.wait([self._key], _POLL)
-                return self._store.get(self._key).decode()
-            except RuntimeError as err:
-                if "timeout" not in str(err).lower() and "wait" not in str(err).lower():
-                    return f"unknown: the mode's store could not be reached ({err})"
+                # check(), not a wait with a short timeout: a TCPStore logs a warning for every wait that times out.
+                if self._store.check([self._key]):
+                    return self._store.get(self._key).decode()
+            except RuntimeError as err:  # the store's host is gone
+                return f"unknown: the mode's store could not be reached ({err})"
+            time.sleep(pause)
+            pause = min(2 * pause, _LAST_PAUSE)
             if _lost(self._comm):
                 return self._decide("abort: a member of the mode was lost before the commit")
             if time.monotonic() > deadline:
