@@ -104,6 +104,7 @@ def _cases(rank: int, size: int, url: str) -> dict:
     out["stale"] = _outcome(lambda: sync(version=1, verify=True))
     out["stale_held"] = held()
     out["bad_version"] = _outcome(lambda: sync(version="2" if rank == 1 else 2))
+    out["bad_fanout"] = _outcome(lambda: sync(version=2, fanout="ring" if rank == 2 else None))
     out["v2"] = _outcome(lambda: sync(version=2, verify=True))
     out["v2_held"] = held()
     # The same values in other buckets: the same digests.
@@ -189,6 +190,8 @@ def test_a_stale_version_is_refused_on_every_member_before_anything_moves(cases)
         if rank:
             assert c["stale_held"] == c["v1_held"]  # untouched, though the source changed
         assert c["bad_version"]["type"] == "TypeError" and "rank 1: version must be an int" in c["bad_version"]["msg"]
+        bad = c["bad_fanout"]
+        assert bad["type"] == "ValueError" and "rank 2: fanout must be 'star', 'chain' or None" in bad["msg"], bad
 
 
 def test_an_atomic_sync_with_a_corrupted_byte_commits_nowhere(cases) -> None:
