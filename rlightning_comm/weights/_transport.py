@@ -37,6 +37,17 @@ sends are waited as they are). The source then closes the group's
 connections (:func:`~rlightning_comm.failures.close_gloo_group`), so the
 other destinations' receives fail within milliseconds as well.
 
+In a relay (:func:`chain`) the source sends each unit once, to the first
+destination, and each destination forwards it to the next once it has
+arrived (a bucket from its staging buffer while it unpacks it, an in-place
+piece from the tensor itself). Every hop is a source-destination pair as
+above: the "posted" message, a receipt per bucket before the sender reuses
+its buffer, one for the whole transfer; a relay waits for a bucket's
+forward before it frees the buffer, and takes its units in order (a relay
+forwards unit k only once its successor has taken unit k - 2). Any member
+of a chain that fails closes the group's connections, so everything
+downstream and upstream of it fails at once too.
+
 A transfer that fails midway raises the failure (``CommError`` or
 ``CommTimeoutError``) with what this rank knows about the weights it left:
 on a destination whether its tensors were partly written (and how many
