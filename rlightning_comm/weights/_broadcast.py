@@ -50,12 +50,12 @@ class StateDictTransfer:
         completed it first."""
         return self._pipeline.done
 
-    def wait(self) -> WeightSyncReport:
+    def wait(self) -> WeightSyncReport | None:
         """Launch the transfers still to go, wait for all of them, and (on a destination) write the last tensors or call
-        ``load``, verify and commit; a second call returns the report at once.
+        ``load``, verify and commit; a second call returns at once.
 
         Returns:
-            The :class:`WeightSyncReport` of the sync.
+            The :class:`WeightSyncReport` of the sync (a second call: the same, or ``None`` if the first raised).
 
         Raises:
             CommTimeoutError, CommError, CommMismatchError: as for :func:`broadcast_state_dict`.

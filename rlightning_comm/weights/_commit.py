@@ -152,14 +152,17 @@ class Sync:
         try:
             self._transfer.start()
         except CommError as err:
-            self._done = True
+            self._done, self._report = True, None
+            if self._digests is not None:
+                self._digests.close()
             raise self._not_committed(err, None) from err
 
-    def finish(self) -> WeightSyncReport:
-        """Complete the data phase, verify and commit; the report (a second call returns it again, or raises
-        nothing)."""
+    def finish(self) -> WeightSyncReport | None:
+        """Complete the data phase, verify and commit; the report (a second call returns it again at once: ``None``
+        after a failure, which the first call raised)."""
         if self._done:
             return self._report
+        report, self._report = self._report, None  # kept only once the sync succeeded
         try:
             try:
                 self._transfer.finish()
@@ -168,20 +171,21 @@ class Sync:
                     self._digests.close()
                 raise self._not_committed(err, None) from err
             if self._digests is not None:
-                self._report.digests = self._digests.result()
+                report.digests = self._digests.result()
             if self._options.verify:
-                self._settle()
+                self._settle(report.digests)
             elif not self._is_source:
                 commit(self._options)
-            return self._report
+            self._report = report
+            return report
         finally:
             self._done = True
 
     # ------------------------------------------------------------------ phases
-    def _settle(self) -> None:
-        """Compare digests with the source's on every member; with ``atomic``, decide and apply."""
+    def _settle(self, mine: dict[str, str]) -> None:
+        """Compare this member's digests (``mine``) with the source's on every member; with ``atomic``, decide and
+        apply."""
         comm, options = self._comm, self._options
-        mine = self._report.digests
         failure: CommError | None = None
         mismatch: str | None = None
         bad: list[int] = []
