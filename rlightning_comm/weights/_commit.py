@@ -109,6 +109,9 @@ class Sync:
         plan_cached: Whether the plan of an earlier call was reused.
         exchange: ``exchange(words) -> rows`` and ``texts(text) -> texts``: the mode's small rounds.
         what: The call's name, for messages.
+        applies: Whether this member has live weights to write and a version to record (default: every member but
+            ``src``); a transfer kind whose members both send and receive says so.
+        coordinator: The rank that records the decision (default ``src``; the same on every member).
     """
 
     def __init__(
@@ -124,12 +127,16 @@ class Sync:
         plan_cached: bool,
         exchange: tuple[Callable[[list[int]], list[list[int]]], Callable[[str | None], list[str | None]]],
         what: str,
+        applies: bool | None = None,
+        coordinator: int | None = None,
     ) -> None:
         self._comm = comm
         self._transfer = transfer
         self._options = options
         self._src = src
-        self._is_source = src == comm._global_rank
+        me = comm._global_rank
+        self._applies = src != me if applies is None else applies
+        self._coordinates = (src if coordinator is None else coordinator) == me
         self._report = WeightSyncReport(sent, received, options.version, {}, plan_cached)
         self._digests = digests
         self._live = live
@@ -174,7 +181,7 @@ class Sync:
                 report.digests = self._digests.result()
             if self._options.verify:
                 self._settle(report.digests)
-            elif not self._is_source:
+            elif self._applies:
                 commit(self._options)
             self._report = report
             return report
@@ -194,7 +201,7 @@ class Sync:
             src_row = rows[comm.ranks.index(self._src)]
             bad = [rank for rank, row in zip(comm.ranks, rows) if row != src_row]
             if bad:
-                share = self._is_source or comm._global_rank in bad
+                share = comm._global_rank == self._src or comm._global_rank in bad
                 texts = dict(zip(comm.ranks, self._texts(json.dumps(mine) if share else None)))
                 reference = json.loads(texts[self._src] or "{}")
                 named = []
@@ -205,7 +212,7 @@ class Sync:
                 mismatch = f"digests differ from the source's (rank {self._src}): {'; '.join(named)}"
         except CommError as err:
             if not options.atomic:
-                if not self._is_source:
+                if self._applies:
                     forget(options)  # whatever the bytes are, they were not verified
                 raise type(err)(
                     f"{err}\n{self._what}: the verification did not complete; this member's weights are unverified",
@@ -214,10 +221,10 @@ class Sync:
             failure = err
         if not options.atomic:
             if mismatch is None:
-                if not self._is_source:
+                if self._applies:
                     commit(options)
                 return
-            if not self._is_source:  # the destinations whose bytes are the source's do hold its version
+            if self._applies:  # the destinations whose bytes are the source's do hold its version
                 (forget if comm._global_rank in bad else commit)(options)
             raise CommMismatchError(
                 f"{self._what}: {mismatch}. The sync was not atomic: the destinations' live tensors hold the bytes "
@@ -225,7 +232,7 @@ class Sync:
             )
         if failure is not None:
             verdict = self._decide(f"abort: {failure}")
-        elif self._is_source:
+        elif self._coordinates:
             verdict = self._decide(COMMIT if mismatch is None else f"abort: {mismatch}")
         else:
             verdict = self._await_decision()
@@ -234,7 +241,7 @@ class Sync:
                 raise self._not_committed(failure, verdict) from failure
             error = CommMismatchError if mismatch is not None or "digests differ" in verdict else CommError
             raise error(self._refusal(verdict.removeprefix("abort: ")))
-        if not self._is_source:
+        if self._applies:
             self._apply()
             commit(options)
 
@@ -281,7 +288,7 @@ class Sync:
     def _left(self) -> str:
         options, ranks = self._options, self._comm.ranks
         head = "the sync was not committed" if options.version is None else f"version {options.version} not committed"
-        if not self._is_source:
+        if self._applies:
             held = options.left(self._comm._global_rank)
             live = "unchanged" if options.version is None else f"{held}"
             return f"{head}; live weights are {live}"
@@ -297,7 +304,7 @@ class Sync:
         """The data phase's (or the vote's) ``err``, saying what it left: with ``atomic``, not committed."""
         options = self._options
         if not options.atomic:
-            if not self._is_source and options.version is not None:
+            if self._applies:
                 forget(options)  # partly written, or not: it holds no one version now
             return type(err)(str(err), *err.args[1:])
         if verdict is None:
