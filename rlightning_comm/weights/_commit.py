@@ -42,7 +42,6 @@ COMMIT = "commit"
 # A destination's looks at the store for the decision: often there already; then every few milliseconds, and at each
 # look at the mode's liveness too.
 _FIRST_PAUSE, _LAST_PAUSE = 0.0005, 0.01
-_seq: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # atomic syncs per communicator
 _staged: weakref.WeakKeyDictionary[Any, tuple[Any, list[torch.Tensor]]] = weakref.WeakKeyDictionary()
 
 
@@ -144,10 +143,9 @@ class Sync:
         self._what = what
         self._done = False
         self._store = mode_store(comm) if options.atomic else None
-        if options.atomic:
-            seq = _seq.get(comm, 0)
-            _seq[comm] = seq + 1
-            self._key = f"{seq}"
+        # A key of this sync alone (the source's random word, agreed in the handshake): a store that outlived an earlier
+        # context on the same group name holds no decision under it.
+        self._key = f"{options.key:x}"
 
     @property
     def done(self) -> bool:

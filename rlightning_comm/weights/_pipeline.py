@@ -152,7 +152,7 @@ class Pipeline(Transfer):
         if on_host:
             views = [pv for pv in views if not pv[1].is_cpu]
             mirror = self._mirror(slot, staged.numel())
-            if pack:  # the host pieces into the pinned buffer, then one copy to the device (the device pieces are copied after it)
+            if pack:  # the host pieces into the pinned buffer, then one copy to the device (then the device pieces)
                 _copy_pieces(mirror, on_host, True)
                 staged.copy_(mirror, non_blocking=True)
                 event = torch.Event(device=staged.device)

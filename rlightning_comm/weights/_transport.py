@@ -212,7 +212,10 @@ class Transfer:
         if not self._launched:
             return f"{where}the source had sent nothing (0 of {units} units): no destination was written"
         dsts = [ranks[r] for r in self._dsts]
-        return f"{where}the source had launched {self._launched} of {units} units: destinations at ranks {dsts} may hold partial weights"
+        return (
+            f"{where}the source had launched {self._launched} of {units} units: destinations at ranks {dsts} may hold "
+            "partial weights"
+        )
 
     def _point_to_point(self, post: Any) -> list[Any]:
         """The library's handles of the sends or receives ``post()`` makes on the group."""

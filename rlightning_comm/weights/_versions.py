@@ -14,6 +14,7 @@ connected mode's generations and goes with :meth:`CommContext.destroy`.
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ from rlightning_comm.errors import CommMismatchError
 from rlightning_comm.modes import mode_name
 
 Problem = tuple[type[Exception], str] | None
-WORDS = 4  # requested version, committed version, verify, atomic
+WORDS = 5  # requested version, committed version, verify, atomic, a random key for this sync's decision
 
 
 class SyncOptions:
@@ -45,6 +46,7 @@ class SyncOptions:
         self.staging_device: torch.device | None = None
         self.problem: Problem = None
         self.committed: dict[int, int | None] = {}  # every member's committed version, after check()
+        self.key = 0  # the source's random word, after check(): names this sync's decision in the mode's store
         wrong: list[tuple[type[Exception], str]] = []
         if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
             wrong.append((TypeError, f"version must be an int or None; got {type(version).__name__} {version!r}"))
@@ -81,6 +83,7 @@ class SyncOptions:
             -1 if committed is None else committed,
             int(ok and self.verify),
             int(ok and self.atomic is True),
+            secrets.randbits(62),
         ]
 
     def check(self, ranks: tuple[int, ...], rows: list[list[int]], src: int, what: str) -> None:
@@ -92,6 +95,7 @@ class SyncOptions:
             CommMismatchError: a destination has committed a version at or past this one, or the source holds another.
         """
         self.committed = {rank: (None if row[1] < 0 else row[1]) for rank, row in zip(ranks, rows)}
+        self.key = rows[ranks.index(src)][4]
         for index, label in ((0, "version"), (2, "verify"), (3, "atomic")):
             if len({row[index] for row in rows}) > 1:
 
