@@ -116,8 +116,9 @@ class SyncOptions:
             if held is not None and held != self.version:
                 detail.append(f"the source (rank {src}) holds version {held}, not {self.version}")
             raise CommMismatchError(
-                f"{what}: version {self.version} refused on mode record {self.record_as!r}, nothing was transferred: "
-                f"{'; '.join(detail)}. A destination only moves forward; a source sends the version it holds"
+                f"{what}: version {self.version} refused (versions of mode {self.record_as!r}), nothing was "
+                f"transferred: {'; '.join(detail)}. A destination only moves forward; a source sends the version it "
+                "holds"
             )
 
     def left(self, rank: int) -> str:
