@@ -27,6 +27,7 @@ from rlightning_comm.sequence_parallel import (
     ulysses_attention,
 )
 from rlightning_comm.weights._broadcast import StateDictTransfer, broadcast_state_dict
+from rlightning_comm.weights._report import WeightSyncReport
 
 __all__ = [
     "CommContext",
@@ -45,6 +46,7 @@ __all__ = [
     "PeerLostError",
     "StateDictTransfer",
     "UlyssesAttention",
+    "WeightSyncReport",
     "WorkHandle",
     "all_gather_from_sequence_parallel_region",
     "all_to_all",

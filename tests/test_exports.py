@@ -23,6 +23,7 @@ EXPECTED = {
     "ParallelMode",
     "PeerLostError",
     "StateDictTransfer",
+    "WeightSyncReport",
     "WorkHandle",
     "broadcast_state_dict",
     "collective",

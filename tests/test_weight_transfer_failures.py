@@ -61,7 +61,7 @@ def _injected(rank: int, size: int, url: str) -> dict:
     try:
         loaded = []
         arg = (lambda named: loaded.extend(n for n, _ in named)) if rank == 2 else state
-        return _outcome(lambda: broadcast_state_dict(arg, "FAULT", src=0, bucket_bytes=BUCKET))
+        return _outcome(lambda: broadcast_state_dict(arg, "FAULT", src=0, bucket_bytes=BUCKET, fanout="star"))
     finally:
         if rank == 3:
             Pipeline._move = original  # the world's processes outlive this test

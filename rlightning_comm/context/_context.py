@@ -103,6 +103,7 @@ class CommContext(ContextLookups, ContextLayouts, ContextConnect, ContextPolicie
         self._comms = {}
         self._configs = {}
         self._transfer_sources: dict[str, int] = {}
+        self._weight_versions: dict[str, int] = {}  # mode -> the weight version this process committed there
         self._connections = Connections()
         self._dist_config = None
         self._owns_world = False

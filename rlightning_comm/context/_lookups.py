@@ -25,10 +25,27 @@ class ContextLookups:
     """
 
     _configs: dict[str, GroupConfig]
+    _weight_versions: dict[str, int]
     get_communicator: Callable[..., Communicator]
     _require_world: Callable[[], DistributedConfig]
 
     # ---------------------------------------------------------------- per mode
+    def get_weight_version(self, mode: CommMode | str = CommMode.WEIGHT_TRANSFER) -> int | None:
+        """The weight version this process committed on ``mode`` as a destination of a versioned weight sync.
+
+        ``None`` before the first versioned sync on ``mode``, after an unversioned one, and after a non-atomic one
+        failed midway (its weights then hold no one version). The record is kept per mode name: it outlives a
+        connected mode's generations (a re-formed mode keeps it) and goes with :meth:`destroy`. A process that was
+        never a destination on ``mode`` has none, whatever it sent.
+        """
+        return self._weight_versions.get(mode_name(mode))
+
+    def _record_weight_version(self, mode: str, version: int | None) -> None:
+        if version is None:
+            self._weight_versions.pop(mode, None)
+        else:
+            self._weight_versions[mode] = version
+
     def get_group(self, comm_mode: CommMode | str = CommMode.GLOBAL) -> dist.ProcessGroup | None:
         """The torch process group of ``mode`` (``None`` on a non-member rank, so ``if group is None: return``
         works)."""

@@ -19,9 +19,12 @@ import torch
 from torch import nn
 
 from rlightning_comm.context import CommContext
+from rlightning_comm.errors import CommError
 from rlightning_comm.modes import CommMode, ParallelMode
+from rlightning_comm.weights._commit import Sync, mode_store
 from rlightning_comm.weights._handshake import agree
-from rlightning_comm.weights._transport import Transfer
+from rlightning_comm.weights._report import WeightSyncReport
+from rlightning_comm.weights._versions import SyncOptions
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20
 
@@ -38,7 +41,7 @@ class StateDictTransfer:
 
     __slots__ = ("_comm", "_pipeline")
 
-    def __init__(self, comm: Any, pipeline: Transfer) -> None:
+    def __init__(self, comm: Any, pipeline: Sync) -> None:
         self._comm = comm
         self._pipeline = pipeline
 
@@ -47,16 +50,20 @@ class StateDictTransfer:
         completed it first."""
         return self._pipeline.done
 
-    def wait(self) -> None:
+    def wait(self) -> WeightSyncReport | None:
         """Launch the transfers still to go, wait for all of them, and (on a destination) write the last tensors or call
-        ``load``; a second call returns at once.
+        ``load``, verify and commit; a second call returns at once.
+
+        Returns:
+            The :class:`WeightSyncReport` of the sync (a second call: the same, or ``None`` if the first raised).
 
         Raises:
-            CommTimeoutError, CommError: as for :func:`broadcast_state_dict`.
+            CommTimeoutError, CommError, CommMismatchError: as for :func:`broadcast_state_dict`.
         """
         if not self._pipeline.done:
             with self._comm._exclusive("broadcast_state_dict"):
-                self._pipeline.finish()
+                return self._pipeline.finish()
+        return self._pipeline.finish()
 
 
 def broadcast_state_dict(
@@ -65,7 +72,14 @@ def broadcast_state_dict(
     src: int | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     async_op: bool = False,
-) -> StateDictTransfer | None:
+    *,
+    version: int | None = None,
+    verify: bool = False,
+    atomic: bool = False,
+    staging_device: torch.device | str | None = None,
+    record_as: CommMode | ParallelMode | str | None = None,
+    fanout: str | None = None,
+) -> WeightSyncReport | StateDictTransfer | None:
     """Copy every tensor of ``state_dict`` from rank ``src`` into the same-named tensors of every other rank of
     ``comm_mode``.
 
@@ -90,7 +104,26 @@ def broadcast_state_dict(
     overlapped with the transfers. Over gloo the source sends each of them to
     each destination (point to point); other backends broadcast them. Each
     rank stages at most two buckets. Tensors the source holds more than once
-    (tied weights) travel once.
+    (tied weights) travel once. With two or more destinations that can
+    forward (``fanout="chain"``, the default point to point), the source
+    sends each piece once, to the first destination, and each destination
+    forwards it to the next while it receives the following one.
+
+    With ``version``, a destination records the version it committed
+    (:meth:`CommContext.get_weight_version`), and a sync is refused on every
+    member before any byte moves when a destination has committed this
+    version or a later one, or when the source itself holds another version
+    (an engine seeding a newcomer sends the version it holds). With
+    ``verify``, every member computes each tensor's SHA-256 as its bytes pass
+    and the destinations' are compared with the source's in one more small
+    round: a mismatch raises :class:`CommMismatchError` on every member,
+    naming the tensors. With ``atomic``, the destinations receive into
+    staging, verify, and write their live tensors (or call ``load`` once,
+    with every tensor) only once the source has recorded "commit" in the
+    mode's store: a death, a timeout or a mismatch before that point leaves
+    every destination's live tensors as they were ("version 7 not
+    committed; live weights are version 6"), and after it every surviving
+    destination commits.
 
     A ``load`` callable (a destination only) has the shape of vLLM's
     ``model.load_weights(weights)``: ``load(named_tensors)``, where
@@ -142,31 +175,70 @@ def broadcast_state_dict(
             all groups, call ``wait()`` before a collective on any other NCCL
             group, and issue NCCL calls from one thread. The next call on this
             mode completes an unwaited transfer first.
+        version: The version these weights are, or ``None`` (an unversioned
+            sync, which clears the destinations' record). Every member passes
+            the same.
+        verify: Check each tensor's digest on every destination against the source's.
+        atomic: All or nothing: stage, verify, then commit through the mode's store (implies ``verify``). Staging
+            holds one more copy of the destination's weights (of the source's manifest, with a ``load`` callable),
+            kept between atomic syncs on the mode.
+        staging_device: Where an atomic destination stages: ``None`` for each tensor's own device, ``"cpu"`` for the
+            host (a GPU engine short of memory).
+        record_as: The mode whose version record a destination updates (``None``: ``comm_mode``); a newcomer
+            seeded over a mode of its own records the fleet's mode.
+        fanout: ``"chain"`` (relay), ``"star"`` (the source sends to every destination), or ``None``: a chain when
+            the units move point to point and two or more destinations can forward (a ``load`` callable outside
+            an atomic sync cannot: the source sends to it directly). Every member passes the same.
 
     Returns:
-        A :class:`StateDictTransfer` when ``async_op``, else ``None``; ``None`` on a non-member.
+        The :class:`WeightSyncReport` (bytes sent and received per peer, version, digests); with ``async_op`` a
+        :class:`StateDictTransfer` whose ``wait()`` returns it. ``None`` on a non-member.
 
     Raises:
         TypeError, ValueError: a bad argument (``src``, ``bucket_bytes``,
-            ``state_dict``), a mismatch or an unusable tensor on any member,
+            ``state_dict``, ``version``, ...), a mismatch or an unusable tensor on any member,
             raised on every member before anything moves.
+        CommMismatchError: a stale version (before anything moves), or digests that differ after the transfer.
         ModeNotBoundError: ``comm_mode`` is not bound on this rank.
         CommTimeoutError, CommError: a transfer (a send, receive or broadcast) failed, or a peer never joined.
     """
     comm = CommContext().get_communicator(comm_mode)
-    return transfer(comm, state_dict, src, bucket_bytes, async_op)
+    options = SyncOptions(version, verify, atomic, staging_device, record_as, comm.mode)
+    return transfer(comm, state_dict, src, bucket_bytes, async_op, options, fanout)
 
 
-def transfer(comm: Any, state_dict: Any, src: Any, bucket_bytes: Any, async_op: bool) -> StateDictTransfer | None:
+def transfer(
+    comm: Any,
+    state_dict: Any,
+    src: Any,
+    bucket_bytes: Any,
+    async_op: bool,
+    options: SyncOptions | None = None,
+    fanout: str | None = None,
+) -> WeightSyncReport | StateDictTransfer | None:
     """:func:`broadcast_state_dict` on the communicator ``comm`` (bound to a mode, or built by the caller)."""
     if not comm.is_member:
         return None
+    if options is None:
+        options = SyncOptions(None, False, False, None, None, comm.mode)
+    if options.atomic is True and options.problem is None and mode_store(comm) is None:
+        options.problem = (ValueError, f"atomic=True needs a store every member of mode {comm.mode!r} reaches")
     with comm._exclusive("broadcast_state_dict"):
         declared = _declared_source(comm) if src is None else None
-        pipeline = agree(comm, state_dict, src, bucket_bytes, declared)
+        try:
+            pipeline = agree(comm, state_dict, src, bucket_bytes, declared, options, fanout)
+        except CommError as err:  # a member lost or absent in the handshake: nothing moved
+            if options.version is None and not options.atomic:
+                raise
+            held = CommContext().get_weight_version(options.record_as)
+            left = "no committed version" if held is None else f"version {held}"
+            raise type(err)(
+                f"broadcast_state_dict: version {options.version} not committed; live weights are {left} (nothing "
+                f"was transferred): {err}",
+                *err.args[1:],
+            ) from err
         if not async_op:
-            pipeline.finish()
-            return None
+            return pipeline.finish()
         pipeline.start()
     return StateDictTransfer(comm, pipeline)
 

@@ -3,8 +3,10 @@
 One exchange of a few integers per rank: each rank's verdict on its own
 arguments and tensors (:mod:`._weight_inputs`), the source it names, a hash
 of its tensors' names, dtypes and shapes, the plan it kept from its last
-call, whether stats or debug mode instruments its broadcasts, and whether it
-passed a ``load`` callable. When every rank holds the plan of the source's
+call, whether stats or debug mode instruments its broadcasts, whether it
+passed a ``load`` callable, the call's version, verification and commit
+words (:mod:`._versions`, whose refusals are raised here on every member) and
+its fanout. When every rank holds the plan of the source's
 current manifest (the steady state of a training loop), that is all;
 otherwise (and whenever a destination holds tensors that share memory in a way
 its kept plan does not cover) the source broadcasts its manifest (JSON, two
@@ -37,11 +39,12 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions
 
 from rlightning_comm.failures import LAUNCH_ERRORS
+from rlightning_comm.weights._assemble import assemble, relay_routes
+from rlightning_comm.weights._commit import Sync
 from rlightning_comm.weights._inputs import Problem, describe, mismatch, named_tensors, overlapping, uncovered
-from rlightning_comm.weights._loader import LoadPipeline
-from rlightning_comm.weights._pipeline import Pipeline
 from rlightning_comm.weights._plan import Delivery, Entry, Plan, build_plan, deliveries
-from rlightning_comm.weights._transport import Transfer, point_to_point
+from rlightning_comm.weights._transport import point_to_point
+from rlightning_comm.weights._versions import SyncOptions
 
 HANDSHAKE_TAG = 0x5755  # the point-to-point tag of the exchange over gloo (the data's is the next-lower one)
 _ERRORS: dict[str, type[Exception]] = {
@@ -58,7 +61,7 @@ class Kept:
         self.plans: dict[int, tuple[tuple[int, int], Plan, tuple[Delivery, ...] | None]] = {}
         self.slots: list[torch.Tensor | None] = [None, None]
         self.mirrors: list[Any] = [None, None]
-        self.unfinished: Transfer | None = None  # an async transfer not yet waited: it holds the slots
+        self.unfinished: Any = None  # an async transfer not yet waited: it holds the slots
         # (manifest, bucket_bytes, hash of its sorted names/dtypes/shapes, hash of (manifest, bucket_bytes) or None)
         self.hashed: tuple[list[Entry], int, tuple[int, int], tuple[int, int] | None] | None = None
         self.stream: Any = None  # the handshake's own CUDA stream
@@ -241,10 +244,22 @@ def _inspect(
         )
 
 
-def agree(comm: Any, state_dict: Any, src: Any, bucket_bytes: Any, declared: int | None) -> Transfer:
-    """The handshake: every member ends with the same plan and a transfer ready to start, or raises the same error.
+FANOUTS = (None, "star", "chain")
 
-    ``declared`` is the mode's declared source (``src=None`` means it).
+
+def agree(
+    comm: Any,
+    state_dict: Any,
+    src: Any,
+    bucket_bytes: Any,
+    declared: int | None,
+    options: SyncOptions,
+    fanout: Any = None,
+) -> Sync:
+    """The handshake: every member ends with the same plan and a sync ready to start, or raises the same error.
+
+    ``declared`` is the mode's declared source (``src=None`` means it); ``options`` the call's versions, verification
+    and commit (their words ride on the first round, and their refusals are raised on every member here).
     """
     memory = kept(comm)
     if memory.unfinished is not None:  # every rank has it, in the same program order: complete it first
@@ -253,7 +268,9 @@ def agree(comm: Any, state_dict: Any, src: Any, bucket_bytes: Any, declared: int
     src, problem = _check_arguments(comm, src, bucket_bytes, declared)
     is_source = src == comm._global_rank
     items, load, mine, shared, bad = _inspect(state_dict, is_source, comm)
-    problem = problem or bad
+    problem = problem or bad or options.problem
+    if problem is None and fanout not in FANOUTS:
+        problem = (ValueError, f"fanout must be 'star', 'chain' or None; got {fanout!r}")
     kept_plan = memory.plans.get(src) if src is not None else None
     # With a problem anywhere every member raises before the keys are read.
     tensors_key, plan_key = (
@@ -270,6 +287,8 @@ def agree(comm: Any, state_dict: Any, src: Any, bucket_bytes: Any, declared: int
         *kept_key,
         int(_instrumented(comm)),
         int(load is not None),
+        *options.words(),
+        FANOUTS.index(fanout) if fanout in FANOUTS else 0,
     ]
     rows = exchange(comm, words, memory)
     if any(row[0] for row in rows):
@@ -281,10 +300,16 @@ def agree(comm: Any, state_dict: Any, src: Any, bucket_bytes: Any, declared: int
             "src on every rank"
         )
     src = rows[0][1]  # every rank reported a valid input and this src
+    options.check(comm.ranks, [row[10:-1] for row in rows], src, "broadcast_state_dict")
+    if len({row[-1] for row in rows}) > 1:
+        named = ", ".join(f"rank {rank}: {FANOUTS[row[-1]]!r}" for rank, row in zip(comm.ranks, rows))
+        raise ValueError(f"broadcast_state_dict: nothing was transferred; the members pass different fanouts ({named})")
+    cached = True
     source = rows[comm.ranks.index(src)]
     same_tensors = all(row[9] or row[2:4] == source[2:4] for row in rows)  # a load callable takes any manifest
     if not (same_tensors and kept_plan is not None and all(row[6:8] == source[4:6] for row in rows)):
         # The source's manifest, then a second round: each rank's verdict on it and on its tensors against it.
+        cached = False
         try:
             kept_plan = (
                 (source[4], source[5]),
@@ -306,15 +331,14 @@ def agree(comm: Any, state_dict: Any, src: Any, bucket_bytes: Any, declared: int
         memory.plans[src] = kept_plan
     plan = kept_plan[1]
     sends = point_to_point(comm) and not any(row[8] for row in rows)  # the same choice on every member
-    if load is not None:
-        if kept_plan[2] is None:
-            kept_plan = memory.plans[src] = (*kept_plan[:2], deliveries(plan))
-        memory.unfinished = LoadPipeline(comm, plan, load, src, memory.slots, sends, kept_plan[2])
-        return memory.unfinished
-    by_name = dict(items)
-    tensors = [by_name[name] for name in plan.names]
-    tensors = [t.detach() if t.requires_grad else t for t in tensors]  # the pipeline writes them in place
-    memory.unfinished = Pipeline(comm, plan, tensors, src, is_source, memory.slots, sends, memory.mirrors)
+    if load is not None and not options.atomic and kept_plan[2] is None:
+        kept_plan = memory.plans[src] = (*kept_plan[:2], deliveries(plan))
+    leaves = {r for r, row in enumerate(rows) if row[9] and not options.atomic and r != comm._group_rank_of[src]}
+    routes = relay_routes(comm, FANOUTS[rows[0][-1]], sends, src, leaves)
+    rounds = (lambda words: exchange(comm, words, memory), lambda text: _exchange_texts(comm, text, memory))
+    memory.unfinished = assemble(
+        comm, plan, kept_plan[2], src, items, load, sends, routes, options, memory, cached, rounds
+    )
     return memory.unfinished
 
 

@@ -80,14 +80,17 @@ class Pipeline(Transfer):
         slots: list[torch.Tensor | None],
         sends: bool,
         mirrors: list[Any] | None = None,
+        route: tuple[int | None, list[int]] | None = None,
     ) -> None:
-        super().__init__(comm, plan, src, is_source, slots, sends)
+        super().__init__(comm, plan, src, is_source, slots, sends, route)
         self._tensors: list[torch.Tensor] | None = tensors
         self._mirrors = mirrors if mirrors is not None else [None, None]
         self._next_slot = 0
         self._next_unit = 0
         self._arrived = 0  # units received and written here
         self._written = False  # whether any byte of this destination's tensors may have changed
+        self.digests: Any = None  # a Digests fed with every piece's bytes as they pass (verify=True)
+        self.staging = False  # the tensors are an atomic sync's staging, not the live weights
         # Inference tensors (a model built under torch.inference_mode) take in-place writes only inside it.
         self._writes = (
             torch.inference_mode if not is_source and any(t.is_inference() for t in tensors) else contextlib.nullcontext
@@ -95,6 +98,11 @@ class Pipeline(Transfer):
 
     def _left(self) -> str:
         units = len(self._plan.units)
+        if self.staging:
+            return (
+                f"this destination received into staging ({self._arrived} of {units} units had arrived); its live "
+                "tensors were not written"
+            )
         if not self._written:
             return f"this destination's tensors were not written ({self._arrived} of {units} units had arrived)"
         return (
@@ -144,7 +152,7 @@ class Pipeline(Transfer):
         if on_host:
             views = [pv for pv in views if not pv[1].is_cpu]
             mirror = self._mirror(slot, staged.numel())
-            if pack:  # the host pieces into the pinned buffer, then one copy to the device (the device pieces are copied after it)
+            if pack:  # the host pieces into the pinned buffer, then one copy to the device (then the device pieces)
                 _copy_pieces(mirror, on_host, True)
                 staged.copy_(mirror, non_blocking=True)
                 event = torch.Event(device=staged.device)
@@ -179,11 +187,34 @@ class Pipeline(Transfer):
         works, slot, unit, staged = entry
         self._wait(works)  # on the source over gloo, a bucket's receipts come first: see _weight_transport
         self._received(unit)
+        if not self._is_source:
+            self._feed(self._plan.units[unit], staged)
+        forward = None
+        if self._relay and self._peers and not self._is_source:  # a relay: send it on while unpacking it
+            forward = self._forward(staged if staged is not None else self._in_place(self._plan.units[unit]), unit)
         if staged is not None and not self._is_source:
             self._written = True
             with self._writes():
                 self._stage(staged, self._plan.units[unit], slot, pack=False)
+        if forward is not None:
+            if staged is None:
+                self._forwards.append(forward)
+            else:
+                self._wait(forward, sent=True)  # the buffer is free once the successors have its bytes
+        if staged is not None and self.digests is not None:
+            self.digests.settle()  # the buffer is free once its bytes are hashed
         self._arrived += 1
+
+    def _feed(self, unit: Unit, staged: torch.Tensor | None) -> None:
+        """Feed the digests (``verify=True``) with the unit's bytes as they travel: the bucket's, or the piece's own."""
+        digests = self.digests
+        if digests is None:
+            return
+        for piece in unit.pieces:
+            if staged is not None:
+                digests.update(piece.index, staged[piece.at : piece.at + piece.nbytes])
+            else:
+                digests.update(piece.index, _view(self._tensors[piece.index], piece.where))
 
     def _step(self, block: bool) -> bool:
         """Launch the next unit; ``False`` when it needs a busy buffer and ``block`` is off, or when none is left."""
@@ -204,6 +235,8 @@ class Pipeline(Transfer):
             data = staged
         elif not self._is_source:
             self._written = True  # received straight into the tensor: written as the bytes arrive
+        if self._is_source:
+            self._feed(unit, staged)
         self._launch(data, slot, index, staged)
         self._next_unit += 1
         return True
@@ -217,8 +250,10 @@ class Pipeline(Transfer):
 
     def _finish(self) -> None:
         """Launch the rest, wait for everything, unpack on a destination and fill the aliases."""
-        self._wait_source_posted()  # every destination's receives are posted: gloo writes each send from this thread
-        self._start()  # a destination tells the source before it waits for anything
+        if self._from is not None:
+            self._start()  # a destination tells its predecessor before it waits for anything
+        self._wait_source_posted()  # every successor's receives are posted: gloo writes each send from this thread
+        self._start()
         while self._step(block=True):
             pass
         self._drain(self._complete)

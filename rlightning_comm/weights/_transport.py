@@ -37,6 +37,17 @@ sends are waited as they are). The source then closes the group's
 connections (:func:`~rlightning_comm.failures.close_gloo_group`), so the
 other destinations' receives fail within milliseconds as well.
 
+In a relay (:func:`chain`) the source sends each unit once, to the first
+destination, and each destination forwards it to the next once it has
+arrived (a bucket from its staging buffer while it unpacks it, an in-place
+piece from the tensor itself). Every hop is a source-destination pair as
+above: the "posted" message, a receipt per bucket before the sender reuses
+its buffer, one for the whole transfer; a relay waits for a bucket's
+forward before it frees the buffer, and takes its units in order (a relay
+forwards unit k only once its successor has taken unit k - 2). Any member
+of a chain that fails closes the group's connections, so everything
+downstream and upstream of it fails at once too.
+
 A transfer that fails midway raises the failure (``CommError`` or
 ``CommTimeoutError``) with what this rank knows about the weights it left:
 on a destination whether its tensors were partly written (and how many
@@ -64,6 +75,20 @@ def point_to_point(comm: Any) -> bool:
     return comm.backend == "gloo" and comm.device.type == "cpu"
 
 
+def chain(world_size: int, src: int, leaves: set[int]) -> dict[int, tuple[int | None, list[int]]]:
+    """Every group rank's route in a relay: ``(predecessor or None, successors)``.
+
+    The source sends each unit once, to the first destination (and to each of ``leaves``, destinations that cannot
+    forward); each destination of the chain forwards it to the next, in group-rank order after the source's.
+    """
+    order = [r for r in [*range(src + 1, world_size), *range(src)] if r not in leaves]
+    routes: dict[int, tuple[int | None, list[int]]] = {src: (None, order[:1] + sorted(leaves))}
+    for i, rank in enumerate(order):
+        routes[rank] = (order[i - 1] if i else src, order[i + 1 : i + 2])
+    routes.update((leaf, (src, [])) for leaf in leaves)
+    return routes
+
+
 class Transfer:
     """Moves the units of a :class:`Plan` on one rank; what a destination does with them is the subclass's.
 
@@ -82,10 +107,19 @@ class Transfer:
             dropped after a failure (a receive still posted may write them).
         sends: Move the units point to point (gloo on host memory, the same on
             every member) rather than by the communicator's ``broadcast``.
+        route: With ``sends``, where this rank receives from and sends to (group ranks: the predecessor or
+            ``None`` on the source, and the successors); ``None``: a star, the source sending to every destination.
     """
 
     def __init__(
-        self, comm: Any, plan: Plan, src: int, is_source: bool, slots: list[torch.Tensor | None], sends: bool
+        self,
+        comm: Any,
+        plan: Plan,
+        src: int,
+        is_source: bool,
+        slots: list[torch.Tensor | None],
+        sends: bool,
+        route: tuple[int | None, list[int]] | None = None,
     ) -> None:
         self._comm = comm
         self._plan = plan
@@ -101,12 +135,18 @@ class Transfer:
         self._pending: deque[tuple[list[Any], int, int, torch.Tensor | None]] = deque()
         src_rank = comm._group_rank_of[src]
         self._src_rank = src_rank
-        self._peers = [r for r in range(comm.world_size) if r != src_rank]
-        # Over gloo: on the source, the receives of every destination's "posted" message; on a destination, its sends of
-        # that message and of its receipts (once made).
-        self._posted: list[Any] | None = None
-        if self._sends and is_source:
-            self._posted = self._tokens()
+        self._dsts = [r for r in range(comm.world_size) if r != src_rank]
+        self._relay = route is not None and sends
+        if self._relay:
+            self._from, self._peers = route
+        else:
+            self._from, self._peers = (None, self._dsts) if is_source else (src_rank, [])
+        self._forwards: list[Any] = []  # on a relay: the sends of the in-place pieces it forwarded, waited at the end
+        # Over gloo: the receives of every successor's "posted" message (on the source, every destination's); the sends
+        # of this rank's "posted" message and of its receipts to its predecessor (once made).
+        self._inbox: list[Any] = self._tokens() if self._sends and self._peers else []
+        self._outbox: list[Any] = []
+        self._told = False
 
     def _tokens(self) -> list[Any]:
         """On the source over gloo: the receives of one small message from every destination (its "posted" message or a
@@ -117,8 +157,8 @@ class Transfer:
         )
 
     def _token(self) -> list[Any]:
-        """On a destination over gloo: the send of one small message to the source."""
-        group, src = self._comm.group, self._src_rank
+        """On a destination over gloo: the send of one small message to its predecessor (the source in a star)."""
+        group, src = self._comm.group, self._from
         return self._point_to_point(lambda: [group.send([torch.zeros(1, dtype=torch.uint8)], src, _TAG)])
 
     @property
@@ -156,8 +196,9 @@ class Transfer:
         except CommError as err:
             self._done = True
             self._slots[0] = self._slots[1] = None
-            if self._sends and self._is_source and self._failed_peer is not None:
+            if self._relay or (self._sends and self._is_source and self._failed_peer is not None):
                 # A destination is lost: the others would wait out the timeout on receives the source will never send.
+                # In a chain every member closes: its successors wait on it, its predecessor on its receipts.
                 close_gloo_group(self._comm.group)
             # The same type with the account added, its other arguments kept (PeerLostError's mode, generation, member).
             raise type(err)(f"{err}\nbroadcast_state_dict failed midway: {self._account()}", *err.args[1:]) from err
@@ -170,8 +211,11 @@ class Transfer:
         where = "" if self._failed_peer is None else f"the transfer to rank {ranks[self._failed_peer]} failed; "
         if not self._launched:
             return f"{where}the source had sent nothing (0 of {units} units): no destination was written"
-        dsts = [ranks[r] for r in self._peers]
-        return f"{where}the source had launched {self._launched} of {units} units: destinations at ranks {dsts} may hold partial weights"
+        dsts = [ranks[r] for r in self._dsts]
+        return (
+            f"{where}the source had launched {self._launched} of {units} units: destinations at ranks {dsts} may hold "
+            "partial weights"
+        )
 
     def _point_to_point(self, post: Any) -> list[Any]:
         """The library's handles of the sends or receives ``post()`` makes on the group."""
@@ -183,15 +227,29 @@ class Transfer:
         return [comm._handle(work, "broadcast_state_dict") for work in works]
 
     def _tell_source(self) -> None:
-        """On a destination over gloo, once: tell the source every receive that needs no wait is posted."""
-        if self._sends and not self._is_source and self._posted is None:
-            self._posted = self._token()
+        """On a destination over gloo, once: tell its predecessor every receive that needs no wait is posted."""
+        if self._sends and self._from is not None and not self._told:
+            self._told = True
+            self._outbox += self._token()
 
     def _received(self, unit: int) -> None:
-        """On a destination over gloo, once unit ``unit`` has arrived: a bucket's receipt, so the source may reuse its
-        buffer."""
-        if self._sends and not self._is_source and not self._plan.units[unit].direct:
-            self._posted = (self._posted or []) + self._token()
+        """On a destination over gloo, once unit ``unit`` has arrived: a bucket's receipt, so its predecessor may reuse
+        its buffer."""
+        if self._sends and self._from is not None and not self._plan.units[unit].direct:
+            self._outbox += self._token()
+
+    def _forward(self, data: torch.Tensor, unit: int) -> list[Any]:
+        """On a relay, once unit ``unit`` has arrived in ``data``: send it on to the successors; the handles to wait
+        for (a bucket's receipts first, as on the source)."""
+        group, works = self._comm.group, []
+        for peer in self._peers:
+            try:
+                works.append(group.send([data], peer, _TAG))
+            except LAUNCH_ERRORS as err:  # a pair already closed: that successor is gone
+                self._failed_peer = peer
+                raise self._comm._failure("broadcast_state_dict", err) from err
+        works = [self._comm._handle(work, "broadcast_state_dict") for work in works]
+        return works if self._plan.units[unit].direct else self._tokens() + works
 
     def _move(self, data: torch.Tensor) -> list[Any]:
         """Start moving ``data`` from the source to every destination; the handles to wait for (on the source over gloo,
@@ -200,8 +258,8 @@ class Transfer:
         if not self._sends:
             return [comm.broadcast(data, src=self._src, async_op=True)]
         group = comm.group
-        if not self._is_source:
-            return self._point_to_point(lambda: [group.recv([data], self._src_rank, _TAG)])
+        if self._from is not None:
+            return self._point_to_point(lambda: [group.recv([data], self._from, _TAG)])
         works = []
         for peer in self._peers:
             try:
@@ -213,17 +271,19 @@ class Transfer:
 
     def _launch(self, data: torch.Tensor, slot: int, unit: int, staged: torch.Tensor | None) -> None:
         works = self._move(data)
-        if self._sends and self._is_source and not self._plan.units[unit].direct:
+        if self._sends and self._from is None and not self._plan.units[unit].direct:
             works = self._tokens() + works  # the destinations' receipts of this bucket, waited before its sends
         self._pending.append((works, slot, unit, staged))
         self._launched += 1
 
-    def _wait(self, works: list[Any]) -> None:
+    def _wait(self, works: list[Any], sent: bool | None = None) -> None:
+        """Wait for ``works``: a unit's receive, or (``sent``; by default on the source) its receipts and sends."""
+        sent = self._from is None if sent is None else sent
         for k, work in enumerate(works):
             try:
                 work.wait()
             except CommError:
-                if self._sends and self._is_source:
+                if self._sends and sent and self._peers:
                     self._failed_peer = self._peers[
                         k % len(self._peers)
                     ]  # a bucket's receipts, then its sends: one per destination each
@@ -232,8 +292,8 @@ class Transfer:
     def _wait_source_posted(self) -> None:
         """On the source over gloo: wait until every destination's receives are posted (gloo then writes each send from
         this thread)."""
-        if self._is_source and self._posted:
-            posted, self._posted = self._posted, []  # each gloo point-to-point work is waited once, even if one raises
+        if self._inbox:
+            posted, self._inbox = self._inbox, []  # each gloo point-to-point work is waited once, even if one raises
             for k, work in enumerate(posted):
                 try:
                     work.wait()
@@ -249,9 +309,10 @@ class Transfer:
         transfer comes first (every send has completed then); elsewhere the
         last unit does.
         """
-        if self._sends and self._is_source:
+        if self._sends and self._from is None:
             self._wait(self._tokens())
-        elif self._pending:
+        elif self._pending and not self._relay:
+            # (Not in a chain: a relay forwards unit k only once its successor took unit k - 2 off its hands, in order.)
             # Wait for the last unit first: a pair's messages complete in order, so the others are done by then and
             # this thread wakes once, not once per unit (gloo's point-to-point work must be waited exactly once).
             works, *rest = self._pending[-1]
@@ -259,8 +320,12 @@ class Transfer:
             self._wait(works)
         while self._pending:
             complete(self._pending.popleft())
-        if self._sends and not self._is_source:
-            self._posted = (self._posted or []) + self._token()  # the receipt of the whole transfer
-        posted, self._posted = self._posted or [], []
+        if self._sends and self._from is not None:
+            self._outbox += self._token()  # the receipt of the whole transfer
+        if self._relay and self._peers and self._from is not None:
+            # The successors' receipts of the whole transfer, then the in-place pieces forwarded to them.
+            forwards, self._forwards = self._forwards, []
+            self._wait(self._tokens() + [work for works in forwards for work in works], sent=True)
+        posted, self._outbox = self._outbox, []
         for work in posted:
             work.wait()

@@ -1,0 +1,315 @@
+"""After a weight sync's data phase: verification, and the all-or-nothing commit through the mode's store.
+
+:class:`Sync` is one sync on one member: the data phase (a
+:class:`~._transport.Transfer`), then, with ``verify`` or ``atomic``, one
+round of two words per member (a fingerprint of its digests) and, only when
+they differ, a second round that names the tensors. With ``atomic`` the
+destinations received into staging; the source then records the decision in
+the mode's store (a key set once with ``compare_set``, under the name of the
+mode's group, which a connected mode makes unique to its generation: an old
+generation's members cannot touch a new one's decision). ``commit`` once
+every destination staged and verified; a member that fails before it (a
+lost peer, a timeout) records ``abort`` instead, and whichever comes first
+holds for everyone. A destination writes its live tensors (or calls
+``load``) only after it read ``commit``; anything before that point leaves
+them as they were. After it, every surviving destination commits.
+
+A transfer kind calls :class:`Sync` with its own data phase; nothing here
+knows how the bytes moved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlightning_comm import rendezvous
+from rlightning_comm.errors import CommError, CommMismatchError, PeerLostError
+from rlightning_comm.failures import close_gloo_group
+from rlightning_comm.weights._digest import differing, fingerprint
+from rlightning_comm.weights._plan import Plan, dtype_of
+from rlightning_comm.weights._report import WeightSyncReport
+from rlightning_comm.weights._versions import SyncOptions, commit, forget
+
+COMMIT = "commit"
+# A destination's looks at the store for the decision: often there already; then every few milliseconds, and at each
+# look at the mode's liveness too.
+_FIRST_PAUSE, _LAST_PAUSE = 0.0005, 0.01
+_staged: weakref.WeakKeyDictionary[Any, tuple[Any, list[torch.Tensor]]] = weakref.WeakKeyDictionary()
+
+
+def mode_store(comm: Any) -> dist.Store | None:
+    """The store every member of ``comm``'s group reaches (a connected mode's own, or the world's), or ``None``."""
+    group = comm.group
+    own = rendezvous.own_store(group)
+    if own is None:
+        if not dist.is_initialized():
+            return None
+        own = rendezvous.world_store()
+    return dist.PrefixStore(f"rlightning_comm/weights/commit/{group.group_name}", own)
+
+
+def staging(
+    comm: Any, plan: Plan, live: list[torch.Tensor] | None, device: torch.device | None, default: torch.device
+) -> list:
+    """Tensors to receive an atomic sync into, one per manifest entry (an alias is its target's very tensor).
+
+    Each like its live tensor (contiguous) on ``device``, or on the live tensor's own device; with no live tensors (a
+    ``load`` callable) from the manifest, on ``device`` or the communicator's ``default``. Kept for the next atomic
+    sync on ``comm`` with the same tensors (fresh pages cost more to fault in than the copy into them), freed with it.
+    """
+    key = (plan.manifest, device, default, None if live is None else tuple(t.device for t in live))
+    kept = _staged.get(comm)
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    _staged.pop(comm, None)  # the old staging goes before the new one is made
+    out: list[torch.Tensor] = []
+    aliases = dict(plan.aliases)
+    for index, (_, dtype, shape, _) in enumerate(plan.manifest):
+        if index in aliases:
+            out.append(out[aliases[index]])
+        elif live is not None:
+            t = live[index]
+            out.append(torch.empty(t.shape, dtype=t.dtype, device=device or t.device))
+        else:
+            out.append(torch.empty(shape, dtype=dtype_of(dtype), device=device or default))
+    _staged[comm] = (key, out)
+    return out
+
+
+def _lost(comm: Any) -> bool:
+    """Whether ``comm``'s connected mode has lost a member (its group then refuses every call); ``False`` elsewhere."""
+    try:
+        comm.group.size()
+    except PeerLostError:
+        return True
+    return False
+
+
+class Sync:
+    """One weight sync on one member: its data phase, verification and commit; :meth:`finish` returns the report.
+
+    Args:
+        comm: The communicator.
+        transfer: The data phase: ``start()``/``finish()``, raising :class:`CommError` with its account.
+        options: The call's :class:`SyncOptions`, checked by every member.
+        src: The source's rank in the mode.
+        sent, received: The bytes of tensor data this member sends and receives, per peer rank.
+        digests: ``None``, or the :class:`~._digest.Digests` the data phase feeds.
+        live: On an atomic destination: ``(live tensors, staged tensors)`` in the plan's order, or
+            ``(load callable, [(name, staged tensor)])``.
+        plan_cached: Whether the plan of an earlier call was reused.
+        exchange: ``exchange(words) -> rows`` and ``texts(text) -> texts``: the mode's small rounds.
+        what: The call's name, for messages.
+        applies: Whether this member has live weights to write and a version to record (default: every member but
+            ``src``); a transfer kind whose members both send and receive says so.
+        coordinator: The rank that records the decision (default ``src``; the same on every member).
+    """
+
+    def __init__(
+        self,
+        comm: Any,
+        transfer: Any,
+        options: SyncOptions,
+        src: int,
+        sent: dict[int, int],
+        received: dict[int, int],
+        digests: Any,
+        live: tuple[Any, list[Any]] | None,
+        plan_cached: bool,
+        exchange: tuple[Callable[[list[int]], list[list[int]]], Callable[[str | None], list[str | None]]],
+        what: str,
+        applies: bool | None = None,
+        coordinator: int | None = None,
+    ) -> None:
+        self._comm = comm
+        self._transfer = transfer
+        self._options = options
+        self._src = src
+        me = comm._global_rank
+        self._applies = src != me if applies is None else applies
+        self._coordinates = (src if coordinator is None else coordinator) == me
+        self._report = WeightSyncReport(sent, received, options.version, {}, plan_cached)
+        self._digests = digests
+        self._live = live
+        self._exchange, self._texts = exchange
+        self._what = what
+        self._done = False
+        self._store = mode_store(comm) if options.atomic else None
+        # A key of this sync alone (the source's random word, agreed in the handshake): a store that outlived an earlier
+        # context on the same group name holds no decision under it.
+        self._key = f"{options.key:x}"
+
+    @property
+    def done(self) -> bool:
+        """Whether :meth:`finish` has returned or raised."""
+        return self._done
+
+    def start(self) -> None:
+        """Launch what the data phase launches without waiting."""
+        try:
+            self._transfer.start()
+        except CommError as err:
+            self._done, self._report = True, None
+            if self._digests is not None:
+                self._digests.close()
+            raise self._not_committed(err, None) from err
+
+    def finish(self) -> WeightSyncReport | None:
+        """Complete the data phase, verify and commit; the report (a second call returns it again at once: ``None``
+        after a failure, which the first call raised)."""
+        if self._done:
+            return self._report
+        report, self._report = self._report, None  # kept only once the sync succeeded
+        try:
+            try:
+                self._transfer.finish()
+            except CommError as err:
+                if self._digests is not None:
+                    self._digests.close()
+                raise self._not_committed(err, None) from err
+            if self._digests is not None:
+                report.digests = self._digests.result()
+            if self._options.verify:
+                self._settle(report.digests)
+            elif self._applies:
+                commit(self._options)
+            self._report = report
+            return report
+        finally:
+            self._done = True
+
+    # ------------------------------------------------------------------ phases
+    def _settle(self, mine: dict[str, str]) -> None:
+        """Compare this member's digests (``mine``) with the source's on every member; with ``atomic``, decide and
+        apply."""
+        comm, options = self._comm, self._options
+        failure: CommError | None = None
+        mismatch: str | None = None
+        bad: list[int] = []
+        try:
+            rows = self._exchange(fingerprint(mine))
+            src_row = rows[comm.ranks.index(self._src)]
+            bad = [rank for rank, row in zip(comm.ranks, rows) if row != src_row]
+            if bad:
+                share = comm._global_rank == self._src or comm._global_rank in bad
+                texts = dict(zip(comm.ranks, self._texts(json.dumps(mine) if share else None)))
+                reference = json.loads(texts[self._src] or "{}")
+                named = []
+                for rank in bad:
+                    names = differing(reference, json.loads(texts[rank] or "{}"))
+                    shown = ", ".join(repr(n) for n in names[:8]) + (", ..." if len(names) > 8 else "")
+                    named.append(f"rank {rank}: {len(names)} tensors differ ({shown})")
+                mismatch = f"digests differ from the source's (rank {self._src}): {'; '.join(named)}"
+        except CommError as err:
+            if not options.atomic:
+                if self._applies:
+                    forget(options)  # whatever the bytes are, they were not verified
+                raise type(err)(
+                    f"{err}\n{self._what}: the verification did not complete; this member's weights are unverified",
+                    *err.args[1:],
+                ) from err
+            failure = err
+        if not options.atomic:
+            if mismatch is None:
+                if self._applies:
+                    commit(options)
+                return
+            if self._applies:  # the destinations whose bytes are the source's do hold its version
+                (forget if comm._global_rank in bad else commit)(options)
+            raise CommMismatchError(
+                f"{self._what}: {mismatch}. The sync was not atomic: the destinations' live tensors hold the bytes "
+                "they received"
+            )
+        if failure is not None:
+            verdict = self._decide(f"abort: {failure}")
+        elif self._coordinates:
+            verdict = self._decide(COMMIT if mismatch is None else f"abort: {mismatch}")
+        else:
+            verdict = self._await_decision()
+        if verdict != COMMIT:
+            if failure is not None:
+                raise self._not_committed(failure, verdict) from failure
+            error = CommMismatchError if mismatch is not None or "digests differ" in verdict else CommError
+            raise error(self._refusal(verdict.removeprefix("abort: ")))
+        if self._applies:
+            self._apply()
+            commit(options)
+
+    def _decide(self, verdict: str) -> str:
+        """Record ``verdict`` as the decision unless one is recorded; the decision that holds (``"unknown: ..."`` when
+        the store cannot be reached)."""
+        try:
+            return self._store.compare_set(self._key, "", verdict).decode()
+        except RuntimeError as err:  # the store's host is gone
+            return f"unknown: the mode's store could not be reached ({err})"
+
+    def _await_decision(self) -> str:
+        """On a destination: the decision, once recorded; ``abort`` recorded by this member when the mode lost a member
+        or the group's timeout passed first."""
+        timeout = self._comm.timeout or 1800.0
+        deadline = time.monotonic() + timeout
+        pause = _FIRST_PAUSE
+        while True:
+            try:
+                # check(), not a wait with a short timeout: a TCPStore logs a warning for every wait that times out.
+                if self._store.check([self._key]):
+                    return self._store.get(self._key).decode()
+            except RuntimeError as err:  # the store's host is gone
+                return f"unknown: the mode's store could not be reached ({err})"
+            time.sleep(pause)
+            pause = min(2 * pause, _LAST_PAUSE)
+            if _lost(self._comm):
+                return self._decide("abort: a member of the mode was lost before the commit")
+            if time.monotonic() > deadline:
+                return self._decide(f"abort: no decision within the group's timeout ({timeout:g} s)")
+
+    def _apply(self) -> None:
+        """On a destination, after ``commit``: write the live tensors from staging (or hand it to ``load``)."""
+        target, staged = self._live
+        if callable(target):
+            target(staged)
+            return
+        writes = torch.inference_mode if any(t.is_inference() for t in target) else contextlib.nullcontext
+        with writes():
+            for live, new in zip(target, staged):
+                live.copy_(new)
+
+    # ---------------------------------------------------------------- messages
+    def _left(self) -> str:
+        options, ranks = self._options, self._comm.ranks
+        head = "the sync was not committed" if options.version is None else f"version {options.version} not committed"
+        if self._applies:
+            held = options.left(self._comm._global_rank)
+            live = "unchanged" if options.version is None else f"{held}"
+            return f"{head}; live weights are {live}"
+        if options.version is None:
+            return f"{head}; every destination's live weights are unchanged"
+        held = ", ".join(f"rank {r}: {options.left(r)}" for r in ranks if r != self._src)
+        return f"{head}; every destination's live weights are unchanged ({held})"
+
+    def _refusal(self, why: str) -> str:
+        return f"{self._what}: {self._left()}: {why}"
+
+    def _not_committed(self, err: CommError, verdict: str | None) -> CommError:
+        """The data phase's (or the vote's) ``err``, saying what it left: with ``atomic``, not committed."""
+        options = self._options
+        if not options.atomic:
+            if self._applies:
+                forget(options)  # partly written, or not: it holds no one version now
+            return type(err)(str(err), *err.args[1:])
+        if verdict is None:
+            verdict = self._decide(f"abort: {type(err).__name__}")
+            if verdict == COMMIT:  # unreachable: a commit needs this member's vote, which it never gave
+                verdict = "abort"
+        if self._comm.backend == "gloo":
+            with contextlib.suppress(Exception):  # already broken: let the peers' pending calls fail now
+                close_gloo_group(self._comm.group)
+        return type(err)(f"{self._refusal(str(err))}", *err.args[1:])

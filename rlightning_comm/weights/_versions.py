@@ -1,0 +1,137 @@
+"""Weight versions: what a sync carries, what each destination committed, and the refusal of a stale sync.
+
+A weight-sync call takes its options (:class:`SyncOptions`) through one
+round a transfer already makes: :meth:`SyncOptions.words` are appended to
+this member's words of the transfer's handshake, and :meth:`SyncOptions.check`
+reads every member's words back, identically on every member, and raises
+the same error on each before any byte moves. A transfer kind calls these
+two and :func:`commit` on its destinations; nothing here sends anything.
+
+The record of committed versions is the context's
+(:meth:`CommContext.get_weight_version`), per mode name: it outlives a
+connected mode's generations and goes with :meth:`CommContext.destroy`.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+import torch
+
+from rlightning_comm.context import CommContext
+from rlightning_comm.errors import CommMismatchError
+from rlightning_comm.modes import mode_name
+
+Problem = tuple[type[Exception], str] | None
+WORDS = 5  # requested version, committed version, verify, atomic, a random key for this sync's decision
+
+
+class SyncOptions:
+    """A weight-sync call's version, verification and commit options, checked on this member.
+
+    Args:
+        version: The version the sync carries, or ``None``.
+        verify: Whether destinations check per-tensor digests against the source's.
+        atomic: Whether destinations stage, verify and commit all or nothing (implies ``verify``).
+        staging_device: Where an atomic sync's destinations stage (``None``: each tensor's own device).
+        record_as: The mode whose version record a destination updates (``None``: the sync's own mode).
+        mode: The sync's own mode.
+    """
+
+    def __init__(self, version: Any, verify: Any, atomic: Any, staging_device: Any, record_as: Any, mode: str) -> None:
+        self.version = version
+        self.verify = verify
+        self.atomic = atomic
+        self.staging_device: torch.device | None = None
+        self.problem: Problem = None
+        self.committed: dict[int, int | None] = {}  # every member's committed version, after check()
+        self.key = 0  # the source's random word, after check(): names this sync's decision in the mode's store
+        wrong: list[tuple[type[Exception], str]] = []
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+            wrong.append((TypeError, f"version must be an int or None; got {type(version).__name__} {version!r}"))
+        elif version is not None and not 0 <= version < 2**62:
+            wrong.append((ValueError, f"version must be in 0..2**62-1; got {version}"))
+        for label, value in (("verify", verify), ("atomic", atomic)):
+            if not isinstance(value, bool):
+                wrong.append((TypeError, f"{label} must be a bool; got {type(value).__name__} {value!r}"))
+        if staging_device is not None:
+            try:
+                self.staging_device = torch.device(staging_device)
+            except (RuntimeError, TypeError) as err:
+                wrong.append((ValueError, f"staging_device={staging_device!r} is not a device: {err}"))
+        try:
+            self.record_as = mode if record_as is None else mode_name(record_as)
+        except (TypeError, ValueError) as err:
+            self.record_as = mode
+            wrong.append((type(err), f"record_as: {err}"))
+        if wrong:
+            self.problem = (wrong[0][0], "; ".join(msg for _, msg in wrong))
+        self.verify = bool(verify is True or atomic is True)
+
+    @property
+    def settles(self) -> bool:
+        """Whether the sync has a phase after the data (verification, commit)."""
+        return self.verify or self.atomic is True
+
+    def words(self) -> list[int]:
+        """This member's words for the handshake: the version it asks for, the one it committed, its flags."""
+        committed = CommContext().get_weight_version(self.record_as)
+        ok = self.problem is None
+        return [
+            self.version if ok and self.version is not None else -1,
+            -1 if committed is None else committed,
+            int(ok and self.verify),
+            int(ok and self.atomic is True),
+            secrets.randbits(62),
+        ]
+
+    def check(self, ranks: tuple[int, ...], rows: list[list[int]], src: int, what: str) -> None:
+        """Raise the same error on every member when the members' words (``rows``, in ``ranks``' order) refuse the
+        sync.
+
+        Raises:
+            ValueError: the members ask for different versions or flags.
+            CommMismatchError: a destination has committed a version at or past this one, or the source holds another.
+        """
+        self.committed = {rank: (None if row[1] < 0 else row[1]) for rank, row in zip(ranks, rows)}
+        self.key = rows[ranks.index(src)][4]
+        for index, label in ((0, "version"), (2, "verify"), (3, "atomic")):
+            if len({row[index] for row in rows}) > 1:
+
+                def shown(v: int, index: int = index) -> str:
+                    return ("None" if v < 0 else str(v)) if index == 0 else str(bool(v))
+
+                named = ", ".join(f"rank {rank}: {shown(row[index])}" for rank, row in zip(ranks, rows))
+                raise ValueError(
+                    f"{what}: nothing was transferred; the members pass different {label}s ({named}); expected one "
+                    f"{label} on every member"
+                )
+        if self.version is None:
+            return
+        stale = [(r, v) for r, v in self.committed.items() if r != src and v is not None and v >= self.version]
+        held = self.committed[src]
+        if stale or (held is not None and held != self.version):
+            detail = [f"rank {r} has committed version {v}" for r, v in stale]
+            if held is not None and held != self.version:
+                detail.append(f"the source (rank {src}) holds version {held}, not {self.version}")
+            raise CommMismatchError(
+                f"{what}: version {self.version} refused (versions of mode {self.record_as!r}), nothing was "
+                f"transferred: {'; '.join(detail)}. A destination only moves forward; a source sends the version it "
+                "holds"
+            )
+
+    def left(self, rank: int) -> str:
+        """What a destination at ``rank`` still holds: its committed version, in words."""
+        v = self.committed.get(rank)
+        return "no committed version" if v is None else f"version {v}"
+
+
+def commit(options: SyncOptions) -> None:
+    """On a destination whose live weights now hold the sync's bytes: record the version (``None`` clears it)."""
+    CommContext()._record_weight_version(options.record_as, options.version)
+
+
+def forget(options: SyncOptions) -> None:
+    """On a destination whose live weights were partly written: it holds no committed version any more."""
+    CommContext()._record_weight_version(options.record_as, None)
