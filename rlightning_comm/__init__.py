@@ -27,6 +27,9 @@ from rlightning_comm.sequence_parallel import (
     ulysses_attention,
 )
 from rlightning_comm.weights._broadcast import StateDictTransfer, broadcast_state_dict
+from rlightning_comm.weights._report import WeightSyncReport
+from rlightning_comm.weights._reshard import reshard_state_dict
+from rlightning_comm.weights._slices import TensorSlice
 
 __all__ = [
     "CommContext",
@@ -44,7 +47,9 @@ __all__ = [
     "ParallelMode",
     "PeerLostError",
     "StateDictTransfer",
+    "TensorSlice",
     "UlyssesAttention",
+    "WeightSyncReport",
     "WorkHandle",
     "all_gather_from_sequence_parallel_region",
     "all_to_all",
@@ -56,6 +61,7 @@ __all__ = [
     "initialize_distributed_env",
     "reduce_scatter_to_sequence_parallel_region",
     "register_communicator",
+    "reshard_state_dict",
     "run",
     "scatter_to_sequence_parallel_region",
     "sequence_parallel",
