@@ -331,3 +331,260 @@ def test_geometries_are_bit_identical_to_the_sliced_full_tensors(world4) -> None
     assert reports[0]["kv"][1] == reports[1]["kv"][1] == {}
     # Tied: rank 0 sends the tensor once per wanted name.
     assert sum(reports[0]["tied"][0].values()) == (2 + 1 + 2) * 11 * 6 * 2
+
+
+# ----------------------------------------------------------------------------------- refusals
+def _refusals(rank: int, size: int, url: str) -> dict:
+    """Each bad input on one or two members: every member raises the same error, no destination changes, and the mode
+    then works."""
+    from rlightning_comm import TensorSlice, reshard_state_dict
+
+    ctx = init_world(rank, size, url)
+    ctx.init_group([0, 1, 2, 3], MODE, timeout=30)
+    full = _full(6, {"a": ((10, 4), torch.float32)})["a"]
+    dst = _garbage((10, 4), torch.float32)
+    small = [_garbage((2, 4), torch.float32) for _ in range(2)]
+    before = [t.clone() for t in (dst, *small)]
+    rows = lambda lo, hi: TensorSlice(full[lo:hi].clone(), (lo, 0), (10, 4))  # noqa: E731
+    cases = {
+        "uncovered": ({0: {"a": rows(0, 4)}, 1: {"a": rows(4, 8)}}, {2: {"a": TensorSlice(dst, (0, 0), (10, 4))}}, {}),
+        "dtype": ({0: {"a": full.clone()}}, {2: {"a": TensorSlice(dst.view(torch.int32), (0, 0), (10, 4))}}, {}),
+        "shape": ({0: {"a": full.clone()}}, {3: {"a": TensorSlice(small[0], (0, 0), (12, 4))}}, {}),
+        "bounds": ({0: {"a": full.clone()}}, {2: {"a": TensorSlice(small[0], (9, 0), (10, 4))}}, {}),
+        "overlap": (
+            {0: {"a": full.clone()}},
+            {1: {"a": [TensorSlice(small[0], (0, 0), (10, 4)), TensorSlice(small[1], (1, 0), (10, 4))]}},
+            {},
+        ),
+        "type": ({0: {"a": full.clone()}, 3: {"a": 3}}, {2: {"a": TensorSlice(dst, (0, 0), (10, 4))}}, {}),
+        "bucket": ({0: {"a": full.clone()}}, {2: {"a": TensorSlice(dst, (0, 0), (10, 4))}}, {0: 0}),
+    }
+    out: dict = {}
+    for case, (held, wanted, buckets) in cases.items():
+        try:
+            reshard_state_dict(
+                held=held.get(rank), wanted=wanted.get(rank), comm_mode=MODE, bucket_bytes=buckets.get(rank, 4096)
+            )
+            out[case] = (None, "", True)
+        except (TypeError, ValueError) as err:
+            untouched = all(_same(a, b) for a, b in zip((dst, *small), before))
+            out[case] = (type(err).__name__, str(err), untouched)
+    # The mode still works: the last refusal's transfer, as it should have been.
+    report = reshard_state_dict(
+        held={"a": full.clone()} if rank == 0 else None, wanted={"a": dst} if rank == 2 else None, comm_mode=MODE
+    )
+    out["after"] = _same(dst, full) if rank == 2 else report.sent == ({2: full.numel() * 4} if rank == 0 else {})
+    return out
+
+
+REFUSALS = {
+    "uncovered": ("ValueError", r"'a': elements \[8:10, 0:4\] wanted by rank 2 are held by no member"),
+    "dtype": (
+        "ValueError",
+        r"'a': the members disagree on its dtype or global shape "
+        r"\(rank 0: torch.float32 \(10, 4\); rank 2: torch.int32 \(10, 4\)\)",
+    ),
+    "shape": ("ValueError", r"rank 3: torch.float32 \(12, 4\)"),
+    "bounds": (
+        "ValueError",
+        r"rank 2: wanted\['a'\]: the slice is out of bounds in dimension 0: elements 9 to 11 of a global size of 10",
+    ),
+    "overlap": ("ValueError", r"rank 1: wanted\['a'\]: two wanted slices overlap .*region \[1:2, 0:4\]"),
+    "type": ("TypeError", r"rank 3: held\['a'\]: expected a Tensor, DTensor or TensorSlice .*; got int"),
+    "bucket": ("ValueError", r"rank 0: bucket_bytes must be a positive int; got 0"),
+}
+
+
+def test_refusals_reach_every_member_before_any_byte_moves(world4) -> None:
+    import re
+
+    reports = world4.run(_refusals, timeout=90)
+    for case, (kind, pattern) in REFUSALS.items():
+        seen = [r[case] for r in reports]
+        assert all(s[0] == kind for s in seen), (case, seen)
+        assert len({s[1] for s in seen}) == 1, (case, "the members' messages differ", seen)
+        assert seen[0][1].startswith("reshard_state_dict: nothing was transferred; "), seen[0]
+        assert re.search(pattern, seen[0][1]), (case, seen[0][1])
+        assert all(s[2] for s in seen), (case, "a destination changed")
+    assert all(r["after"] for r in reports), reports
+
+
+# ----------------------------------------------------------------------------------- a member killed midway
+KILL_TIMEOUT = 30.0  # the group's timeout: every survivor must raise long before it
+BOUND = 6.0  # what a loaded 2-core machine may add
+KILL_SHAPES = {f"w{i}": ((256, 64), torch.float32) for i in range(8)}
+
+
+def _kill_group(rank: int, url: str):
+    """4 members in a gloo group outside any world: holders 0 and 1 (row halves), wanters 2 (the victim) and 3 (column
+    halves: every piece staged, in buckets of 4 KiB)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from rlightning_comm import GlooCommunicator
+
+    store = dist.FileStore(url.removeprefix("file://") + ".kill", 4)
+    store.set(f"ready/{rank}", "1")
+    store.wait([f"ready/{r}" for r in range(4)], timedelta(seconds=120))
+    group = dist.ProcessGroupGloo(dist.PrefixStore("group", store), rank, 4, timedelta(seconds=KILL_TIMEOUT))
+    return GlooCommunicator(group, range(4), "KILL", timeout=KILL_TIMEOUT, rank=rank)
+
+
+def _kill_args(member: int):
+    from rlightning_comm import TensorSlice
+
+    full = _full(7, KILL_SHAPES)
+    held = wanted = None
+    if member < 2:
+        held = {
+            n: TensorSlice(t[member * 128 : (member + 1) * 128].clone(), (member * 128, 0), (256, 64))
+            for n, t in full.items()
+        }
+    else:
+        c = member - 2
+        wanted = {n: TensorSlice(_garbage((256, 32), torch.float32), (0, c * 32), (256, 64)) for n in full}
+    return held, wanted
+
+
+def _victim(url: str) -> None:
+    """Member 2, in no world: it dies as its third bucket arrives, the transfer in flight."""
+    import os
+    import signal
+
+    from rlightning_comm.weights._reshard import _Mover, reshard
+
+    original, unpacked = _Mover._pack, []
+
+    def pack(self, bucket, buffer, pack):
+        if not pack:
+            unpacked.append(1)
+            if len(unpacked) == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return original(self, bucket, buffer, pack)
+
+    _Mover._pack = pack
+    held, wanted = _kill_args(2)
+    reshard(_kill_group(2, url), held, wanted, 4096)
+
+
+def _killed(rank: int, size: int, url: str) -> dict | None:
+    import subprocess
+    import sys
+    import time
+
+    from rlightning_comm.weights._reshard import reshard
+
+    if rank == 3:
+        return None
+    member = {0: 0, 1: 1, 2: 3}[rank]
+    victim = None
+    if rank == 0:
+        code = f"import sys; sys.path[:0] = {sys.path!r}; import test_reshard as t; t._victim({url!r})"
+        victim = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        comm = _kill_group(member, url)
+        held, wanted = _kill_args(member)
+        start = time.monotonic()
+        try:
+            reshard(comm, held, wanted, 4096)
+            report = {"type": None}
+        except RuntimeError as err:
+            report = {"type": type(err).__name__, "msg": str(err)}
+        report["elapsed"] = time.monotonic() - start
+    finally:
+        if victim is not None:
+            try:
+                victim.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                victim.kill()  # by its pid: ours
+                victim.wait(timeout=10)
+    if victim is not None:
+        report["victim"] = victim.returncode
+    return report
+
+
+def test_a_member_killed_midway_fails_every_survivor_fast_saying_what_it_left(world4) -> None:
+    import re
+    import signal
+
+    holder0, holder1, survivor, _ = world4.run(_killed, timeout=150)
+    assert holder0["victim"] == -signal.SIGKILL, holder0
+    for r in (holder0, holder1, survivor):
+        assert r["type"] in ("CommError", "CommTimeoutError") and r["elapsed"] <= BOUND < KILL_TIMEOUT, r
+        assert "reshard_state_dict failed midway: " in r["msg"], r
+    for r in (holder0, holder1):
+        assert "destinations at ranks [2, 3] may hold partial weights" in r["msg"], r
+    # The survivor had unpacked some buckets: it names what it partly wrote and what it did not touch.
+    assert re.search(r"this member's wanted tensors \[.*'w0'.*\] may be partly written", survivor["msg"]), survivor
+
+
+# ----------------------------------------------------------------------------------- a connected mode across worlds
+def _connected(rank: int, size: int, url: str) -> dict:
+    """Ranks 0, 1: a trainer world; 2, 3: an engine world; a connected mode of all four. The trainer holds row halves,
+    the engine wants a column-parallel fused pair and a row-parallel weight; twice (the second reuses the plan)."""
+    import os
+    import time
+    from pathlib import Path
+
+    from rlightning_comm import CommContext, TensorSlice, reshard_state_dict
+    from rlightning_comm.weights import layouts
+
+    world, local = divmod(rank, 2)
+    init_world(local, 2, f"{url}-{'trainer' if world == 0 else 'engine'}")
+    ctx = CommContext()
+    path = url.removeprefix("file://") + ".address"
+    if rank == 0:
+        address = ctx.listen("127.0.0.1:0")
+        Path(path + ".tmp").write_text(address)
+        os.replace(path + ".tmp", path)
+    else:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(path):
+            if time.monotonic() > deadline:
+                raise TimeoutError("rank 0 did not publish its address")
+            time.sleep(0.01)
+        address = Path(path).read_text()
+    ctx.connect("SYNC", rank=rank, world_size=4, address=address, timeout=60)
+    wrong, reports = [], []
+    for step in range(2):
+        full = _full(
+            10 + step,
+            {"gate": ((12, 8), torch.float32), "up": ((12, 8), torch.float32), "down": ((8, 12), torch.float32)},
+        )
+        held = wanted = None
+        if world == 0:
+            held = {
+                n: TensorSlice(
+                    t[local * (t.shape[0] // 2) : (local + 1) * (t.shape[0] // 2)].clone(),
+                    (local * (t.shape[0] // 2), 0),
+                    tuple(t.shape),
+                )
+                for n, t in full.items()
+            }
+        else:
+            gate_up, down = _garbage((12, 8), torch.float32), _garbage((8, 6), torch.float32)
+            wanted = {
+                **layouts.fused(gate_up, {"gate": 12, "up": 12}, local, 2),
+                "down": layouts.row_parallel(down, local, 2),
+            }
+        report = reshard_state_dict(held=held, wanted=wanted, comm_mode="SYNC", bucket_bytes=128)
+        reports.append((dict(report.sent), dict(report.received), report.plan_cached))
+        if world == 1:
+            rows = slice(local * 6, local * 6 + 6)
+            if not _same(gate_up, torch.cat([full["gate"][rows], full["up"][rows]])):
+                wrong.append(f"step {step}: gate_up")
+            if not _same(down, full["down"][:, local * 6 : local * 6 + 6]):
+                wrong.append(f"step {step}: down")
+    return {"wrong": wrong, "reports": reports}
+
+
+def test_a_connected_mode_across_two_worlds(world4) -> None:
+    results = world4.run(_connected, env={"GLOO_SOCKET_IFNAME": "lo"}, timeout=120)
+    for rank, r in enumerate(results):
+        assert r["wrong"] == [], (rank, r["wrong"])
+        assert [cached for _, _, cached in r["reports"]] == [False, True], r
+    # Each engine wants 6 + 6 rows of 8 and 8 rows of 6 (float32): 480 bytes, from both trainers.
+    for rank in (2, 3):
+        for _, received, _ in results[rank]["reports"]:
+            assert sorted(received) == [0, 1] and sum(received.values()) == (12 * 8 + 8 * 6) * 4
