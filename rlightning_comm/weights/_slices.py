@@ -20,7 +20,7 @@ from rlightning_comm.weights._inputs import Problem
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (first index, end index) per dimension, in global coordinates
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class TensorSlice:
     """A block of a global tensor: ``tensor`` holds the elements at ``offsets`` (one per dimension) of a tensor of
     ``global_shape``, over a region of ``tensor.shape``.
