@@ -187,6 +187,11 @@ def member(role: str, local: int, folder: str, steps: int) -> None:
             line += f"; engine forward {'==' if ok else '!='} trainer forward (max diff {diff:.2e})"
         line += f"; plan {'kept' if report.plan_cached else 'made'}\n"
         os.write(sys.stdout.fileno(), line.encode())  # one write: the four processes' lines do not interleave
+    # Leave together: a member that leaves the mode while a peer's last call is in flight fails that call.
+    Path(folder, f"done-{me}").touch()
+    deadline = time.monotonic() + 60
+    while not all(Path(folder, f"done-{m}").exists() for m in range(4)) and time.monotonic() < deadline:
+        time.sleep(0.01)
     ctx.destroy()
     if failed:
         raise SystemExit(1)
