@@ -448,22 +448,21 @@ def _kill_args(member: int):
 
 
 def _victim(url: str) -> None:
-    """Member 2, in no world: it dies as its third bucket arrives, the transfer in flight."""
+    """Member 2, in no world: it dies as it waits for its third chunk, the transfer in flight."""
     import os
     import signal
 
     from rlightning_comm.weights._reshard import _Mover, reshard
 
-    original, unpacked = _Mover._pack, []
+    original, completed = _Mover._complete_chunk, []
 
-    def pack(self, bucket, buffer, pack):
-        if not pack:
-            unpacked.append(1)
-            if len(unpacked) == 3:
-                os.kill(os.getpid(), signal.SIGKILL)
-        return original(self, bucket, buffer, pack)
+    def complete(self, chunk, launched):
+        completed.append(1)
+        if len(completed) == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(self, chunk, launched)
 
-    _Mover._pack = pack
+    _Mover._complete_chunk = complete
     held, wanted = _kill_args(2)
     reshard(_kill_group(2, url), held, wanted, 4096)
 

@@ -303,24 +303,15 @@ class _Mover:
                 incoming.append(self._recv(self._bytes(self._dst_view(p)), p.src, _DATA_TAG))
                 direct_sources[p.src] = None
         self._copies()
-        for chunk in s.chunks:
-            receipts, arrivals, staged = [], [], []
-            for k, bucket in enumerate(chunk):
-                buffer = self._slot(k, bucket.nbytes)
-                if bucket.src == me:
-                    self._pack(bucket, buffer, pack=True)
-                    receipts.append(self._recv(torch.empty(1, dtype=torch.uint8), bucket.dst, _RECEIPT_TAG))
-                    self._send(buffer, bucket.dst, _DATA_TAG)
-                else:
-                    arrivals.append(self._recv(buffer, bucket.src, _DATA_TAG))
-                    staged.append((bucket, buffer))
-            for (peer, work), (bucket, buffer) in zip(arrivals, staged):
-                self._wait(peer, work)
-                self._receipt(peer)
-                self._pack(bucket, buffer, pack=False)
-            for peer, work in receipts:
-                self._wait(peer, work)  # the destination has the bucket: the send has completed
-            self._wait_sends()
+        # Chunk j moves through buffer j % 2: chunk j + 1 is filled and launched before chunk j is waited for.
+        pending = None
+        for j, chunk in enumerate(s.chunks):
+            launched = self._launch_chunk(chunk, j % 2)
+            if pending is not None:
+                self._complete_chunk(*pending)
+            pending = (chunk, launched)
+        if pending is not None:
+            self._complete_chunk(*pending)
         # Wait for the last receive from each source first: a pair's messages complete in order.
         for peer, work in reversed(incoming):
             self._wait(peer, work)
@@ -332,6 +323,44 @@ class _Mover:
         self._sends += self._direct
         self._direct = []
         self._wait_sends()
+
+    def _launch_chunk(self, chunk: tuple[Bucket, ...], slot: int) -> list[tuple[Any, ...]]:
+        """Fill and launch this member's buckets of one chunk; what to wait for, per bucket."""
+        me, launched = self._me, []
+        for bucket in chunk:
+            staged = bucket.staged(me)
+            buffer = self._slot(slot, bucket.nbytes) if staged else None
+            if bucket.src == me:
+                if staged:
+                    self._pack(bucket, buffer, pack=True)
+                    data = buffer
+                else:
+                    data = self._bytes(self._src_view(bucket.pieces[0]))
+                receipt = self._recv(torch.empty(1, dtype=torch.uint8), bucket.dst, _RECEIPT_TAG)
+                self._send(data, bucket.dst, _DATA_TAG)
+                launched.append((receipt, self._sends[-1]))
+            else:
+                if not staged:
+                    self._touched.add(bucket.pieces[0].name)  # written as its bytes arrive
+                data = buffer if staged else self._bytes(self._dst_view(bucket.pieces[0]))
+                launched.append((self._recv(data, bucket.src, _DATA_TAG), buffer))
+        return launched
+
+    def _complete_chunk(self, chunk: tuple[Bucket, ...], launched: list[tuple[Any, ...]]) -> None:
+        me, sent = self._me, []
+        for bucket, (first, second) in zip(chunk, launched):
+            if bucket.src == me:
+                continue
+            self._wait(*first)
+            self._receipt(bucket.src)
+            if second is not None:
+                self._pack(bucket, second, pack=False)
+        for bucket, (first, second) in zip(chunk, launched):
+            if bucket.src == me:
+                self._wait(*first)  # the destination has the bucket: the send has completed
+                self._wait(*second)
+                sent.append(second)
+        self._sends = [entry for entry in self._sends if not any(entry is done for done in sent)]
 
     def _wait_sends(self) -> None:
         sends, self._sends = self._sends, []
@@ -375,17 +404,27 @@ class _Mover:
                 ops.append((dist.irecv, self._bytes(self._dst_view(p)), p.src))
         batch(ops)
         self._copies()
-        for chunk in self._s.chunks:
+        for j, chunk in enumerate(self._s.chunks):
             ops, staged = [], []
-            for k, bucket in enumerate(chunk):
-                buffer = self._slot(k, bucket.nbytes)
+            for bucket in chunk:
+                buffer = self._slot(j % 2, bucket.nbytes) if bucket.staged(me) else None
                 if bucket.src == me:
                     self._sent_to.add(bucket.dst)
-                    self._pack(bucket, buffer, pack=True)
-                    ops.append((dist.isend, buffer, bucket.dst))
-                else:
+                    if buffer is not None:
+                        self._pack(bucket, buffer, pack=True)
+                    ops.append(
+                        (
+                            dist.isend,
+                            buffer if buffer is not None else self._bytes(self._src_view(bucket.pieces[0])),
+                            bucket.dst,
+                        )
+                    )
+                elif buffer is not None:
                     ops.append((dist.irecv, buffer, bucket.src))
                     staged.append((bucket, buffer))
+                else:
+                    self._touched.add(bucket.pieces[0].name)
+                    ops.append((dist.irecv, self._bytes(self._dst_view(bucket.pieces[0])), bucket.src))
             batch(ops)
             for bucket, buffer in staged:
                 self._pack(bucket, buffer, pack=False)

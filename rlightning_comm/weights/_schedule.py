@@ -8,9 +8,11 @@ intersections of the blocks held: where several members hold an element
 the least so far (a member that wants what it holds copies it itself). A
 piece contiguous on both sides of at least ``min(bucket_bytes, 256 KiB)`` is a
 unit of its own, moved without staging; the rest is packed per pair of
-members into buckets of at most ``bucket_bytes``. The buckets of all pairs are
-cut, in one global order, into chunks in which no member uses more than two
-buckets: a member runs its chunks in that order with two staging buffers.
+members into buckets of at most ``bucket_bytes``; a piece contiguous on one side
+only travels alone, in place on that side. The buckets of all pairs are cut,
+in one global order, into chunks in which no member stages more than one: a
+member runs its chunks in that order, filling one staging buffer while the
+other's chunk moves.
 """
 
 from __future__ import annotations
@@ -42,12 +44,18 @@ class Piece(NamedTuple):
 
 
 class Bucket(NamedTuple):
-    """Pieces from ``src`` to ``dst`` that travel packed, in one message."""
+    """Pieces from ``src`` to ``dst`` that travel packed, in one message; or one piece contiguous on one side only,
+    moved in place on that side (``inplace``: ``"src"`` or ``"dst"``) and staged on the other."""
 
     src: int
     dst: int
     pieces: tuple[Piece, ...]
     nbytes: int
+    inplace: str = ""
+
+    def staged(self, member: int) -> bool:
+        """Whether ``member`` moves this bucket through a staging buffer."""
+        return self.inplace != ("src" if member == self.src else "dst")
 
 
 class Schedule(NamedTuple):
@@ -102,6 +110,10 @@ class _Planner:
         self.members = members
         self.ranks = ranks
         self.load = [0] * members  # bytes each member sends so far: a replica is chosen by it
+        # The geometry of a cover depends only on the holders' blocks and the wanted box, which the tensors of a model
+        # share by the hundred: worked out once per distinct (holders, box).
+        self._layouts: dict[tuple[Any, ...], int] = {}
+        self._geometry: dict[tuple[Any, ...], tuple[bool, list[Any], list[Any]]] = {}
 
     def _choose(self, owners: list[tuple[int, int]], dst: int) -> tuple[int, int]:
         for m, j in owners:
@@ -109,21 +121,21 @@ class _Planner:
                 return m, j
         return min(owners, key=lambda o: (self.load[o[0]], (o[0] - dst) % self.members, o[1]))
 
-    def cover(self, name: str, wlo, whi, holders, dst: int, itemsize: int) -> list[tuple[int, int, tuple, tuple]]:
-        """Owners and boxes that cover the wanted box ``[wlo, whi)`` of ``dst`` exactly once."""
+    def layout(self, holders: tuple[Any, ...]) -> int:
+        """A small id for one name's holders and blocks (equal for names held alike)."""
+        return self._layouts.setdefault(holders, len(self._layouts))
+
+    def _cells(self, wlo, whi, holders) -> tuple[bool, list[Any], list[Any]]:
+        """Whether the intersections tile the box exactly; the (lo, hi, volume, owners) to choose from; the holes."""
         found: dict[Box, list[tuple[int, int]]] = {}
         for m, j, hlo, hhi in holders:
             box = _intersect(wlo, whi, hlo, hhi)
             if box is not None:
                 found.setdefault(box, []).append((m, j))
         boxes = list(found)
-        out = []
-        if sum(_volume(*b) for b in boxes) == _volume(wlo, whi) and _disjoint(boxes):
-            for box in boxes:
-                m, j = self._choose(found[box], dst)
-                self.load[m] += _volume(*box) * itemsize
-                out.append((m, j, *box))
-            return out
+        volumes = [_volume(*b) for b in boxes]
+        if sum(volumes) == _volume(wlo, whi) and _disjoint(boxes):
+            return True, [(*b, v, found[b]) for b, v in zip(boxes, volumes)], []
         # Held blocks that overlap without lining up: cut the wanted box into cells along every boundary.
         edges = [sorted({wlo[d], whi[d], *(c for b in boxes for c in (b[0][d], b[1][d]))}) for d in range(len(wlo))]
         cells, missing = [], []
@@ -132,17 +144,33 @@ class _Planner:
             owners = [
                 o for b in boxes if all(bl <= a and h <= bh for a, h, bl, bh in zip(lo, hi, *b)) for o in found[b]
             ]
-            if not owners:
+            if owners:
+                cells.append((lo, hi, _volume(lo, hi), owners))
+            else:
                 missing.append((None, lo, hi))
-                continue
-            m, j = self._choose(owners, dst)
-            self.load[m] += _volume(lo, hi) * itemsize
-            cells.append(((m, j), lo, hi))
+        return False, cells, missing
+
+    def cover(
+        self, name: str, wlo, whi, layout: int, holders, dst: int, itemsize: int
+    ) -> list[tuple[int, int, tuple, tuple]]:
+        """Owners and boxes that cover the wanted box ``[wlo, whi)`` of ``dst`` exactly once."""
+        key = (layout, wlo, whi)
+        geometry = self._geometry.get(key)
+        if geometry is None:
+            geometry = self._geometry[key] = self._cells(wlo, whi, holders)
+        exact, cells, missing = geometry
         if missing:
-            holes = _merge(missing, len(wlo))
+            holes = _merge(list(missing), len(wlo))
             shown = ", ".join(region((lo, hi)) for _, lo, hi in holes[:4]) + (" ..." if len(holes) > 4 else "")
             raise ValueError(f"{name!r}: elements {shown} wanted by rank {self.ranks[dst]} are held by no member")
-        return [(m, j, lo, hi) for (m, j), lo, hi in _merge(cells, len(wlo))]
+        out = []
+        for lo, hi, volume, owners in cells:
+            m, j = self._choose(owners, dst) if len(owners) > 1 or owners[0][0] == dst else owners[0]
+            self.load[m] += volume * itemsize
+            out.append((m, j, lo, hi))
+        if exact:
+            return out
+        return [(m, j, lo, hi) for (m, j), lo, hi in _merge([((m, j), lo, hi) for m, j, lo, hi in out], len(wlo))]
 
 
 def _contiguous(shape: Sequence[int], strides: Sequence[int]) -> bool:
@@ -199,12 +227,14 @@ def check_and_plan(metas: Sequence[Sequence[Any]], bucket_bytes: int, ranks: Seq
             problems.append(f"{name!r}: the members disagree on its dtype or global shape ({told})")
             continue
         itemsize = dtype_of(entries[0][1][1]).itemsize
-        holders = []
+        holders: list[Any] = []
         for m, e in entries:
             for j, (off, shape, st, plain) in enumerate(e[3]):
                 strides[(name, m, j, "held")] = (tuple(off), tuple(st), plain)
                 if _volume((0,) * len(shape), shape):
                     holders.append((m, j, tuple(off), tuple(o + n for o, n in zip(off, shape))))
+        holders = tuple(holders)
+        layout = planner.layout(holders)
         for d, e in entries:
             for jj, (off, shape, st, plain) in enumerate(e[4]):
                 strides[(name, d, jj, "wanted")] = (tuple(off), tuple(st), plain)
@@ -212,7 +242,7 @@ def check_and_plan(metas: Sequence[Sequence[Any]], bucket_bytes: int, ranks: Seq
                     continue
                 wlo, whi = tuple(off), tuple(o + n for o, n in zip(off, shape))
                 try:
-                    cover = planner.cover(name, wlo, whi, holders, d, itemsize)
+                    cover = planner.cover(name, wlo, whi, layout, holders, d, itemsize)
                 except ValueError as err:
                     problems.append(str(err))
                     continue
@@ -265,22 +295,25 @@ def build_schedule(metas: Sequence[Sequence[Any]], bucket_bytes: int, ranks: Seq
         fill = 0
         out = buckets.setdefault((src, dst), [])
         for piece in mine:
-            itemsize = piece.nbytes // max(1, _volume(piece.lo, piece.hi))
-            whole = _plain_view(strides, piece, "held") and _plain_view(strides, piece, "wanted")
-            parts = (
-                [(piece.lo, piece.hi)]
-                if whole and piece.nbytes >= threshold
-                else _split(piece.lo, piece.hi, max(1, bucket_bytes // itemsize))
-            )
-            for lo, hi in parts:
-                part = piece._replace(lo=lo, hi=hi, nbytes=_volume(lo, hi) * itemsize)
-                if (
-                    part.nbytes >= threshold
-                    and _plain_view(strides, part, "held")
-                    and _plain_view(strides, part, "wanted")
-                ):
-                    direct.append(part)
-                    continue
+            if piece.nbytes <= bucket_bytes or (
+                _plain_view(strides, piece, "held") and _plain_view(strides, piece, "wanted")
+            ):
+                parts = [piece]  # one bucket holds it, or it moves in place whole
+            else:
+                itemsize = piece.nbytes // _volume(piece.lo, piece.hi)
+                parts = [
+                    piece._replace(lo=lo, hi=hi, nbytes=_volume(lo, hi) * itemsize)
+                    for lo, hi in _split(piece.lo, piece.hi, max(1, bucket_bytes // itemsize))
+                ]
+            for part in parts:
+                if part.nbytes >= threshold:
+                    src_plain, dst_plain = _plain_view(strides, part, "held"), _plain_view(strides, part, "wanted")
+                    if src_plain and dst_plain:
+                        direct.append(part)
+                        continue
+                    if src_plain or dst_plain:  # one side moves it in place: one copy, not two
+                        out.append(Bucket(src, dst, (part,), part.nbytes, "src" if src_plain else "dst"))
+                        continue
                 at = _align(fill)
                 if open_ and at + part.nbytes > bucket_bytes:
                     out.append(Bucket(src, dst, tuple(open_), fill))
@@ -289,22 +322,23 @@ def build_schedule(metas: Sequence[Sequence[Any]], bucket_bytes: int, ranks: Seq
                 fill = at + part.nbytes
         if open_:
             out.append(Bucket(src, dst, tuple(open_), fill))
-    # One global order of buckets (round-robin over the pairs), cut into chunks where no member uses more than two.
+    # One global order of buckets (round-robin over the pairs), cut into chunks where no member stages more than one:
+    # a member fills its next chunk's buffer while its current chunk moves, two buffers in all.
     order = sorted(((k, pair), b) for pair, bs in buckets.items() for k, b in enumerate(bs))
     chunks: list[tuple[Bucket, ...]] = []
     current: list[Bucket] = []
-    used: dict[int, int] = {}
+    used: set[int] = set()
     for _, bucket in order:
-        if used.get(bucket.src, 0) >= 2 or used.get(bucket.dst, 0) >= 2:
+        staging = {m for m in (bucket.src, bucket.dst) if bucket.staged(m)}
+        if staging & used:
             if any(me in (b.src, b.dst) for b in current):
                 chunks.append(tuple(b for b in current if me in (b.src, b.dst)))
-            current, used = [], {}
+            current, used = [], set()
         current.append(bucket)
-        used[bucket.src] = used.get(bucket.src, 0) + 1
-        used[bucket.dst] = used.get(bucket.dst, 0) + 1
+        used |= staging
     if any(me in (b.src, b.dst) for b in current):
         chunks.append(tuple(b for b in current if me in (b.src, b.dst)))
     mine = [p for p in direct if me in (p.src, p.dst)]
-    slot = max((b.nbytes for c in chunks for b in c), default=0)
+    slot = max((b.nbytes for c in chunks for b in c if b.staged(me)), default=0)
     wanted = sorted({e[0] for e in metas[me] if e[4]})
     return Schedule(tuple(copies), tuple(mine), tuple(chunks), slot, sent, received, tuple(wanted))
