@@ -327,9 +327,10 @@ class _Mover:
     def _launch_chunk(self, chunk: tuple[Bucket, ...], slot: int) -> list[tuple[Any, ...]]:
         """Fill and launch this member's buckets of one chunk; what to wait for, per bucket."""
         me, launched = self._me, []
+        whole = self._slot(slot, max((b.at(me) + b.nbytes for b in chunk if b.staged(me)), default=0))
         for bucket in chunk:
             staged = bucket.staged(me)
-            buffer = self._slot(slot, bucket.nbytes) if staged else None
+            buffer = whole[bucket.at(me) : bucket.at(me) + bucket.nbytes] if staged else None
             if bucket.src == me:
                 if staged:
                     self._pack(bucket, buffer, pack=True)
@@ -406,8 +407,9 @@ class _Mover:
         self._copies()
         for j, chunk in enumerate(self._s.chunks):
             ops, staged = [], []
+            whole = self._slot(j % 2, max((b.at(me) + b.nbytes for b in chunk if b.staged(me)), default=0))
             for bucket in chunk:
-                buffer = self._slot(j % 2, bucket.nbytes) if bucket.staged(me) else None
+                buffer = whole[bucket.at(me) : bucket.at(me) + bucket.nbytes] if bucket.staged(me) else None
                 if bucket.src == me:
                     self._sent_to.add(bucket.dst)
                     if buffer is not None:

@@ -10,9 +10,9 @@ piece contiguous on both sides of at least ``min(bucket_bytes, 256 KiB)`` is a
 unit of its own, moved without staging; the rest is packed per pair of
 members into buckets of at most ``bucket_bytes``; a piece contiguous on one side
 only travels alone, in place on that side. The buckets of all pairs are cut,
-in one global order, into chunks in which no member stages more than one: a
-member runs its chunks in that order, filling one staging buffer while the
-other's chunk moves.
+in one global order, into chunks in which what each member stages fits one
+buffer of ``bucket_bytes``: a member runs its chunks in that order, filling one
+staging buffer while the other's chunk moves.
 """
 
 from __future__ import annotations
@@ -52,6 +52,12 @@ class Bucket(NamedTuple):
     pieces: tuple[Piece, ...]
     nbytes: int
     inplace: str = ""
+    src_at: int = 0  # where it lies in the source's staging buffer for its chunk
+    dst_at: int = 0  # and in the destination's
+
+    def at(self, member: int) -> int:
+        """Where this bucket lies in ``member``'s staging buffer for its chunk."""
+        return self.src_at if member == self.src else self.dst_at
 
     def staged(self, member: int) -> bool:
         """Whether ``member`` moves this bucket through a staging buffer."""
@@ -322,23 +328,25 @@ def build_schedule(metas: Sequence[Sequence[Any]], bucket_bytes: int, ranks: Seq
                 fill = at + part.nbytes
         if open_:
             out.append(Bucket(src, dst, tuple(open_), fill))
-    # One global order of buckets (round-robin over the pairs), cut into chunks where no member stages more than one:
-    # a member fills its next chunk's buffer while its current chunk moves, two buffers in all.
+    # One global order of buckets (round-robin over the pairs), cut into chunks where what each member stages fits one
+    # buffer of bucket_bytes: a member fills its next chunk's buffer while its current chunk moves, two buffers in all.
     order = sorted(((k, pair), b) for pair, bs in buckets.items() for k, b in enumerate(bs))
     chunks: list[tuple[Bucket, ...]] = []
     current: list[Bucket] = []
-    used: set[int] = set()
+    fill: dict[int, int] = {}
     for _, bucket in order:
-        staging = {m for m in (bucket.src, bucket.dst) if bucket.staged(m)}
-        if staging & used:
+        staging = [m for m in (bucket.src, bucket.dst) if bucket.staged(m)]
+        if current and any(_align(fill.get(m, 0)) + bucket.nbytes > bucket_bytes for m in staging):
             if any(me in (b.src, b.dst) for b in current):
                 chunks.append(tuple(b for b in current if me in (b.src, b.dst)))
-            current, used = [], set()
-        current.append(bucket)
-        used |= staging
+            current, fill = [], {}
+        at = {m: _align(fill.get(m, 0)) for m in staging}
+        current.append(bucket._replace(src_at=at.get(bucket.src, 0), dst_at=at.get(bucket.dst, 0)))
+        for m in staging:
+            fill[m] = at[m] + bucket.nbytes
     if any(me in (b.src, b.dst) for b in current):
         chunks.append(tuple(b for b in current if me in (b.src, b.dst)))
     mine = [p for p in direct if me in (p.src, p.dst)]
-    slot = max((b.nbytes for c in chunks for b in c if b.staged(me)), default=0)
+    slot = max((b.at(me) + b.nbytes for c in chunks for b in c if b.staged(me)), default=0)
     wanted = sorted({e[0] for e in metas[me] if e[4]})
     return Schedule(tuple(copies), tuple(mine), tuple(chunks), slot, sent, received, tuple(wanted))
