@@ -452,9 +452,10 @@ def _victim(url: str) -> None:
     import os
     import signal
 
-    from rlightning_comm.weights._reshard import _Mover, reshard
+    from rlightning_comm.weights._mover import Mover
+    from rlightning_comm.weights._reshard import reshard
 
-    original, completed = _Mover._complete_chunk, []
+    original, completed = Mover._complete_chunk, []
 
     def complete(self, chunk, launched):
         completed.append(1)
@@ -462,7 +463,7 @@ def _victim(url: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return original(self, chunk, launched)
 
-    _Mover._complete_chunk = complete
+    Mover._complete_chunk = complete
     held, wanted = _kill_args(2)
     reshard(_kill_group(2, url), held, wanted, 4096)
 

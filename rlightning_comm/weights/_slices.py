@@ -190,11 +190,12 @@ def _collect(held: Any, wanted: Any, device: torch.device) -> tuple[dict[str, Na
                 block, global_shape, wrong = _block(name, one, role)
                 if wrong is not None:
                     return {}, (TypeError if "expected a" in wrong or "must be a torch" in wrong else ValueError, wrong)
-                if block.tensor.device.type != device.type:
+                here = block.tensor.device
+                if here.type != device.type or (device.type != "cpu" and here != device):
                     return {}, (
                         ValueError,
-                        f"{role}[{name!r}] is on {block.tensor.device}; the mode's communicator moves {device.type} "
-                        "tensors: move it there first",
+                        f"{role}[{name!r}] is on {here}; the mode's communicator moves tensors on {device}: move it "
+                        "there first",
                     )
                 dtype = str(block.tensor.dtype)
                 entry = names.setdefault(name, Named(dtype, global_shape, [], []))
