@@ -54,7 +54,6 @@ class Mover:
         self._sends: list[tuple[int, Any]] = []  # (peer, handle) of the buckets' and receipts' sends not yet waited
         self._direct: list[tuple[int, Any]] = []  # the in-place pieces' sends: waited after the final receipts
         self._touched: set[str] = set()  # names whose wanted bytes may have changed here
-        self._sent_to: set[int] = set()
         self._failed_peer: int | None = None
         wanted = [b.tensor for n in names.values() for b in n.wanted]
         self._writes = torch.inference_mode if any(t.is_inference() for t in wanted) else torch.no_grad
@@ -90,9 +89,6 @@ class Mover:
                 view.copy_(typed)
 
     # ------------------------------------------------------------------ point to point
-    def _group_peer(self, peer: int) -> int:
-        return peer  # schedules are in group ranks
-
     def _launch(self, post: Any) -> list[Any]:
         comm = self._comm
         try:
@@ -102,7 +98,6 @@ class Mover:
         return [comm._handle(work, OP) for work in works]
 
     def _send(self, data: torch.Tensor, peer: int, tag: int) -> Any:
-        self._sent_to.add(peer)
         try:
             (work,) = self._launch(lambda: [self._comm.group.send([data], peer, tag)])
         except CommError:
@@ -254,7 +249,6 @@ class Mover:
         ops = []
         for p in self._s.direct:
             if p.src == me:
-                self._sent_to.add(p.dst)
                 ops.append((dist.isend, self._bytes(self._src_view(p)), p.dst))
             else:
                 self._touched.add(p.name)
@@ -267,7 +261,6 @@ class Mover:
             for bucket in chunk:
                 buffer = whole[bucket.at(me) : bucket.at(me) + bucket.nbytes] if bucket.staged(me) else None
                 if bucket.src == me:
-                    self._sent_to.add(bucket.dst)
                     if buffer is not None:
                         self._pack(bucket, buffer, pack=True)
                     ops.append(
