@@ -283,6 +283,18 @@ def _geometries(rank: int, size: int, url: str) -> dict:
         _few_kv_heads(rank, wrong, out)
         _tied(rank, wrong, out)
         _replicas(rank, wrong, out)
+        # The grouped path other backends (NCCL) take, run here on gloo: batch_isend_irecv per phase.
+        from rlightning_comm.weights import _mover
+
+        _mover.point_to_point, plain_p2p = (lambda comm: False), _mover.point_to_point
+        try:
+            batched: list[str] = []
+            _tp2_to_tp4(rank, trainer_mesh, batched, {})
+            _few_kv_heads(rank, batched, {})
+            _replicas(rank, batched, {})
+            wrong += [f"batched: {w}" for w in batched]
+        finally:
+            _mover.point_to_point = plain_p2p
     finally:
         counter.close()
     out["wrong"] = wrong
