@@ -8,6 +8,7 @@ that hold and want; the cached plan, counted; every refusal, on every member, de
 
 from __future__ import annotations
 
+import pytest
 import torch
 from world import init_world
 
@@ -427,15 +428,34 @@ BOUND = 6.0  # what a loaded 2-core machine may add
 KILL_SHAPES = {f"w{i}": ((256, 64), torch.float32) for i in range(8)}
 
 
-def _kill_group(rank: int, url: str):
-    """4 members in a gloo group outside any world: holders 0 and 1 (row halves), wanters 2 (the victim) and 3 (column
-    halves: every piece staged, in buckets of 4 KiB)."""
+def _kill_group(rank: int, url: str, connected: bool):
+    """4 members in a gloo group outside any world, or in a connected mode: holders 0 and 1 (row halves), wanters 2 (the
+    victim) and 3 (column halves: blocks of 4 KiB)."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
-    from rlightning_comm import GlooCommunicator
+    from rlightning_comm import CommContext, GlooCommunicator
 
+    if connected:  # member 0 hosts the mode's store and publishes its address
+        import os
+        import time
+        from pathlib import Path
+
+        path = Path(url.removeprefix("file://") + ".address")
+        ctx = CommContext()
+        if rank == 0:
+            address = ctx.listen("127.0.0.1:0")
+            Path(f"{path}.tmp").write_text(address)
+            os.replace(f"{path}.tmp", path)
+        else:
+            deadline = time.monotonic() + 120
+            while not path.exists():
+                if time.monotonic() > deadline:
+                    raise TimeoutError("member 0 did not publish the mode's address")
+                time.sleep(0.01)
+            address = path.read_text()
+        return ctx.connect("KILL", rank=rank, world_size=4, address=address, timeout=KILL_TIMEOUT)
     store = dist.FileStore(url.removeprefix("file://") + ".kill", 4)
     store.set(f"ready/{rank}", "1")
     store.wait([f"ready/{r}" for r in range(4)], timedelta(seconds=120))
@@ -459,7 +479,7 @@ def _kill_args(member: int):
     return held, wanted
 
 
-def _victim(url: str) -> None:
+def _victim(url: str, connected: bool) -> None:
     """Member 2, in no world: it dies as it waits for its third chunk, the transfer in flight."""
     import os
     import signal
@@ -477,10 +497,10 @@ def _victim(url: str) -> None:
 
     Mover._complete_chunk = complete
     held, wanted = _kill_args(2)
-    reshard(_kill_group(2, url), held, wanted, 4096)
+    reshard(_kill_group(2, url, connected), held, wanted, 4096)
 
 
-def _killed(rank: int, size: int, url: str) -> dict | None:
+def _killed(rank: int, size: int, url: str, connected: bool) -> dict | None:
     import subprocess
     import sys
     import time
@@ -492,10 +512,10 @@ def _killed(rank: int, size: int, url: str) -> dict | None:
     member = {0: 0, 1: 1, 2: 3}[rank]
     victim = None
     if rank == 0:
-        code = f"import sys; sys.path[:0] = {sys.path!r}; import test_reshard as t; t._victim({url!r})"
+        code = f"import sys; sys.path[:0] = {sys.path!r}; import test_reshard as t; t._victim({url!r}, {connected!r})"
         victim = subprocess.Popen([sys.executable, "-c", code])
     try:
-        comm = _kill_group(member, url)
+        comm = _kill_group(member, url, connected)
         held, wanted = _kill_args(member)
         start = time.monotonic()
         try:
@@ -516,14 +536,18 @@ def _killed(rank: int, size: int, url: str) -> dict | None:
     return report
 
 
-def test_a_member_killed_midway_fails_every_survivor_fast_saying_what_it_left(world4) -> None:
+@pytest.mark.parametrize("connected", [False, True], ids=["group", "connected-mode"])
+def test_a_member_killed_midway_fails_every_survivor_fast_saying_what_it_left(world4, connected) -> None:
     import re
     import signal
 
-    holder0, holder1, survivor, _ = world4.run(_killed, timeout=150)
+    env = {"GLOO_SOCKET_IFNAME": "lo"} if connected else {}
+    holder0, holder1, survivor, _ = world4.run(_killed, connected, timeout=150, env=env)
     assert holder0["victim"] == -signal.SIGKILL, holder0
+    # A connected mode's watch names the lost member (PeerLostError); a plain group says a peer is gone (CommError).
+    expected = "PeerLostError" if connected else "CommError"
     for r in (holder0, holder1, survivor):
-        assert r["type"] in ("CommError", "CommTimeoutError") and r["elapsed"] <= BOUND < KILL_TIMEOUT, r
+        assert r["type"] == expected and r["elapsed"] <= BOUND < KILL_TIMEOUT, r
         assert "reshard_state_dict failed midway: " in r["msg"], r
     for r in (holder0, holder1):
         assert "destinations at ranks [2, 3] may hold partial weights" in r["msg"], r
