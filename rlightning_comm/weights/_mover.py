@@ -1,9 +1,10 @@
 """The data phase of :func:`reshard_state_dict` on one member: copies within it, pieces in place, buckets staged.
 
-Over gloo on host tensors every message is point to point. The pieces that
-travel in place are launched first, then the buckets chunk by chunk through
-two staging buffers (chunk ``j`` through buffer ``j % 2``: the next chunk is
-filled and launched before the current one is waited for). A destination sends
+Over gloo on host tensors every message is point to point. The buckets move
+chunk by chunk through two staging buffers (chunk ``j`` through buffer
+``j % 2``: the next chunk is filled and launched before the current one is
+waited for); the pieces that travel in place are launched after the first
+chunk, on a tag of their own. A destination sends
 its source a receipt (one small message) once a bucket has arrived and once
 every in-place piece from it has, and a source waits for the receipt before
 its sends: gloo does not fail a send whose receiver died, while a receive from
@@ -32,7 +33,8 @@ from rlightning_comm.weights._slices import Block, Named
 from rlightning_comm.weights._transport import point_to_point
 
 OP = "reshard_state_dict"
-_DATA_TAG = 0x5253  # "RS": every piece and bucket, matched in order per pair of members
+_DATA_TAG = 0x5253  # "RS": the buckets, matched in order per pair of members
+_DIRECT_TAG = 0x5254  # the pieces in place: a stream of their own, so a pair's buckets need not queue behind them
 _RECEIPT_TAG = 0x5252  # a destination's receipts to a source
 _SETTLE_S = 1.0  # how long a failing member lets its sends to live members finish before closing the group
 
@@ -144,23 +146,26 @@ class Mover:
         incoming: list[tuple[int, Any]] = []
         direct_sources: dict[int, None] = {}
         direct_dests: dict[int, None] = {}
+        # Every pair that moves anything ends with the destination's receipt of the whole transfer.
+        direct_sources.update((peer, None) for peer in s.received)
+        direct_dests.update((peer, None) for peer in s.sent)
+        for p in s.direct:  # the receives first: a source's bytes then find them posted
+            if p.dst == me:
+                self._touched.add(p.name)  # written as its bytes arrive
+                incoming.append(self._recv(self._bytes(self._dst_view(p)), p.src, _DIRECT_TAG))
+        # Chunk j moves through buffer j % 2: chunk j + 1 is filled and launched before chunk j is waited for. The
+        # first chunk goes before the pieces in place: its buckets (small tensors, strided blocks) would otherwise wait
+        # for this member to write every large piece.
+        pending = (s.chunks[0], self._launch_chunk(s.chunks[0], 0)) if s.chunks else None
         for p in s.direct:
             if p.src == me:
-                self._send(self._bytes(self._src_view(p)), p.dst, _DATA_TAG)
+                self._send(self._bytes(self._src_view(p)), p.dst, _DIRECT_TAG)
                 self._direct.append(self._sends.pop())
-                direct_dests[p.dst] = None
-            else:
-                self._touched.add(p.name)  # written as its bytes arrive
-                incoming.append(self._recv(self._bytes(self._dst_view(p)), p.src, _DATA_TAG))
-                direct_sources[p.src] = None
         self._copies()
-        # Chunk j moves through buffer j % 2: chunk j + 1 is filled and launched before chunk j is waited for.
-        pending = None
-        for j, chunk in enumerate(s.chunks):
-            launched = self._launch_chunk(chunk, j % 2)
-            if pending is not None:
-                self._complete_chunk(*pending)
-            pending = (chunk, launched)
+        for j in range(1, len(s.chunks)):
+            launched = self._launch_chunk(s.chunks[j], j % 2)
+            self._complete_chunk(*pending)
+            pending = (s.chunks[j], launched)
         if pending is not None:
             self._complete_chunk(*pending)
         # Wait for the last receive from each source first: a pair's messages complete in order.
@@ -188,7 +193,9 @@ class Mover:
                     data = buffer
                 else:
                     data = self._bytes(self._src_view(bucket.pieces[0]))
-                receipt = self._recv(torch.empty(1, dtype=torch.uint8), bucket.dst, _RECEIPT_TAG)
+                receipt = (
+                    self._recv(torch.empty(1, dtype=torch.uint8), bucket.dst, _RECEIPT_TAG) if bucket.receipt else None
+                )
                 self._send(data, bucket.dst, _DATA_TAG)
                 launched.append((receipt, self._sends[-1]))
             else:
@@ -204,13 +211,17 @@ class Mover:
             if bucket.src == me:
                 continue
             self._wait(*first)
-            self._receipt(bucket.src)
+            if bucket.receipt:
+                self._receipt(bucket.src)
             if second is not None:
                 self._pack(bucket, second, pack=False)
         for bucket, (first, second) in zip(chunk, launched):
-            if bucket.src == me:
+            if bucket.src == me and first is not None:
                 self._wait(*first)  # the destination has the bucket: the send has completed
                 self._wait(*second)
+                sent.append(second)
+            elif bucket.src == me:  # covered by the final receipt: waited after it
+                self._direct.append(second)
                 sent.append(second)
         self._sends = [entry for entry in self._sends if not any(entry is done for done in sent)]
 

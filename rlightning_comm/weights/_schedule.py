@@ -54,6 +54,7 @@ class Bucket(NamedTuple):
     inplace: str = ""
     src_at: int = 0  # where it lies in the source's staging buffer for its chunk
     dst_at: int = 0  # and in the destination's
+    receipt: bool = True  # whether the destination acknowledges it alone (the source reuses its buffer later)
 
     def at(self, member: int) -> int:
         """Where this bucket lies in ``member``'s staging buffer for its chunk."""
@@ -331,21 +332,38 @@ def build_schedule(metas: Sequence[Sequence[Any]], bucket_bytes: int, ranks: Seq
     # One global order of buckets (round-robin over the pairs), cut into chunks where what each member stages fits one
     # buffer of bucket_bytes: a member fills its next chunk's buffer while its current chunk moves, two buffers in all.
     order = sorted(((k, pair), b) for pair, bs in buckets.items() for k, b in enumerate(bs))
-    chunks: list[tuple[Bucket, ...]] = []
+    every: list[list[Bucket]] = []  # every member's chunks, in the global order
     current: list[Bucket] = []
     fill: dict[int, int] = {}
     for _, bucket in order:
         staging = [m for m in (bucket.src, bucket.dst) if bucket.staged(m)]
         if current and any(_align(fill.get(m, 0)) + bucket.nbytes > bucket_bytes for m in staging):
-            if any(me in (b.src, b.dst) for b in current):
-                chunks.append(tuple(b for b in current if me in (b.src, b.dst)))
+            every.append(current)
             current, fill = [], {}
         at = {m: _align(fill.get(m, 0)) for m in staging}
         current.append(bucket._replace(src_at=at.get(bucket.src, 0), dst_at=at.get(bucket.dst, 0)))
         for m in staging:
             fill[m] = at[m] + bucket.nbytes
-    if any(me in (b.src, b.dst) for b in current):
-        chunks.append(tuple(b for b in current if me in (b.src, b.dst)))
+    if current:
+        every.append(current)
+    # A source needs a bucket's own receipt only to reuse its buffer: in its last two chunks the receipt of the whole
+    # transfer (one per pair, at the end) covers it, one round trip fewer per bucket.
+    count: dict[int, int] = {}
+    index: list[dict[int, int]] = []
+    for chunk in every:
+        mine_here = {m for b in chunk for m in (b.src, b.dst)}
+        index.append({m: count.get(m, 0) for m in mine_here})
+        for m in mine_here:
+            count[m] = count.get(m, 0) + 1
+    chunks = tuple(
+        tuple(
+            b._replace(receipt=b.staged(b.src) and where[b.src] + 2 < count[b.src])
+            for b in chunk
+            if me in (b.src, b.dst)
+        )
+        for chunk, where in zip(every, index)
+        if me in where
+    )
     mine = [p for p in direct if me in (p.src, p.dst)]
     slot = max((b.at(me) + b.nbytes for c in chunks for b in c if b.staged(me)), default=0)
     wanted = sorted({e[0] for e in metas[me] if e[4]})
