@@ -5,8 +5,9 @@ chunk by chunk through two staging buffers (chunk ``j`` through buffer
 ``j % 2``: the next chunk is filled and launched before the current one is
 waited for); the pieces that travel in place are launched after the first
 chunk, on a tag of their own. A destination sends
-its source a receipt (one small message) once a bucket has arrived and once
-every in-place piece from it has, and a source waits for the receipt before
+each source a receipt (one small message) once everything from it has
+arrived, and once a bucket has whose buffer the source reuses later; a
+source waits for the receipt before waiting for
 its sends: gloo does not fail a send whose receiver died, while a receive from
 a dead peer fails at once. A member that fails lets its sends to the live
 members finish (a receive cut mid-message waits out the group's timeout; at
