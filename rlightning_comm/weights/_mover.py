@@ -7,7 +7,8 @@ waited for); the pieces that travel in place are launched after the first
 chunk, on a tag of their own. A destination sends
 each source a receipt (one small message) once everything from it has
 arrived, and, for a bucket whose staging buffer the source reuses later, once
-that bucket has; a source waits for the receipt before waiting for its sends: gloo does not fail a send whose receiver died, while a receive from
+that bucket has; a source waits for the receipt before waiting for its sends:
+gloo does not fail a send whose receiver died, while a receive from
 a dead peer fails at once. A member that fails lets its sends to the live
 members finish (a receive cut mid-message waits out the group's timeout; at
 most a second) and closes the group's connections, so every member's next wait
