@@ -28,6 +28,8 @@ from rlightning_comm.sequence_parallel import (
 )
 from rlightning_comm.weights._broadcast import StateDictTransfer, broadcast_state_dict
 from rlightning_comm.weights._report import WeightSyncReport
+from rlightning_comm.weights._reshard import reshard_state_dict
+from rlightning_comm.weights._slices import TensorSlice
 
 __all__ = [
     "CommContext",
@@ -45,6 +47,7 @@ __all__ = [
     "ParallelMode",
     "PeerLostError",
     "StateDictTransfer",
+    "TensorSlice",
     "UlyssesAttention",
     "WeightSyncReport",
     "WorkHandle",
@@ -58,6 +61,7 @@ __all__ = [
     "initialize_distributed_env",
     "reduce_scatter_to_sequence_parallel_region",
     "register_communicator",
+    "reshard_state_dict",
     "run",
     "scatter_to_sequence_parallel_region",
     "sequence_parallel",

@@ -18,6 +18,7 @@ SLOW_FIRST = (
     "test_ray_example.py",
     "test_multinode.py",
     "test_examples.py",
+    "test_reshard_example.py",
     "test_sequence_parallel_compile.py",
     "test_readme.py",
     "test_bench.py",

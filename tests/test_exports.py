@@ -23,6 +23,7 @@ EXPECTED = {
     "ParallelMode",
     "PeerLostError",
     "StateDictTransfer",
+    "TensorSlice",
     "WeightSyncReport",
     "WorkHandle",
     "broadcast_state_dict",
@@ -31,6 +32,7 @@ EXPECTED = {
     "format_layout",
     "initialize_distributed_env",
     "register_communicator",
+    "reshard_state_dict",
     "run",  # rlightning_comm.launch.run
     # sequence parallelism
     "UlyssesAttention",

@@ -1,12 +1,24 @@
 """Weight sync: moving a trainer's weights into inference engines over a mode of the context.
 
 :func:`broadcast_state_dict` sends full tensors from one source member to every other member, in place or through a
-``load`` callable; :class:`StateDictTransfer` is its asynchronous handle and
-:class:`WeightSyncReport` what it returns on every member. The private modules are its parts: the
-inputs' checks, the plan agreed by every member, the handshake, the pipeline of buckets, the loader and the transport.
+``load`` callable; :class:`StateDictTransfer` is its asynchronous handle. :func:`reshard_state_dict` moves blocks of
+tensors from the members that hold them straight into the blocks others want (:class:`TensorSlice`; the layouts of
+common engines in :mod:`.layouts`), with no gather, and returns a :class:`WeightSyncReport`. The private modules are
+their parts: the inputs' checks, the plans agreed by every member, the handshake, the pipeline of buckets, the loader
+and the transport.
 """
 
+from rlightning_comm.weights import layouts
 from rlightning_comm.weights._broadcast import StateDictTransfer, broadcast_state_dict
 from rlightning_comm.weights._report import WeightSyncReport
+from rlightning_comm.weights._reshard import reshard_state_dict
+from rlightning_comm.weights._slices import TensorSlice
 
-__all__ = ["StateDictTransfer", "WeightSyncReport", "broadcast_state_dict"]
+__all__ = [
+    "StateDictTransfer",
+    "TensorSlice",
+    "WeightSyncReport",
+    "broadcast_state_dict",
+    "layouts",
+    "reshard_state_dict",
+]

@@ -136,7 +136,9 @@ class Sync:
         me = comm._global_rank
         self._applies = src != me if applies is None else applies
         self._coordinates = (src if coordinator is None else coordinator) == me
-        self._report = WeightSyncReport(sent, received, options.version, {}, plan_cached)
+        self._report = WeightSyncReport(
+            sent=sent, received=received, version=options.version, digests={}, plan_cached=plan_cached
+        )
         self._digests = digests
         self._live = live
         self._exchange, self._texts = exchange

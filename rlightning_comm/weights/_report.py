@@ -1,29 +1,45 @@
-"""What one weight sync did, as every member of the mode saw it: the report a weight-sync call returns."""
+"""What a weight-sync call reports on every member of the mode: the bytes it moved per peer, the version it carried,
+the digests it verified and how its plan was made."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(kw_only=True)
 class WeightSyncReport:
-    """What a weight sync moved and committed, on one member of the mode.
+    """What one weight-sync call (:func:`broadcast_state_dict`, :func:`reshard_state_dict`) did on this member.
+
+    Keyword-only, with a default for every field, so that later fields extend it without breaking code that reads or
+    builds it.
 
     Attributes:
-        sent: Bytes of tensor data this member sent, per peer (its rank in the mode); empty on a member that sent
-            nothing.
-        received: Bytes of tensor data this member received, per peer (its rank in the mode).
+        sent: Bytes of tensor data this member sent, per peer (the peer's rank in the mode: a global rank on a mode of
+            the world, ``0`` to ``world_size - 1`` on a connected mode). Peers it sent nothing are absent; copies within
+            this member are not counted.
+        received: Bytes of tensor data this member received, per peer, the same way.
         version: The version the call carried (``None``: an unversioned sync). On a destination it is the version its
             weights are at now, recorded for :meth:`CommContext.get_weight_version`.
         digests: With ``verify=True`` (or ``atomic=True``), each tensor's digest: the SHA-256 (hex) of its bytes in
             row-major order, the same on every member after a sync, whatever the bucketing or the member that sent
             them. Empty otherwise.
-        plan_cached: Whether the call reused the plan of an earlier call on the mode (its metadata unchanged) rather
-            than agreeing on a new one.
+        plan_cached: Whether the plan of an earlier call on the mode was reused (its metadata unchanged: the members
+            exchanged only a fingerprint of it) rather than agreed anew.
     """
 
-    sent: dict[int, int] = field(default_factory=dict)
-    received: dict[int, int] = field(default_factory=dict)
+    sent: Mapping[int, int] = field(default_factory=dict)
+    received: Mapping[int, int] = field(default_factory=dict)
     version: int | None = None
     digests: dict[str, str] = field(default_factory=dict)
     plan_cached: bool = False
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes sent to every peer together."""
+        return sum(self.sent.values())
+
+    @property
+    def bytes_received(self) -> int:
+        """Bytes received from every peer together."""
+        return sum(self.received.values())

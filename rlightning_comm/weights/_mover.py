@@ -1,0 +1,316 @@
+"""The data phase of :func:`reshard_state_dict` on one member: copies within it, pieces in place, buckets staged.
+
+Over gloo on host tensors every message is point to point. The buckets move
+chunk by chunk through two staging buffers (chunk ``j`` through buffer
+``j % 2``: the next chunk is filled and launched before the current one is
+waited for); the pieces that travel in place are launched after the first
+chunk, on a tag of their own. A destination sends
+each source a receipt (one small message) once everything from it has
+arrived, and, for a bucket whose staging buffer the source reuses later, once
+that bucket has; a source waits for the receipt before waiting for its sends:
+gloo does not fail a send whose receiver died, while a receive from
+a dead peer fails at once. A member that fails lets its sends to the live
+members finish (a receive cut mid-message waits out the group's timeout; at
+most a second) and closes the group's connections, so every member's next wait
+fails within milliseconds. Other backends (NCCL) move each phase as one grouped
+``batch_isend_irecv`` on the mode's group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlightning_comm.errors import CommError
+from rlightning_comm.failures import LAUNCH_ERRORS, close_gloo_group
+from rlightning_comm.weights._plan import dtype_of
+from rlightning_comm.weights._schedule import Bucket, Piece, Schedule
+from rlightning_comm.weights._slices import Block, Named
+from rlightning_comm.weights._transport import point_to_point
+
+OP = "reshard_state_dict"
+_DATA_TAG = 0x5253  # "RS": the buckets, matched in order per pair of members
+_DIRECT_TAG = 0x5254  # the pieces in place: a stream of their own, so a pair's buckets need not queue behind them
+_RECEIPT_TAG = 0x5252  # a destination's receipts to a source
+_SETTLE_S = 1.0  # how long a failing member lets its sends to live members finish before closing the group
+
+
+def _view(block: Block, lo: tuple[int, ...], hi: tuple[int, ...]) -> torch.Tensor:
+    return block.tensor[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, block.offsets))]
+
+
+class Mover:
+    """Runs one member's schedule: copies within the member, pieces in place, buckets through two buffers."""
+
+    def __init__(self, comm: Any, schedule: Schedule, names: dict[str, Named], slots: list[Any]) -> None:
+        self._comm = comm
+        self._s = schedule
+        self._names = names
+        self._me = comm.rank
+        self._slots = slots
+        self._p2p = point_to_point(comm)
+        self._sends: list[tuple[int, Any]] = []  # (peer, handle) of the buckets' and receipts' sends not yet waited
+        self._direct: list[tuple[int, Any]] = []  # the in-place pieces' sends: waited after the final receipts
+        self._touched: set[str] = set()  # names whose wanted bytes may have changed here
+        self._failed_peer: int | None = None
+        wanted = [b.tensor for n in names.values() for b in n.wanted]
+        self._writes = torch.inference_mode if any(t.is_inference() for t in wanted) else torch.no_grad
+
+    # ------------------------------------------------------------------ views and buffers
+    def _src_view(self, p: Piece) -> torch.Tensor:
+        return _view(self._names[p.name].held[p.src_block], p.lo, p.hi)
+
+    def _dst_view(self, p: Piece) -> torch.Tensor:
+        return _view(self._names[p.name].wanted[p.dst_block], p.lo, p.hi)
+
+    @staticmethod
+    def _bytes(view: torch.Tensor) -> torch.Tensor:
+        return view.reshape(-1).view(torch.uint8)
+
+    def _slot(self, k: int, nbytes: int) -> torch.Tensor:
+        buffer = self._slots[k]
+        if buffer is None or buffer.numel() < nbytes or buffer.device != self._comm.device:
+            self._slots[k] = None  # free the old one first
+            buffer = self._slots[k] = torch.empty(
+                max(nbytes, self._s.slot_bytes), dtype=torch.uint8, device=self._comm.device
+            )
+        return buffer[:nbytes]
+
+    def _pack(self, bucket: Bucket, buffer: torch.Tensor, pack: bool) -> None:
+        for p in bucket.pieces:
+            view = self._src_view(p) if pack else self._dst_view(p)
+            typed = buffer[p.at : p.at + p.nbytes].view(dtype_of(self._names[p.name].dtype)).view(view.shape)
+            if pack:
+                typed.copy_(view)
+            else:
+                self._touched.add(p.name)
+                view.copy_(typed)
+
+    # ------------------------------------------------------------------ point to point
+    def _launch(self, post: Any) -> list[Any]:
+        comm = self._comm
+        try:
+            works = post()
+        except LAUNCH_ERRORS as err:
+            raise comm._failure(OP, err) from err
+        return [comm._handle(work, OP) for work in works]
+
+    def _send(self, data: torch.Tensor, peer: int, tag: int) -> Any:
+        try:
+            (work,) = self._launch(lambda: [self._comm.group.send([data], peer, tag)])
+        except CommError:
+            self._failed_peer = peer
+            raise
+        self._sends.append((peer, work))
+        return work
+
+    def _recv(self, data: torch.Tensor, peer: int, tag: int) -> tuple[int, Any]:
+        (work,) = self._launch(lambda: [self._comm.group.recv([data], peer, tag)])
+        return peer, work
+
+    def _wait(self, peer: int, work: Any) -> None:
+        try:
+            work.wait()
+        except CommError:
+            self._failed_peer = peer
+            raise
+
+    def _receipt(self, peer: int) -> None:
+        self._send(torch.zeros(1, dtype=torch.uint8), peer, _RECEIPT_TAG)
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> None:
+        try:
+            with self._writes():
+                self._run() if self._p2p else self._run_batched()
+        except CommError as err:
+            if self._p2p:
+                self._settle()
+                close_gloo_group(self._comm.group)
+            # The same type with the account added, its other arguments kept (PeerLostError's mode, generation, member).
+            raise type(err)(f"{err}\n{OP} failed midway: {self._account()}", *err.args[1:]) from err
+        finally:
+            self._names = {}
+
+    def _copies(self) -> None:
+        for p in self._s.copies:
+            self._touched.add(p.name)
+            self._dst_view(p).copy_(self._src_view(p))
+
+    def _run(self) -> None:
+        me, s = self._me, self._s
+        incoming: list[tuple[int, Any]] = []
+        direct_sources: dict[int, None] = {}
+        direct_dests: dict[int, None] = {}
+        # Every pair that moves anything ends with the destination's receipt of the whole transfer.
+        direct_sources.update((peer, None) for peer in s.received)
+        direct_dests.update((peer, None) for peer in s.sent)
+        for p in s.direct:  # the receives first: a source's bytes then find them posted
+            if p.dst == me:
+                self._touched.add(p.name)  # written as its bytes arrive
+                incoming.append(self._recv(self._bytes(self._dst_view(p)), p.src, _DIRECT_TAG))
+        # Chunk j moves through buffer j % 2: chunk j + 1 is filled and launched before chunk j is waited for. The
+        # first chunk goes before the pieces in place: its buckets (small tensors, strided blocks) would otherwise wait
+        # for this member to write every large piece.
+        pending = (s.chunks[0], self._launch_chunk(s.chunks[0], 0)) if s.chunks else None
+        for p in s.direct:
+            if p.src == me:
+                self._send(self._bytes(self._src_view(p)), p.dst, _DIRECT_TAG)
+                self._direct.append(self._sends.pop())
+        self._copies()
+        for j in range(1, len(s.chunks)):
+            launched = self._launch_chunk(s.chunks[j], j % 2)
+            self._complete_chunk(*pending)
+            pending = (s.chunks[j], launched)
+        if pending is not None:
+            self._complete_chunk(*pending)
+        # Wait for the last receive from each source first: a pair's messages complete in order.
+        for peer, work in reversed(incoming):
+            self._wait(peer, work)
+        for peer in direct_sources:
+            self._receipt(peer)
+        finals = [self._recv(torch.empty(1, dtype=torch.uint8), peer, _RECEIPT_TAG) for peer in direct_dests]
+        for peer, work in finals:
+            self._wait(peer, work)  # every piece from here has arrived there: the sends have completed
+        self._sends += self._direct
+        self._direct = []
+        self._wait_sends()
+
+    def _launch_chunk(self, chunk: tuple[Bucket, ...], slot: int) -> list[tuple[Any, ...]]:
+        """Fill and launch this member's buckets of one chunk; what to wait for, per bucket."""
+        me, launched = self._me, []
+        whole = self._slot(slot, max((b.at(me) + b.nbytes for b in chunk if b.staged(me)), default=0))
+        for bucket in chunk:
+            staged = bucket.staged(me)
+            buffer = whole[bucket.at(me) : bucket.at(me) + bucket.nbytes] if staged else None
+            if bucket.src == me:
+                if staged:
+                    self._pack(bucket, buffer, pack=True)
+                    data = buffer
+                else:
+                    data = self._bytes(self._src_view(bucket.pieces[0]))
+                receipt = (
+                    self._recv(torch.empty(1, dtype=torch.uint8), bucket.dst, _RECEIPT_TAG) if bucket.receipt else None
+                )
+                self._send(data, bucket.dst, _DATA_TAG)
+                launched.append((receipt, self._sends[-1]))
+            else:
+                if not staged:
+                    self._touched.add(bucket.pieces[0].name)  # written as its bytes arrive
+                data = buffer if staged else self._bytes(self._dst_view(bucket.pieces[0]))
+                launched.append((self._recv(data, bucket.src, _DATA_TAG), buffer))
+        return launched
+
+    def _complete_chunk(self, chunk: tuple[Bucket, ...], launched: list[tuple[Any, ...]]) -> None:
+        me, sent = self._me, []
+        for bucket, (first, second) in zip(chunk, launched):
+            if bucket.src == me:
+                continue
+            self._wait(*first)
+            if bucket.receipt:
+                self._receipt(bucket.src)
+            if second is not None:
+                self._pack(bucket, second, pack=False)
+        for bucket, (first, second) in zip(chunk, launched):
+            if bucket.src == me and first is not None:
+                self._wait(*first)  # the destination has the bucket: the send has completed
+                self._wait(*second)
+                sent.append(second)
+            elif bucket.src == me:  # covered by the final receipt: waited after it
+                self._direct.append(second)
+                sent.append(second)
+        self._sends = [entry for entry in self._sends if not any(entry is done for done in sent)]
+
+    def _wait_sends(self) -> None:
+        sends, self._sends = self._sends, []
+        for k, (peer, work) in enumerate(sends):
+            try:
+                self._wait(peer, work)
+            except CommError:
+                self._sends = sends[k + 1 :]
+                raise
+
+    def _settle(self) -> None:
+        """Let the sends to live members finish (bounded) before the group is closed under them."""
+        deadline = time.monotonic() + _SETTLE_S
+        for peer, work in self._sends + self._direct:
+            left = deadline - time.monotonic()
+            if peer == self._failed_peer or left <= 0:
+                continue
+            with contextlib.suppress(Exception):  # it failed or did not finish: the group is closed next anyway
+                work.wait(timedelta(seconds=left))
+        self._sends = self._direct = []
+
+    def _run_batched(self) -> None:
+        """Other backends (NCCL): each phase as one grouped ``batch_isend_irecv``, on the mode's own group."""
+        me, group = self._me, self._comm.group
+
+        def batch(ops: list[tuple[Any, torch.Tensor, int]]) -> None:
+            if not ops:
+                return
+            p2p = [dist.P2POp(op, t, group=group, group_peer=peer) for op, t, peer in ops]
+            works = self._launch(lambda: dist.batch_isend_irecv(p2p))
+            for work in works:
+                work.wait()
+
+        ops = []
+        for p in self._s.direct:
+            if p.src == me:
+                ops.append((dist.isend, self._bytes(self._src_view(p)), p.dst))
+            else:
+                self._touched.add(p.name)
+                ops.append((dist.irecv, self._bytes(self._dst_view(p)), p.src))
+        batch(ops)
+        self._copies()
+        for j, chunk in enumerate(self._s.chunks):
+            ops, staged = [], []
+            whole = self._slot(j % 2, max((b.at(me) + b.nbytes for b in chunk if b.staged(me)), default=0))
+            for bucket in chunk:
+                buffer = whole[bucket.at(me) : bucket.at(me) + bucket.nbytes] if bucket.staged(me) else None
+                if bucket.src == me:
+                    if buffer is not None:
+                        self._pack(bucket, buffer, pack=True)
+                    ops.append(
+                        (
+                            dist.isend,
+                            buffer if buffer is not None else self._bytes(self._src_view(bucket.pieces[0])),
+                            bucket.dst,
+                        )
+                    )
+                elif buffer is not None:
+                    ops.append((dist.irecv, buffer, bucket.src))
+                    staged.append((bucket, buffer))
+                else:
+                    self._touched.add(bucket.pieces[0].name)
+                    ops.append((dist.irecv, self._bytes(self._dst_view(bucket.pieces[0])), bucket.src))
+            batch(ops)
+            for bucket, buffer in staged:
+                self._pack(bucket, buffer, pack=False)
+
+    def _account(self) -> str:
+        ranks = self._comm.ranks
+        parts = []
+        if self._s.wanted_names:
+            touched = sorted(self._touched)
+            untouched = [n for n in self._s.wanted_names if n not in self._touched]
+            if touched:
+                parts.append(
+                    f"this member's wanted tensors {touched} may be partly written (a mix of old and new weights)"
+                )
+            parts.append(
+                f"its wanted tensors {untouched} were not written"
+                if untouched
+                else "every wanted tensor may be partly written"
+            )
+        if self._s.sent:
+            lost = "" if self._failed_peer is None else f"the transfer with rank {ranks[self._failed_peer]} failed; "
+            dests = sorted(ranks[r] for r in self._s.sent)
+            parts.append(f"{lost}destinations at ranks {dests} may hold partial weights")
+        elif self._failed_peer is not None:
+            parts.append(f"the transfer with rank {ranks[self._failed_peer]} failed")
+        return "; ".join(parts) or "this member neither sent nor wanted anything"
