@@ -270,6 +270,7 @@ def agree(comm: Any, state_dict: Any, src: Any, bucket_bytes: Any, declared: int
         *kept_key,
         int(_instrumented(comm)),
         int(load is not None),
+        int(kept_plan[1].layered) if kept_plan else -1,
     ]
     rows = exchange(comm, words, memory)
     if any(row[0] for row in rows):
@@ -283,12 +284,16 @@ def agree(comm: Any, state_dict: Any, src: Any, bucket_bytes: Any, declared: int
     src = rows[0][1]  # every rank reported a valid input and this src
     source = rows[comm.ranks.index(src)]
     same_tensors = all(row[9] or row[2:4] == source[2:4] for row in rows)  # a load callable takes any manifest
-    if not (same_tensors and kept_plan is not None and all(row[6:8] == source[4:6] for row in rows)):
+    layered = any(row[9] for row in rows)  # a load callable gets whole layers
+    reuse = kept_plan is not None and all(row[10] == layered for row in rows)
+    if not (same_tensors and reuse and all(row[6:8] == source[4:6] for row in rows)):
         # The source's manifest, then a second round: each rank's verdict on it and on its tensors against it.
         try:
             kept_plan = (
                 (source[4], source[5]),
-                build_plan(*broadcast_manifest(comm, (mine, bucket_bytes) if is_source else None, src, memory)),
+                build_plan(
+                    *broadcast_manifest(comm, (mine, bucket_bytes) if is_source else None, src, memory), layered
+                ),
                 None,
             )
             problem = None
