@@ -21,6 +21,7 @@ vLLM only when a method runs.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -116,22 +117,30 @@ class WeightSyncWorker:
         model = runner.get_model()
         received = 0
         buffers: set[int] = set()  # storages of the buckets handed to vLLM so far
+        spent = {"load_s": 0.0}
 
         def load(named: list[tuple[str, torch.Tensor]]) -> None:
             nonlocal received
+            t0 = time.perf_counter()
             received += len(named)
             buffers.update(t.untyped_storage().data_ptr() for _, t in named)
             model.load_weights(named)
             _copy_what_vllm_keeps(model, buffers)
+            spent["load_s"] += time.perf_counter() - t0
 
+        start = time.perf_counter()
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
             initialize_layerwise_reload(model)
             try:
                 broadcast_state_dict(load, mode, src=src)
             finally:
+                t0 = time.perf_counter()
                 finalize_layerwise_reload(model, self.vllm_config.model_config)
+                spent["finalize_s"] = time.perf_counter() - t0
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as vLLM's reload_weights does
             getattr(runner, reset, lambda: None)()
+        spent["total_s"] = time.perf_counter() - start
+        self._rlc_last_receive = spent  # where the last receive's time went (benchmarks/bench_vllm_sync.py reads it)
         return received
 
     def weight_version(self, mode: CommMode | str = DEFAULT_MODE) -> int | None:
