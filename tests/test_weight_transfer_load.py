@@ -268,3 +268,11 @@ def test_deliveries_hand_over_whole_layers_in_buffers_of_at_most_a_bucket(bucket
     for name in layer_of.values():  # each layer in exactly one delivery
         holders = [k for k, d in enumerate(out) for index, _ in d.tensors if layer_of[manifest[index][0]] == name]
         assert len(set(holders)) == 1, (name, holders)
+
+
+def test_many_small_layers_share_buckets() -> None:
+    # 100 layers of 400 B: a bucket per layer would cost the source a receipt each; whole layers share buckets instead.
+    manifest = [(f"blocks.{i}.norm.weight", "torch.float32", (100,), -1) for i in range(100)]
+    plan = build_plan(manifest, 16 * 2**10, layered=True)
+    assert len(plan.units) == 3  # 40 layers (16000 B) a bucket
+    assert [len(d.tensors) for d in deliveries(plan)] == [40, 40, 20]

@@ -117,9 +117,10 @@ def broadcast_state_dict(
     what it keeps longer (vLLM keeps the tensors of a layer it finishes only at
     the end of its reload, such as a vocabulary it pads:
     ``rlightning_comm.integrations.vllm`` copies those). With a ``load``
-    destination in the group, buckets end at every layer (for every member:
-    one more transfer per layer at most). If ``load`` raises, the transfer still completes (the
-    later buckets are received and dropped, so the peers are unaffected) and
+    destination in the group, buckets never span two runs of whole layers (for
+    every member: about one more transfer per bucket's worth of layers). If
+    ``load`` raises, the transfer still completes (the later buckets are
+    received and dropped, so the peers are unaffected) and
     its exception is raised afterwards, unchanged (on Python 3.11+ with a
     note naming the bucket).
 

@@ -11,11 +11,12 @@ once.
 
 When a destination passed a ``load`` callable the plan is *layered*: tensors
 travel layer by layer (:func:`layer_of`), each layer's together in the order
-its first tensor has in the manifest, and a bucket never holds pieces of two
-layers. For a ``load`` destination the units are grouped into deliveries:
-runs of whole layers that fill one buffer of at most one bucket (a layer
-larger than a bucket alone, in a buffer of its own size), each handed to
-``load`` whole. An engine that reloads layer by layer (vLLM keeps the tensors
+its first tensor has in the manifest, cut into segments (runs of whole layers
+of at most one bucket, a larger layer alone), and a bucket never holds pieces
+of two segments. For a ``load`` destination the units are grouped into
+deliveries: runs of whole segments that fill one buffer of at most one bucket
+(a layer larger than a bucket alone, in a buffer of its own size), each handed
+to ``load`` whole. An engine that reloads layer by layer (vLLM keeps the tensors
 of a layer until all of them have arrived) thus gets every layer in one call.
 """
 
@@ -64,7 +65,7 @@ class Plan(NamedTuple):
     slot_bytes: int  # the largest bucket: the size of a staging buffer (grown for a staged in-place piece)
     total_bytes: int
     bucket_bytes: int
-    layered: bool  # layer by layer (for a load destination), buckets never across two layers
+    layered: bool  # layer by layer (for a load destination), buckets never across two segments of whole layers
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -106,6 +107,24 @@ def _layers(manifest: tuple[Entry, ...] | list[Entry]) -> list[int]:
     return [first.setdefault(layer_of(entry[0]), len(first)) for entry in manifest]
 
 
+def _segments(manifest: tuple[Entry, ...] | list[Entry], bucket_bytes: int) -> tuple[list[int], list[int]]:
+    """Each tensor's layer and segment: runs of consecutive whole layers (in the order of :func:`_layers`) of at most
+    ``bucket_bytes`` together, a larger layer alone. A layered plan's buckets end at segments, not at every layer, so a
+    model of many small layers keeps a few buckets of its small tensors (each bucket costs the source a receipt)."""
+    layers = _layers(manifest)
+    size = [0] * (max(layers) + 1 if layers else 0)
+    for (_, dtype, shape, alias), layer in zip(manifest, layers):
+        if alias < 0:
+            size[layer] += _align(dtype_of(dtype).itemsize * math.prod(shape))
+    segment_of, segment, fill = [], -1, 0
+    for n in size:
+        if segment < 0 or (fill and fill + n > bucket_bytes):
+            segment, fill = segment + 1, 0
+        segment_of.append(segment)
+        fill += n
+    return layers, [segment_of[layer] for layer in layers]
+
+
 def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
@@ -130,23 +149,23 @@ def _pieces(shape: tuple[int, ...], limit: int, prefix: tuple[Any, ...] = ()) ->
 
 def build_plan(manifest: list[Entry], bucket_bytes: int, layered: bool = False) -> Plan:
     """The units that move every tensor of ``manifest`` (the source's order), with buckets of at most
-    ``bucket_bytes``; ``layered``: layer by layer, no bucket across two layers."""
+    ``bucket_bytes``; ``layered``: layer by layer, no bucket across two segments of whole layers."""
     direct_bytes = min(bucket_bytes, DIRECT_BYTES)
     units: list[Unit] = []
     open_: list[Piece] = []
     fill = 0
     aliases = []
-    layers = _layers(manifest) if layered else [0] * len(manifest)
-    open_layer = -1
+    layers, segments = _segments(manifest, bucket_bytes) if layered else ([0] * len(manifest),) * 2
+    open_segment = -1
     for index in sorted(range(len(manifest)), key=layers.__getitem__):  # stable: the manifest's order within a layer
         _, dtype, shape, alias = manifest[index]
         if alias >= 0:
             aliases.append((index, alias))
             continue
-        if open_ and layers[index] != open_layer:  # the last layer's bucket goes before this layer's units
+        if open_ and segments[index] != open_segment:  # the last segment's bucket goes before this one's units
             units.append(Unit(tuple(open_), fill, False))
             open_, fill = [], 0
-        open_layer = layers[index]
+        open_segment = segments[index]
         size = dtype_of(dtype).itemsize
         pieces = list(_pieces(shape, max(1, bucket_bytes // size)))
         for where, numel in pieces:
@@ -177,7 +196,7 @@ def deliveries(plan: Plan) -> tuple[Delivery, ...]:
     tensors of no elements with their layer's (or the first one).
     """
     units = plan.units
-    layers = _layers(plan.manifest) if plan.layered else list(range(len(plan.manifest)))
+    layers = _segments(plan.manifest, plan.bucket_bytes)[1] if plan.layered else list(range(len(plan.manifest)))
     # Atoms: a unit of whole tensors, or every unit of one tensor cut in several pieces (back to back).
     atoms: list[tuple[int, int, int, list[tuple[int, int]], list[int]]] = []
     i = 0
@@ -194,7 +213,7 @@ def deliveries(plan: Plan) -> tuple[Delivery, ...]:
             j += 1
         atoms.append((i, j, at, [(first.index, 0)], offsets))
         i = j
-    # A layer's atoms back to back: a layer is never split over two deliveries.
+    # A segment's atoms back to back: a layer is never split over two deliveries.
     groups: list[tuple[int, int, int, list[tuple[int, int]], list[int]]] = []
     for atom in atoms:
         if groups and layers[groups[-1][3][0][0]] == layers[atom[3][0][0]]:
@@ -230,7 +249,7 @@ def deliveries(plan: Plan) -> tuple[Delivery, ...]:
         out.append(Delivery(range(0), (), (), 0))
     extra: dict[int, list[tuple[int, int]]] = {}
     offset_of = {index: off for d in out for index, off in d.tensors}
-    layer_at = {layers[index]: k for index, k in where.items()}
+    layer_at = {layers[index]: k for index, k in where.items()}  # segment -> its delivery
     aliased = dict(plan.aliases)
     for index in range(len(plan.manifest)):
         if index in where:
