@@ -41,8 +41,10 @@ class WeightSyncWorker:
     vLLM mixes it into each of its workers; call its methods on every worker
     with ``llm.collective_rpc(name, args=(...))``, which returns one result per
     worker. vLLM refuses an extension attribute that its worker already has,
-    so everything here that is not one of the three methods is a module
-    function.
+    so the helpers are module functions, and the one attribute it sets on the
+    worker is prefixed ``_rlc_``. The weights travel over gloo on the host
+    (tested on vLLM's CPU build with one worker per engine); vLLM then moves
+    them to its device as it loads them.
     """
 
     def connect_weight_sync(
