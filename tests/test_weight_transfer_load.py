@@ -221,7 +221,7 @@ def test_a_fused_engine_loads_the_trainers_names_within_two_buffers(world4) -> N
     assert [r["check"] for r in (trainer, engine, engine_async, in_place)] == [[0.0, 0.0]] * 4
 
 
-@pytest.mark.parametrize("bucket", [16, 1024, 64 * 2**10, 2**20])
+@pytest.mark.parametrize("bucket", [64, 1024, 64 * 2**10, 2**20])
 def test_deliveries_hand_over_whole_layers_in_buffers_of_at_most_a_bucket(bucket: int) -> None:
     manifest = [
         ("head.small", "torch.float32", (10,), -1),
