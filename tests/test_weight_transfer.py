@@ -506,3 +506,24 @@ def _declared_source(rank: int, size: int, url: str) -> int:
 
 def test_default_source_is_the_declared_one(world2) -> None:
     assert world2.run(_declared_source) == [1, 1]
+
+
+def _source_stages_more(rank: int, size: int, url: str) -> dict:
+    from rlightning_comm import broadcast_state_dict
+
+    ctx = init_world(rank, size, url)
+    ctx.init_weight_transfer_group(src=0, dst_ranks=[1])
+    gen = torch.Generator().manual_seed(rank)
+    # Buckets of 1 KiB: two small tensors fill the first bucket, the third opens the last one. The large tensor travels
+    # in place here but is staged on the source (transposed there): the source needs the first bucket's receipt
+    # before it can send it, while this rank posted every receive at once.
+    state = {f"small{i}": torch.randn(100, generator=gen) for i in range(3)}
+    big = torch.randn(64, 64, generator=gen)
+    state["big"] = big.t().contiguous().t() if rank == 0 else big
+    broadcast_state_dict(state, bucket_bytes=1024)
+    return digests(state.items())
+
+
+def test_a_source_that_stages_more_than_a_destination_gets_its_receipts(world2) -> None:
+    source, destination = world2.run(_source_stages_more, timeout=30)
+    assert destination == source

@@ -22,7 +22,8 @@ TENSORS, ELEMENTS, BUCKET = 24, 512, 4096  # 24 tensors of 2 KiB in buckets of 4
 
 def _state(rank: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(rank)
-    return {f"w{i}": torch.randn(ELEMENTS, generator=gen) for i in range(TENSORS)}
+    # Two tensors a layer: a load callable gets whole layers, one bucket each.
+    return {f"layers.{i // 2}.w{i % 2}": torch.randn(ELEMENTS, generator=gen) for i in range(TENSORS)}
 
 
 def _outcome(run) -> dict:

@@ -130,15 +130,30 @@ def broadcast_state_dict(
     ``named_tensors`` is a list of ``(name, tensor)`` pairs, each tensor
     contiguous with the source's dtype and shape, on the communicator's
     device. The destination learns the names from the source's manifest,
-    receives into at most two buffers of at most one bucket each (a tensor
-    larger than a bucket comes alone, in a buffer of its own size), and calls
-    ``load`` once per buffer, from the thread that runs the transfer (this
-    call, or ``wait()``, or the next call on the mode, which completes an
-    unwaited transfer first). Every name comes exactly once over the calls (a tied
-    tensor once per name, the same view, in one call; a tensor of no elements
-    too). The tensors are views of the buffer, valid only during the call:
-    copy what you keep. If ``load`` raises, the transfer still completes (the
-    later buckets are received and dropped, so the peers are unaffected) and
+    receives into at most two buffers, and calls ``load`` once per buffer, from
+    the thread that runs the transfer (this call, or ``wait()``, or the next
+    call on the mode, which completes an unwaited transfer first). Every name
+    comes exactly once over the calls (a tied tensor once per name, the same
+    view, in one call with the tensor it is tied to; a tensor of no elements
+    too). **Every layer comes whole in one call**: a tensor's layer is its name
+    up to the first all-digit component (``model.layers.3`` for
+    ``model.layers.3.mlp.up_proj.weight``), else its module (the name without
+    its last component; a name without a dot is a layer of its own). The
+    tensors travel layer by layer (in the order of each layer's first tensor
+    in the source's state dict), a buffer holds whole layers of at most
+    ``bucket_bytes`` together, and a layer larger than that comes alone in a
+    buffer of its own size: a destination holds at most two buffers of
+    ``max(bucket_bytes, its largest layer)``. The tensors are views of the
+    buffer, valid until ``load`` returns: a ``load`` may keep them while the
+    call lasts (vLLM's layer-by-layer reload, which keeps a layer's tensors
+    until all of them have arrived, thus sees only valid ones), and must copy
+    what it keeps longer (vLLM keeps the tensors of a layer it finishes only at
+    the end of its reload, such as a vocabulary it pads:
+    ``rlightning_comm.integrations.vllm`` copies those). With a ``load``
+    destination in the group, buckets never span two runs of whole layers (for
+    every member: about one more transfer per bucket's worth of layers). If
+    ``load`` raises, the transfer still completes (the later buckets are
+    received and dropped, so the peers are unaffected) and
     its exception is raised afterwards, unchanged (on Python 3.11+ with a
     note naming the bucket).
 

@@ -287,6 +287,7 @@ def agree(
         *kept_key,
         int(_instrumented(comm)),
         int(load is not None),
+        int(kept_plan[1].layered) if kept_plan else -1,
         *options.words(),
         FANOUTS.index(fanout) if fanout in FANOUTS else 0,
     ]
@@ -300,20 +301,24 @@ def agree(
             "src on every rank"
         )
     src = rows[0][1]  # every rank reported a valid input and this src
-    options.check(comm.ranks, [row[10:-1] for row in rows], src, "broadcast_state_dict")
+    options.check(comm.ranks, [row[11:-1] for row in rows], src, "broadcast_state_dict")
     if len({row[-1] for row in rows}) > 1:
         named = ", ".join(f"rank {rank}: {FANOUTS[row[-1]]!r}" for rank, row in zip(comm.ranks, rows))
         raise ValueError(f"broadcast_state_dict: nothing was transferred; the members pass different fanouts ({named})")
     cached = True
     source = rows[comm.ranks.index(src)]
     same_tensors = all(row[9] or row[2:4] == source[2:4] for row in rows)  # a load callable takes any manifest
-    if not (same_tensors and kept_plan is not None and all(row[6:8] == source[4:6] for row in rows)):
+    layered = any(row[9] for row in rows)  # a load callable gets whole layers
+    reuse = kept_plan is not None and all(row[10] == layered for row in rows)
+    if not (same_tensors and reuse and all(row[6:8] == source[4:6] for row in rows)):
         # The source's manifest, then a second round: each rank's verdict on it and on its tensors against it.
         cached = False
         try:
             kept_plan = (
                 (source[4], source[5]),
-                build_plan(*broadcast_manifest(comm, (mine, bucket_bytes) if is_source else None, src, memory)),
+                build_plan(
+                    *broadcast_manifest(comm, (mine, bucket_bytes) if is_source else None, src, memory), layered
+                ),
                 None,
             )
             problem = None

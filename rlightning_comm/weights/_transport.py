@@ -313,8 +313,15 @@ class Transfer:
             self._wait(self._tokens())
         elif self._pending and not self._relay:
             # (Not in a chain: a relay forwards unit k only once its successor took unit k - 2 off its hands, in order.)
-            # Wait for the last unit first: a pair's messages complete in order, so the others are done by then and
-            # this thread wakes once, not once per unit (gloo's point-to-point work must be waited exactly once).
+            # A bucket's receipt goes out as soon as the bucket has arrived: the source may need it to reuse its buffer
+            # before it sends the rest (it stages a tensor that is not contiguous there, in place here).
+            units = self._plan.units
+            owed = [k for k, entry in enumerate(self._pending) if self._sends and not units[entry[2]].direct]
+            for _ in range(owed[-1] + 1 if owed else 0):
+                complete(self._pending.popleft())
+        if self._pending and not self._relay and not (self._sends and self._from is None):
+            # Then wait for the last unit first: a pair's messages complete in order, so the others are done by then
+            # and this thread wakes once, not once per unit (gloo's point-to-point work must be waited exactly once).
             works, *rest = self._pending[-1]
             self._pending[-1] = ([], *rest)
             self._wait(works)
