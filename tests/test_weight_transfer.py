@@ -418,7 +418,10 @@ def _one_bad_rank(rank: int, size: int, url: str, case: str) -> dict:
     return {"error": error, "untouched": untouched, "after": good["a"].tolist()}
 
 
-NOT_A_STATE_DICT = "a Mapping of names to tensors, an nn.Module, a list of (name, tensor) or (on a destination) a load callable; got str"
+NOT_A_STATE_DICT = (
+    "a Mapping of names to tensors, an nn.Module, a list of (name, tensor) or (on a destination) a load callable; got "
+    "str"
+)
 
 
 @pytest.mark.parametrize(

@@ -117,13 +117,12 @@ def test_a_group_outside_the_world_and_the_device_backends_path(world4) -> None:
     for r in results:
         first, steady = r["BCAST.counts"]
         assert steady == {"allgather": 1, "broadcast": 3}, steady
-        assert first == {"allgather": 2, "broadcast": 3 + 2}, (
-            first
-        )  # and the manifest (2 broadcasts), and a second round
+        # ... and the manifest (2 broadcasts), and a second round.
+        assert first == {"allgather": 2, "broadcast": 3 + 2}, first
     # Over gloo point to point: the exchange through group rank 0 and the units are sends and receives only.
     for rank, r in enumerate(results):
         steady = r["P2P.counts"][1]
-        assert set(steady) <= {"send", "recv"} and steady.get("recv", 0) >= 1, steady
+        assert set(steady) <= {"send", "recv"} and steady.get("recv", 0) >= 1, (rank, steady)
 
 
 def _cuda_stand_in(rank: int, size: int, url: str) -> dict:

@@ -325,7 +325,8 @@ class CommContext(ContextLookups, ContextLayouts, ContextConnect, ContextPolicie
                 "first"
             )
         if use_cpu and (backend is None or get_communicator_class(backend).backend != "gloo"):
-            backend = "gloo"  # as in the seed, use_cpu forces gloo whatever backend says (a gloo-based custom backend is kept)
+            # As in the seed, use_cpu forces gloo whatever backend says (a gloo-based custom backend is kept).
+            backend = "gloo"
         backend = backend or dist_config.backend
         cls = get_communicator_class(backend)
         cls.bind_device()  # an environment that names no device is refused before any group exists

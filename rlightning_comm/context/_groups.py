@@ -55,7 +55,8 @@ def new_group(part: tuple[int, ...], backend: str, timeout: float, mode: str) ->
     try:
         group = dist.new_group(ranks=list(part), backend=backend, timeout=timedelta(seconds=timeout), **order)
         if backend != "nccl" and dist.get_rank() in part:
-            _compat.join_world_split()  # the split torch runs on this group's non-members when the world is bound to a device
+            # The split torch runs on this group's non-members when the world is bound to a device.
+            _compat.join_world_split()
     except RuntimeError as err:
         raise comm_failure(err, mode, "init_group", timeout) from err
     return group

@@ -71,7 +71,10 @@ def named_tensors(state_dict: Any, is_source: bool) -> tuple[list[tuple[str, tor
             )
         return state_dict, None
     else:
-        expected = "a Mapping of names to tensors, an nn.Module, a list of (name, tensor) or (on a destination) a load callable"
+        expected = (
+            "a Mapping of names to tensors, an nn.Module, a list of (name, tensor) or (on a destination) a load "
+            "callable"
+        )
         return None, (TypeError, f"state_dict must be {expected}; got {type(state_dict).__name__}")
     seen: set[str] = set()
     for name, tensor in items:
@@ -121,7 +124,10 @@ def describe(
                 end = start + n * t.element_size()
             elif n > 1 and _self_overlapping(t):
                 layout = f"{name!r} (shape {list(t.shape)}, strides {list(t.stride())})"
-                why = "has elements that share memory (an expanded or zero-stride view): it cannot hold the source's values"
+                why = (
+                    "has elements that share memory (an expanded or zero-stride view): it cannot hold the source's "
+                    "values"
+                )
                 return (ValueError, f"{layout} {why}; pass a tensor of its own (clone() it)"), [], []
             else:
                 end = (

@@ -56,7 +56,10 @@ class LoadPipeline(Transfer):
 
     def _left(self) -> str:
         total = len(self._deliveries)
-        return f"load had been given {self._loaded} of {total} buckets (the tensors of those were loaded, the others were not)"
+        return (
+            f"load had been given {self._loaded} of {total} buckets (the tensors of those were loaded, the others "
+            "were not)"
+        )
 
     def _receive(self) -> bool:
         """Post every unit of the next delivery into its free buffer; ``False`` when both are taken or none is left."""
