@@ -20,7 +20,7 @@ from torch import nn
 
 from rlightning_comm.context import CommContext
 from rlightning_comm.modes import CommMode, ParallelMode
-from rlightning_comm.weights._handshake import agree
+from rlightning_comm.weights._handshake import agree, forget
 from rlightning_comm.weights._transport import Transfer
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20
@@ -56,7 +56,10 @@ class StateDictTransfer:
         """
         if not self._pipeline.done:
             with self._comm._exclusive("broadcast_state_dict"):
-                self._pipeline.finish()
+                try:
+                    self._pipeline.finish()
+                finally:
+                    forget(self._comm, self._pipeline)
 
 
 def broadcast_state_dict(
@@ -165,7 +168,10 @@ def transfer(comm: Any, state_dict: Any, src: Any, bucket_bytes: Any, async_op: 
         declared = _declared_source(comm) if src is None else None
         pipeline = agree(comm, state_dict, src, bucket_bytes, declared)
         if not async_op:
-            pipeline.finish()
+            try:
+                pipeline.finish()
+            finally:
+                forget(comm, pipeline)
             return None
         pipeline.start()
     return StateDictTransfer(comm, pipeline)
