@@ -330,7 +330,8 @@ def _two_worlds(rank: int, size: int, url: str) -> dict:
         ctx.get_world_size(),
         ctx.get_local_rank(),
     )
-    store = dist.TCPStore(address.split(":")[0], int(address.split(":")[1]), None, False, timedelta(seconds=30))
+    host, port = address.split("/")[0].split(":")
+    store = dist.TCPStore(host, int(port), None, False, timedelta(seconds=30))
     raw = dist.ProcessGroupGloo(dist.PrefixStore("oracle", store), me, 3, timedelta(seconds=30))
     report["wrong"] += _equal_to_raw_torch(comm, raw, me)
     report["wrong"] += _sync_against_raw(raw, me, seed=1)
