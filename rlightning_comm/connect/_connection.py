@@ -79,6 +79,7 @@ class Connection:
         self.mode = mode
         self.generation = generation
         self.timeout = timeout
+        self.arrival = timeout  # connect's wait for the members (its connect_timeout)
         self.comm: Communicator | None = None
         self.group: Any = None
         self.watch: Watch | None = None
@@ -197,6 +198,9 @@ class _Hosted:
 
     def __init__(self, store: dist.TCPStore, secret: str | None) -> None:
         self.store = store
+        # A client of its own for what the watch threads post: a client serves one request at a time, and the
+        # forming's (gloo's rendezvous among them) may block it for long.
+        self.notes = dist.TCPStore(store.host, store.port, None, False, timedelta(seconds=30), use_libuv=True)
         self.secret = secret  # None: a mode formed without listen() on a bare host:port (membership not proven)
         self.nonce = uuid.uuid4().hex  # tells a restarted host's generations from the old one's
         self.generations: dict[str, int] = {}
@@ -292,6 +296,7 @@ class Connections:
             old = self._current.pop(mode, None)
             last = self._last.get(mode, -1)
             conn = self._forming[mode] = Connection(mode, last + 1, timeout)
+            conn.arrival = connect_timeout
         if old is not None:
             old.close("left this generation (connect was called again)")
         deadline = time.monotonic() + connect_timeout
@@ -355,7 +360,7 @@ class Connections:
         return done["group"]
 
     def _where(self, conn: Connection, opening: Opening, timeout: float) -> str:
-        return f"connect on mode {conn.mode!r} (generation {conn.generation}, timeout {timeout:g} s)"
+        return f"connect on mode {conn.mode!r} (generation {conn.generation}, connect_timeout {conn.arrival:g} s)"
 
     def _open(
         self,
@@ -376,12 +381,17 @@ class Connections:
                 hosted = self._host(host, port, secret, format_address(host, port))
             key = hosted.generations[mode] = hosted.generations.get(mode, -1) + 1
         store = dist.PrefixStore(f"{_PREFIX}/{mode}", hosted.store)
+        # The group is built through a client of its own: a build abandoned after a loss keeps its client busy until
+        # the group's timeout, and the next generation must not wait for it.
+        client = dist.TCPStore(
+            hosted.store.host, hosted.store.port, None, False, timedelta(seconds=conn.timeout), use_libuv=True
+        )
         listener = socket.create_server(
             (host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET, backlog=128
         )
         where = f"connect on mode {mode!r}"
         conn.watch = Watch.host(listener, hosted.secret, conn.lose, liveness, where)  # closes the listener
-        conn.store, conn.key = store, key
+        conn.store, conn.key = dist.PrefixStore(f"{_PREFIX}/{mode}", hosted.notes), key
         opening = Opening(key, hosted.nonce, listener.getsockname()[1])
         open_generation(store, opening)
         post(store, opening, info, hosted.secret)
@@ -405,7 +415,7 @@ class Connections:
         store.set(f"{key}/verdict", json.dumps(verdict))
         conn.generation = verdict["generation"]
         raise_error(verdict, mode)
-        return store, opening, verdict
+        return dist.PrefixStore(f"{_PREFIX}/{mode}", client), opening, verdict
 
     def _join(
         self,
@@ -433,13 +443,21 @@ class Connections:
         after = joined[1:] if joined is not None and joined[0] == (host, port) else None
         where = f"connect on mode {mode!r}"
         while True:
-            opening = find_generation(store, after, deadline, mode, conn.interrupt)
-            watch = Watch.join(
-                (host, opening.watch_port), info["rank"], info["token"], secret, deadline, conn.lose, liveness, where
-            )
-            if not watch.dropped():
-                conn.watch = watch
-                post(store, opening, info, secret)
+            opening, decided = find_generation(store, after, deadline, mode, conn.interrupt)
+            if not decided:
+                watch = Watch.join(
+                    (host, opening.watch_port),
+                    info["rank"],
+                    info["token"],
+                    secret,
+                    deadline,
+                    conn.lose,
+                    liveness,
+                    where,
+                )
+                if not watch.dropped():
+                    conn.watch = watch
+                    post(store, opening, info, secret)
             verdict = await_verdict(store, opening, info, deadline, conn.interrupt, self._where(conn, opening, timeout))
             conn.generation = verdict["generation"]
             if info["token"] in verdict["admitted"]:

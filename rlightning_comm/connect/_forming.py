@@ -178,9 +178,9 @@ def open_generation(store: dist.Store, opening: Opening) -> None:
 
 def find_generation(
     store: dist.Store, after: tuple[str, int] | None, deadline: float, mode: str, interrupt: Interrupt
-) -> Opening:
-    """On a member: the generation to join, the first opened after ``after`` (the store's nonce and the last key
-    joined).
+) -> tuple[Opening, bool]:
+    """On a member: the generation to join, the newest opened after ``after`` (the store's nonce and the last key
+    joined, or that failed), and whether rank 0 gave its verdict on it already (this process is then a late arrival).
 
     Raises:
         CommTimeoutError: no such generation was opened by ``deadline``.
@@ -197,10 +197,8 @@ def find_generation(
         g = opening.generation
         if after is not None and opening.nonce == after[0] and g <= after[1]:
             key = f"opened/{after[1] + 1}"
-        elif store.check([f"{g}/verdict"]):
-            key = f"opened/{g + 1}"  # decided without this process
         else:
-            return opening
+            return opening, store.check([f"{g}/verdict"])
 
 
 def post(store: dist.Store, opening: Opening, info: dict[str, Any], secret: str | None) -> None:
@@ -265,7 +263,15 @@ def decide(
             came = ", ".join(map(_who, sorted(counted, key=lambda i: i["rank"])))
             message = f"{where}: ranks {missing} did not arrive in time (arrived: {came}). No group was built"
             return _verdict(counted, opening, ["CommTimeoutError", message, None])
-        time.sleep(_POLL)
+        # The next arrival wakes this at once; a candidate still in its handshake, or a loss, at the next slice.
+        _slice(store, f"{g}/member/{seen}", deadline)
+
+
+def _slice(store: dist.Store, key: str, deadline: float) -> None:
+    try:
+        store.wait([key], timedelta(seconds=max(0.001, min(_POLL, deadline - time.monotonic()))))
+    except dist.DistStoreError:
+        pass
 
 
 def _verdict(counted: list[dict[str, Any]], opening: Opening, error: list[Any] | None) -> dict[str, Any]:
@@ -311,7 +317,10 @@ def judge_late(
     where: str,
 ) -> None:
     """On a member the verdict did not count: raise what it must (see the module docstring), or :class:`Late`."""
-    raise_error(verdict, mode)  # the same error as the counted members' (re-raised with the mode by the caller)
+    if verdict["error"] is not None and verdict["error"][0] != "CommMismatchError":
+        # A candidate died, or a member was missing (this one, maybe): every member forms the next generation.
+        raise Late(opening.generation)
+    raise_error(verdict, mode)  # a mismatch: the same error as the counted members'
     infos = verdict["infos"]
     world_size = len(infos)
     mine = {**info, "who": info["who"] + ", which arrived after the verdict"}
