@@ -37,7 +37,6 @@ import re
 import socket
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any, NamedTuple
 
 import torch
@@ -155,19 +154,19 @@ Interrupt = Callable[[], None]  # raises (a PeerLostError) when the generation w
 def wait(store: dist.Store, keys: list[str], deadline: float, interrupt: Interrupt) -> bool:
     """Wait until every key exists, or ``deadline`` (``time.monotonic()``) passed: whether they all exist.
 
-    Waits in short slices, calling ``interrupt`` between them.
+    Polls (``check`` is one request, and it logs nothing, where a ``wait`` that times out logs a warning), calling
+    ``interrupt`` between the polls.
     """
+    pause = 0.002
     while True:
         interrupt()
+        if store.check(keys):
+            return True
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            return store.check(keys)
-        try:
-            store.wait(keys, timedelta(seconds=min(remaining, _POLL)))
-            return True
-        except dist.DistStoreError as err:
-            if "timeout" not in str(err).lower() and "timed out" not in str(err).lower():
-                raise
+            return False
+        time.sleep(min(pause, remaining))
+        pause = min(pause * 2, _POLL)
 
 
 def open_generation(store: dist.Store, opening: Opening) -> None:
@@ -234,7 +233,7 @@ def decide(
         interrupt()
         arrived = int(store.add(f"{g}/arrived", 0))
         keys = [f"{g}/member/{i}" for i in range(seen, arrived)]
-        if keys and wait(store, keys, time.monotonic() + 1.0, interrupt):
+        if keys and wait(store, keys, time.monotonic() + 1.0, interrupt):  # posted right after the counter
             for raw in store.multi_get(keys):
                 entry = json.loads(raw)
                 if proof(secret, g, opening.nonce, entry["info"]).hex() == entry["proof"]:
@@ -263,15 +262,8 @@ def decide(
             came = ", ".join(map(_who, sorted(counted, key=lambda i: i["rank"])))
             message = f"{where}: ranks {missing} did not arrive in time (arrived: {came}). No group was built"
             return _verdict(counted, opening, ["CommTimeoutError", message, None])
-        # The next arrival wakes this at once; a candidate still in its handshake, or a loss, at the next slice.
-        _slice(store, f"{g}/member/{seen}", deadline)
-
-
-def _slice(store: dist.Store, key: str, deadline: float) -> None:
-    try:
-        store.wait([key], timedelta(seconds=max(0.001, min(_POLL, deadline - time.monotonic()))))
-    except dist.DistStoreError:
-        pass
+        # Until the next arrival, or a slice: a candidate still in its handshake, or a loss, is seen at the next one.
+        wait(store, [f"{g}/member/{seen}"], min(deadline, time.monotonic() + _POLL), interrupt)
 
 
 def _verdict(counted: list[dict[str, Any]], opening: Opening, error: list[Any] | None) -> dict[str, Any]:
