@@ -360,7 +360,8 @@ def test_hung_members_are_lost_within_the_liveness_bound_during_and_between_call
     stopped = procs.signal("rank2", signal.SIGSTOP)
     _, _, (kind, message, member, when), _ = procs.next("rank0", "lost")
     assert (kind, member) == ("PeerLostError", 2) and "stopped answering" in message, message
-    assert LIVENESS <= when - stopped < 1.25 * LIVENESS + SLACK, when - stopped
+    # Silence, not a closed connection: lost after LIVENESS without a heartbeat (the last came up to a quarter before).
+    assert 0.7 * LIVENESS <= when - stopped < 1.25 * LIVENESS + SLACK, when - stopped
     _, _, (kind, _, member, _), call_s = procs.next("rank1", "lost")  # detected while it idled
     assert (kind, member) == ("PeerLostError", 2) and call_s < 0.5, call_s
     procs.signal("rank2", signal.SIGKILL)

@@ -87,6 +87,7 @@ class Connection:
         self.lost_at: float | None = None  # time.monotonic() of the loss
         # The group's name: the same on every member (debug mode keys its checks by it), set once the opening is known.
         self.name = f"connected/{mode}"
+        self.opening: Opening | None = None  # the generation whose verdict this process read
         self.store: dist.Store | None = (
             None  # rank 0: the mode's store, where a loss of the formed generation is posted
         )
@@ -316,6 +317,8 @@ class Connections:
             conn.close("could not form the generation")
             with self._lock:
                 self._forming.pop(mode, None)
+                if conn.opening is not None:  # decided with this process: the next connect joins a later one
+                    self._joined[mode] = ((host, port), conn.opening.nonce, conn.opening.generation)
             if isinstance(err, RuntimeError) and not isinstance(err, CommError):
                 # The store failed: on a member, its host (rank 0) is gone; on rank 0, it cannot be.
                 if rank != 0:
@@ -459,7 +462,7 @@ class Connections:
                     conn.watch = watch
                     post(store, opening, info, secret)
             verdict = await_verdict(store, opening, info, deadline, conn.interrupt, self._where(conn, opening, timeout))
-            conn.generation = verdict["generation"]
+            conn.generation, conn.opening = verdict["generation"], opening
             if info["token"] in verdict["admitted"]:
                 raise_error(verdict, mode)
                 return store, opening, verdict

@@ -159,9 +159,9 @@ def wait(store: dist.Store, keys: list[str], deadline: float, interrupt: Interru
     """
     pause = 0.002
     while True:
-        interrupt()
-        if store.check(keys):
+        if store.check(keys):  # first: a verdict posted before rank 0 closed the generation is still read
             return True
+        interrupt()
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return False
