@@ -91,6 +91,10 @@ def _live_member(out, rank: int, address: str, role: str) -> None:
         out.send(("address", address))
     comm = ctx.connect(MODE, rank=rank, world_size=3, address=address, timeout=60, liveness_timeout=LIVENESS)
     out.send(("formed", rank, ctx.get_generation(MODE)))
+    if role == "leaver":
+        ctx.destroy()  # leaves the mode: the others are told
+        out.send(("left", rank, time.monotonic()))
+        time.sleep(60)
     while True:
         if role == "idle":
             time.sleep(3 * LIVENESS + 1)  # the member is lost meanwhile: nothing of this process is in a call
@@ -231,6 +235,13 @@ def test_connect_timeout_is_apart_from_the_collectives_timeout():
     assert 1.0 <= time.monotonic() - t0 < 1.0 + SLACK
     comm = ctx.connect(MODE, rank=0, world_size=1, address=address, timeout=600, connect_timeout=1)
     assert comm.timeout == 600
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]  # nothing listens there
+    t0 = time.monotonic()
+    with pytest.raises(CommTimeoutError, match="could not reach rank 0's store"):
+        ctx.connect(MODE, rank=1, world_size=2, address=f"127.0.0.1:{port}/x", timeout=600, connect_timeout=1)
+    assert time.monotonic() - t0 < 1.0 + SLACK
     with pytest.raises(ValueError, match="connect_timeout must be > 0"):
         ctx.connect(MODE, rank=0, world_size=1, address=address, connect_timeout=0)
     with pytest.raises(TypeError, match="liveness_timeout must be a number"):
@@ -382,3 +393,17 @@ def test_hung_members_are_lost_within_the_liveness_bound_during_and_between_call
     procs.pipes["rank2"].send((address,))
     for name in ("rank1", "rank2"):
         assert procs.next(name, "formed")[2] == 1  # generation 1 under the new rank 0's store: the count goes on
+
+
+def test_a_member_that_leaves_is_named_by_the_others(procs):
+    procs.start("rank0", _live_member, 0, "", "call")
+    _, address = procs.next("rank0", "address")
+    procs.start("rank1", _live_member, 1, address, "call")
+    procs.start("rank2", _live_member, 2, address, "leaver")
+    for name in ("rank0", "rank1", "rank2"):
+        procs.next(name, "formed")
+    _, _, left = procs.next("rank2", "left")
+    for name in ("rank0", "rank1"):
+        _, _, (kind, message, member, when), _ = procs.next(name, "lost")
+        assert (kind, member) == ("PeerLostError", 2) and "left the mode" in message, message
+        assert when - left < SLACK

@@ -48,7 +48,14 @@ from rlightning_comm.errors import CommError, CommTimeoutError
 _NOTE = struct.Struct("!cI")  # a message: kind, member
 _HELLO = struct.Struct("!I16s32s")  # a member's answer to the challenge: its rank, its token, the proof
 _CHALLENGE = 16
-_PING, _ACK, _DROPPED, _LEAVING, _LOST, _CLOSING = b"P", b"A", b"N", b"B", b"L", b"R"
+_PING, _ACK, _DROPPED, _LEAVING, _CLOSING = b"P", b"A", b"N", b"B", b"R"
+# Rank 0 naming a lost member to the others, by what it saw.
+_LOST = {
+    b"L": "died (its connection closed; rank 0 saw it)",
+    b"M": "left the mode (it called connect again, or destroy; rank 0 saw it)",
+    b"S": "stopped answering (rank 0 heard no heartbeat from it)",
+}
+_DIED, _LEFT, _SILENT = _LOST
 HANDSHAKE_TIMEOUT = 5.0  # how long rank 0 waits for a connection's proof; how long a member waits for rank 0's answer
 
 # (lost member or None, what happened): called once, on the watch's thread.
@@ -237,7 +244,7 @@ class Watch:
                     f"stopped answering (no heartbeat for {self._liveness:g} s: stopped, hung, or its node is "
                     "unreachable)"
                 )
-                self._report(peer, what)
+                self._report(peer, what, code=_SILENT)
                 return True
         return False
 
@@ -297,8 +304,8 @@ class Watch:
             if note is not None and note[0] == _DROPPED:
                 self._dropped = True
                 return True
-            if note is not None and note[0] == _LOST:
-                self._report(peer, "was lost (rank 0 saw it die, hang or leave)", note[1])
+            if note is not None and note[0] in _LOST:
+                self._report(peer, _LOST[note[0]], note[1])
             elif note is not None and note[0] == _CLOSING:
                 self._report(peer, "closed this generation (rank 0 re-forms the mode, or left)")
             else:
@@ -309,10 +316,10 @@ class Watch:
         if not counted:  # a late arrival leaving: not a member of this generation
             self._forget(selector, sock)
             return False
-        left = note is not None and note[0] == _LEAVING
-        self._report(
-            peer, "left the mode (it called connect again, or destroy)" if left else "died (its connection closed)"
-        )
+        if note is not None and note[0] == _LEAVING:
+            self._report(peer, "left the mode (it called connect again, or destroy)", code=_LEFT)
+        else:
+            self._report(peer, "died (its connection closed)", code=_DIED)
         return True
 
     def _prune(self, selector: selectors.BaseSelector) -> None:
@@ -332,14 +339,14 @@ class Watch:
             self._peers.pop(sock, None)
         sock.close()
 
-    def _report(self, peer: _Peer, what: str, member: int | None = None) -> None:
-        """A loss: told to the other members on rank 0, then to this process (once)."""
+    def _report(self, peer: _Peer, what: str, member: int | None = None, code: bytes = _DIED) -> None:
+        """A loss: told to the other members on rank 0 (``code`` says what rank 0 saw), then to this process (once)."""
         lost = peer.rank if member is None else member
         if self._is_host:
             with self._lock:
                 others = [p for p in self._peers.values() if p is not peer]
             for other in others:
-                _send(other.sock, _LOST, lost)
+                _send(other.sock, code, lost)
         self._on_lost(lost, what)
 
     def close(self) -> None:
