@@ -57,6 +57,7 @@ _LOST = {
 }
 _DIED, _LEFT, _SILENT = _LOST
 HANDSHAKE_TIMEOUT = 5.0  # how long rank 0 waits for a connection's proof; how long a member waits for rank 0's answer
+_CONNECT_TRIES = 5  # a refused connection to the watch is tried again (see _connect)
 
 # (lost member or None, what happened): called once, on the watch's thread.
 OnLost = Callable[[int | None, str], None]
@@ -148,9 +149,7 @@ class Watch:
         """
         host, port = address
         try:
-            sock = socket.create_connection(
-                address, timeout=max(0.001, min(HANDSHAKE_TIMEOUT, deadline - time.monotonic()))
-            )
+            sock = _connect(address, deadline)
             challenge = sock.recv(_CHALLENGE, socket.MSG_WAITALL)
             if len(challenge) == _CHALLENGE:
                 sock.sendall(_HELLO.pack(rank, bytes.fromhex(token), proof(secret, challenge.hex(), rank, token)))
@@ -382,3 +381,22 @@ def _send_raw(sock: socket.socket, data: bytes) -> bool:
     except OSError:
         return False
     return True
+
+
+def _connect(address: tuple[str, int], deadline: float) -> socket.socket:
+    """A connection to rank 0's watch, tried again after a refusal while ``deadline`` allows.
+
+    The listener is open for the generation's whole life, so a refusal is a
+    transient: most likely a TIME_WAIT entry of an older connection with the
+    same addresses and ports (the listener's port is picked from the range
+    the clients' ports come from), which answers the new SYN with a reset.
+    """
+    for attempt in range(_CONNECT_TRIES):
+        timeout = max(0.001, min(HANDSHAKE_TIMEOUT, deadline - time.monotonic()))
+        try:
+            return socket.create_connection(address, timeout=timeout)
+        except ConnectionRefusedError:
+            if attempt == _CONNECT_TRIES - 1 or time.monotonic() + 0.05 >= deadline:
+                raise
+            time.sleep(0.05)
+    raise AssertionError("unreachable")
