@@ -346,6 +346,8 @@ def test_a_stranger_is_refused_and_a_silent_connection_delays_nothing(procs):
     silent = socket.create_connection(("127.0.0.1", watch_port))  # a port scanner: connects, says nothing
     # A stranger who read the store claims rank 1 there first, without the secret.
     store.set(f"0/member/{store.add('0/arrived', 1) - 1}", json.dumps({"info": "{}", "proof": "00"}))
+    store.add("0/arrived", 1)  # an arrival that never posts
+    store.set(f"0/member/{store.add('0/arrived', 1) - 1}", "not json")
     procs.start("bare", _connect_and_report, 1, 2, address.split("/")[0])  # given only host:port
     _, _, (kind, message, _, _) = procs.next("bare", "outcome")
     assert kind == "CommError" and "could not prove the mode's secret" in message, message

@@ -30,6 +30,7 @@ larger, so a new rank 0 (a new store) does not start the count again.
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
 import json
 import os
@@ -228,17 +229,21 @@ def decide(
         PeerLostError: from ``interrupt``: a candidate died or left before the verdict (the caller posts it).
     """
     g, seen, counted = opening.generation, 0, []
+    unread: set[int] = set()  # arrivals counted but not posted yet (posted right after the counter, or never)
     waiting: list[dict[str, Any]] = []  # proved arrivals whose watch connection is not (yet) there
     while True:
         interrupt()
         arrived = int(store.add(f"{g}/arrived", 0))
-        keys = [f"{g}/member/{i}" for i in range(seen, arrived)]
-        if keys and wait(store, keys, time.monotonic() + 1.0, interrupt):  # posted right after the counter
-            for raw in store.multi_get(keys):
-                entry = json.loads(raw)
-                if proof(secret, g, opening.nonce, entry["info"]).hex() == entry["proof"]:
+        unread.update(range(seen, arrived))
+        seen = arrived
+        for i in sorted(unread):
+            if store.check([f"{g}/member/{i}"]):
+                unread.discard(i)
+                entry = _entry(store.get(f"{g}/member/{i}"))
+                if entry is not None and hmac.compare_digest(
+                    proof(secret, g, opening.nonce, entry["info"]).hex(), entry["proof"]
+                ):
                     waiting.append(json.loads(entry["info"]))  # else a process without the secret: ignored
-            seen = arrived
         connected = candidates()
         tokens = {info["token"] for info in counted}
         for info in list(waiting):
@@ -264,6 +269,15 @@ def decide(
             return _verdict(counted, opening, ["CommTimeoutError", message, None])
         # Until the next arrival, or a slice: a candidate still in its handshake, or a loss, is seen at the next one.
         wait(store, [f"{g}/member/{seen}"], min(deadline, time.monotonic() + _POLL), interrupt)
+
+
+def _entry(raw: bytes) -> dict[str, Any] | None:
+    """A preflight entry as posted, or ``None`` for anything else (what a process without the secret wrote)."""
+    try:
+        entry = json.loads(raw)
+        return entry if isinstance(entry.get("info"), str) and isinstance(entry.get("proof"), str) else None
+    except (ValueError, AttributeError):
+        return None
 
 
 def _verdict(counted: list[dict[str, Any]], opening: Opening, error: list[Any] | None) -> dict[str, Any]:
