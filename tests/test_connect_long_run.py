@@ -55,3 +55,34 @@ def test_a_hundred_generations_of_kill_and_replace_grow_nothing():
     # A member whose PeerLostError is not caught exits with it, and nothing native complains at exit.
     assert report["uncaught_exitcode"] == 1
     assert "PeerLostError" in done.stderr and "terminate called" not in done.stderr, done.stderr[-5000:]
+
+
+def test_a_process_ends_cleanly_after_losses_while_forming_and_an_uncaught_peer_lost_error(tmp_path):
+    """Through the interpreter's own exit: a group build left behind by a loss and an uncaught PeerLostError abort
+    nothing ("terminate called", a fatal error)."""
+    program = Path(__file__).with_name("connect_exit.py")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+
+    def start(role):
+        return subprocess.Popen(
+            [sys.executable, "-X", "dev", str(program), role, str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+
+    host, victim = start("host"), start("victim")
+    member = None
+    try:
+        assert host.stdout.readline() == "lost 1 while forming\n"
+        member = start("member")
+        assert member.stdout.readline() == "formed\n" and host.stdout.readline() == "formed\n"
+        member.kill()
+        _, err = host.communicate(timeout=60)
+    finally:
+        for p in (host, victim, member):
+            if p is not None and p.poll() is None:
+                p.kill()
+    assert host.returncode == 1, err[-5000:]
+    assert "PeerLostError" in err and "terminate called" not in err and "Fatal Python error" not in err, err[-5000:]

@@ -194,11 +194,18 @@ class Connections:
         return comm
 
     def _build(self, conn: Connection, backend: str, store: dist.Store, rank: int, size: int, host: str) -> Any:
-        """The group, built on a thread of its own so that a loss seen by the watch meanwhile ends the wait (the thread
-        ends at the group's timeout at the latest; what it built then goes unused)."""
+        """The group, built on a thread of its own so that a loss seen by the watch meanwhile ends the wait.
+
+        After a loss the thread is left to end at the group's timeout (what it
+        built then goes unused). It holds what it waits on, rank 0's store
+        server included: destroyed under it (by ``destroy()``, or at the
+        interpreter's exit), the server would fail its wait with a C++
+        exception in a thread Python is finalising, which aborts the process.
+        """
+
         done: dict[str, Any] = {}
 
-        def build() -> None:
+        def build(server: dist.TCPStore | None) -> None:  # the thread's frame holds the server while it runs
             try:
                 done["group"] = build_group(
                     backend, store, rank, size, conn.timeout, host if is_loopback(host) else None, conn.name
@@ -206,7 +213,9 @@ class Connections:
             except BaseException as err:  # noqa: BLE001 - handed to the caller
                 done["error"] = err
 
-        thread = threading.Thread(target=build, name=f"rlightning-comm-build {conn.name}", daemon=True)
+        thread = threading.Thread(
+            target=build, args=(conn.server,), name=f"rlightning-comm-build {conn.name}", daemon=True
+        )
         thread.start()
         while thread.is_alive():
             thread.join(_BUILD_POLL)
@@ -247,7 +256,7 @@ class Connections:
         )
         where = f"connect on mode {mode!r}"
         conn.watch = Watch.host(listener, hosted.secret, conn.lose, liveness, where)  # closes the listener
-        conn.store, conn.key = dist.PrefixStore(f"{_PREFIX}/{mode}", hosted.notes), key
+        conn.store, conn.key, conn.server = dist.PrefixStore(f"{_PREFIX}/{mode}", hosted.notes), key, hosted.store
         opening = Opening(key, hosted.nonce, listener.getsockname()[1])
         open_generation(store, opening)
         post(store, opening, info, hosted.secret)

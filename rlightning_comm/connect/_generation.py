@@ -65,7 +65,10 @@ class Connection:
         self.store: dist.Store | None = (
             None  # rank 0: the mode's store, where a loss of the formed generation is posted
         )
-        self.key: int | None = None  # rank 0: the generation's key in the store
+        self.key: int | None = None
+        self.server: dist.TCPStore | None = (
+            None  # rank 0: the store server the group is built through  # rank 0: the generation's key in the store
+        )
         self._lost_event = threading.Event()
         self._lock = threading.Lock()
         self._failed = False  # a backend error was translated already: the group is broken since
