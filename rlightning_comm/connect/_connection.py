@@ -224,7 +224,9 @@ class Connections:
             raise done["error"]
         return done["group"]
 
-    def _where(self, conn: Connection, opening: Opening, timeout: float) -> str:
+    @staticmethod
+    def _where(conn: Connection) -> str:
+        """How the forming's messages start."""
         return f"connect on mode {conn.mode!r} (generation {conn.generation}, connect_timeout {conn.arrival:g} s)"
 
     def _open(
@@ -260,7 +262,6 @@ class Connections:
         opening = Opening(key, hosted.nonce, listener.getsockname()[1])
         open_generation(store, opening)
         post(store, opening, info, hosted.secret)
-        timeout = deadline - time.monotonic()
         try:
             verdict = decide(
                 store,
@@ -271,7 +272,7 @@ class Connections:
                 conn.watch.candidates,
                 deadline,
                 conn.interrupt,
-                self._where(conn, opening, timeout),
+                self._where(conn),
             )
         except PeerLostError as err:
             store.set(f"{key}/verdict", json.dumps(lost_verdict(opening, str(err), err.member)))
@@ -323,7 +324,7 @@ class Connections:
                 if not watch.dropped():
                     conn.watch = watch
                     post(store, opening, info, secret)
-            verdict = await_verdict(store, opening, info, deadline, conn.interrupt, self._where(conn, opening, timeout))
+            verdict = await_verdict(store, opening, deadline, conn.interrupt, self._where(conn))
             conn.generation, conn.opening = verdict["generation"], opening
             if info["token"] in verdict["admitted"]:
                 raise_error(verdict, mode)
@@ -332,7 +333,7 @@ class Connections:
                 conn.watch.close()  # not counted: rank 0 dropped it already
                 conn.watch = None
             try:
-                judge_late(store, opening, verdict, info, conn.interrupt, mode, self._where(conn, opening, timeout))
+                judge_late(store, opening, verdict, info, conn.interrupt, mode, self._where(conn))
             except Late:
                 after = (opening.nonce, opening.generation)
 

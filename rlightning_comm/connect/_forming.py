@@ -301,7 +301,7 @@ def raise_error(verdict: dict[str, Any], mode: str) -> None:
 
 
 def await_verdict(
-    store: dist.Store, opening: Opening, info: dict[str, Any], deadline: float, interrupt: Interrupt, where: str
+    store: dist.Store, opening: Opening, deadline: float, interrupt: Interrupt, where: str
 ) -> dict[str, Any]:
     """On a member: rank 0's verdict on ``opening``.
 
