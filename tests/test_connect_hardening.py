@@ -411,3 +411,50 @@ def test_a_member_that_leaves_is_named_by_the_others(procs):
         _, _, (kind, message, member, when), _ = procs.next(name, "lost")
         assert (kind, member) == ("PeerLostError", 2) and "left the mode" in message, message
         assert when - left < SLACK
+
+
+def _broadcaster(out, rank: int, address: str, timeout: float) -> None:
+    """Member 0 broadcasts 64 MiB; member 2 posts its receive and dies (SIGKILL) once the first bytes are in."""
+    ctx = CommContext()
+    if rank == 0:
+        address = ctx.listen("127.0.0.1:0")
+        out.send(("address", address))
+    comm = ctx.connect(MODE, rank=rank, world_size=3, address=address, timeout=timeout)
+    comm.barrier()
+    big = torch.ones(16 * 2**20) if rank == 0 else torch.zeros(16 * 2**20)
+    t0 = time.monotonic()
+    if rank == 2:
+        comm.broadcast(big, src=0, async_op=True)  # the receive is posted
+        while big[0] == 0 and time.monotonic() - t0 < 10:  # until the first bytes are in: mid-message
+            pass
+        out.send(("midway", rank, int((big != 0).sum()) / big.numel()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        comm.broadcast(big, src=0)
+        first = ("completed", bool((big == 1).all()), None, time.monotonic())
+    except Exception as err:  # noqa: BLE001 - the outcome is the report
+        first = _error(err)
+    try:
+        comm.barrier()
+        then = ("completed", None, None, time.monotonic())
+    except Exception as err:  # noqa: BLE001 - the outcome is the report
+        then = _error(err)
+    out.send(("outcome", rank, first, then, t0))
+    time.sleep(60)
+
+
+def test_a_receiver_dying_mid_message_of_a_large_broadcast(procs):
+    """The dead receiver's bytes were in flight: no survivor waits out the timeout, and the next call names it."""
+    timeout = 30.0
+    procs.start("rank0", _broadcaster, 0, "", timeout)
+    _, address = procs.next("rank0", "address")
+    procs.start("rank1", _broadcaster, 1, address, timeout)
+    procs.start("rank2", _broadcaster, 2, address, timeout)
+    _, _, share = procs.next("rank2", "midway")
+    assert share > 0, share  # it died once bytes came in: usually mid-message (a share < 1), else right after
+    for name in ("rank0", "rank1"):
+        _, _, first, then, t0 = procs.next(name, "outcome", timeout=60)
+        # The broadcast completes (this member had what it needed: rank 1 holds the root's bytes) or names the loss.
+        assert first[:2] == ("completed", True) or first[0::2][:2] == ("PeerLostError", 2), (name, first)
+        assert (then[0], then[2]) == ("PeerLostError", 2), (name, then)
+        assert then[3] - t0 < SLACK, f"{name} took {then[3] - t0:.1f} s (timeout {timeout} s)"
