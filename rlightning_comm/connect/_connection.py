@@ -321,7 +321,9 @@ class Connections:
                     liveness,
                     where,
                 )
-                if not watch.dropped():
+                if watch.dropped():  # the verdict was given without it
+                    watch.close()
+                else:
                     conn.watch = watch
                     post(store, opening, info, secret)
             verdict = await_verdict(store, opening, deadline, conn.interrupt, self._where(conn))
