@@ -354,7 +354,8 @@ def _two_worlds(rank: int, size: int, url: str) -> dict:
         t0 = time.monotonic()
         with pytest.raises(
             CommTimeoutError,
-            match=r"timed out after 2 s .*re-form the mode: every member calls connect\(.WEIGHT_SYNC., ...\) again \(generation 2\)",
+            match=r"timed out after 2 s .*re-form the mode: every member calls connect\(.WEIGHT_SYNC., ...\) again "
+            r"\(generation 2\)",
         ):
             comm.all_reduce(torch.zeros(4))
         report["hung_s"] = time.monotonic() - t0
