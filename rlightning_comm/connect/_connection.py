@@ -167,12 +167,16 @@ class Connections:
                 conn, cls.backend, dist.PrefixStore(f"{opening.generation}/group", store), rank, world_size, host
             )
         except BaseException as err:
+            lost = conn.lost  # what the watch saw, before closing marks this process as the one that left
             conn.close("could not form the generation")
             with self._lock:
                 self._forming.pop(mode, None)
                 if conn.opening is not None:  # decided with this process: the next connect joins a later one
                     self._joined[mode] = ((host, port), conn.opening.nonce, conn.opening.generation)
             if isinstance(err, RuntimeError) and not isinstance(err, CommError):
+                if lost is not None and lost[0] is not None:  # the backend failed because a member was lost
+                    conn.lost = lost
+                    raise conn._lost_error("connect") from err
                 # The store failed: on a member, its host (rank 0) is gone; on rank 0, it cannot be.
                 if rank != 0:
                     conn.lost = (0, "died (its store closed)")
@@ -189,8 +193,10 @@ class Connections:
                 self._current[mode] = conn
                 self._joined[mode] = ((host, port), opening.nonce, opening.generation)
                 self._last[mode] = conn.generation
-        if conn.lost is not None:  # a member died while the group was being built, or destroy() closed it
+        if conn.lost is not None and conn.lost[0] is None:  # destroy() closed it meanwhile
             raise conn._lost_error("connect")
+        # A member lost after this process built the group: the generation formed, and its communicator refuses
+        # every call (PeerLostError), as after any loss.
         return comm
 
     def _build(self, conn: Connection, backend: str, store: dist.Store, rank: int, size: int, host: str) -> Any:
@@ -217,8 +223,10 @@ class Connections:
             target=build, args=(conn.server,), name=f"rlightning-comm-build {conn.name}", daemon=True
         )
         thread.start()
-        while thread.is_alive():
+        while True:
             thread.join(_BUILD_POLL)
+            if not thread.is_alive():
+                break
             conn.interrupt()
         if "error" in done:
             raise done["error"]
