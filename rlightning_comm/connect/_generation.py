@@ -168,3 +168,7 @@ class Connection:
             self.watch.close()
         self.lose(None, what)
         self.group = None  # the backend goes with its last reference (its connections close)
+        # The communicator refers to this generation (its failure translation, its stand-in group): without the way
+        # back they form no reference cycle, so the communicator, and what it keeps (the weight transfer's staging
+        # buffers), go as soon as nobody holds it, not at the garbage collector's next full pass.
+        self.comm = None
