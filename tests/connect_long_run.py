@@ -23,7 +23,7 @@ import time
 import traceback
 
 MODE = "WEIGHT_SYNC"
-BUCKET = 4 * 2**20  # two staging buffers of 4 MiB per generation and process: what a leak would keep
+BUCKET = 2 * 2**20  # two staging buffers of 2 MiB per generation and process: what a leak would keep
 TIMEOUT = 60  # every wait of the members; a death reaches them in milliseconds
 
 
@@ -31,8 +31,8 @@ def _model(seed: int) -> dict:
     import torch
 
     gen = torch.Generator().manual_seed(seed)
-    # 8 MiB in pieces of 16 KiB: they travel coalesced, through the staging buffers
-    return {f"w{i}": torch.randn(4096, generator=gen) for i in range(512)}
+    # 4 MiB in pieces of 16 KiB: they travel coalesced, through the staging buffers
+    return {f"w{i}": torch.randn(4096, generator=gen) for i in range(256)}
 
 
 def _digest(state: dict) -> str:

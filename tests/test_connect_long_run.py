@@ -20,7 +20,7 @@ from pathlib import Path
 GENERATIONS = 100
 WARM = range(10, 30)  # after warm-up (allocator, lazily started threads)
 LAST = range(GENERATIONS - 20, GENERATIONS)
-RSS_BAND = 24 * 2**20  # allocator noise; a leak of this mode's buffers alone is 8 MiB per generation and process
+RSS_BAND = 24 * 2**20  # allocator noise; a leak of this mode's buffers alone is 4 MiB per generation and process
 
 
 def test_a_hundred_generations_of_kill_and_replace_grow_nothing():
