@@ -25,11 +25,14 @@ class CommMismatchError(CommError):
 
 
 class PeerLostError(CommError):
-    """A member of a connected mode died or left: the mode refuses every call until it is re-formed.
+    """A member of a connected mode died, left or stopped answering: the mode refuses every call until it is re-formed.
 
     Raised by a call in flight and by every later call on the mode, on every
-    surviving member, within milliseconds of the loss (the mode watches its
-    members over connections of its own). Re-form the mode by calling
+    surviving member, within milliseconds of a death or a departure, and
+    within ``liveness_timeout`` (plus a quarter) of a member that stopped
+    answering (the mode watches its members over connections of its own,
+    with heartbeats); by ``connect`` on every other member when a member is
+    lost while the generation forms. Re-form the mode by calling
     :meth:`CommContext.connect` again on every survivor and on the lost
     member's replacement, which builds the next generation.
 

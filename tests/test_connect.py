@@ -330,7 +330,8 @@ def _two_worlds(rank: int, size: int, url: str) -> dict:
         ctx.get_world_size(),
         ctx.get_local_rank(),
     )
-    store = dist.TCPStore(address.split(":")[0], int(address.split(":")[1]), None, False, timedelta(seconds=30))
+    host, port = address.split("/")[0].split(":")
+    store = dist.TCPStore(host, int(port), None, False, timedelta(seconds=30))
     raw = dist.ProcessGroupGloo(dist.PrefixStore("oracle", store), me, 3, timedelta(seconds=30))
     report["wrong"] += _equal_to_raw_torch(comm, raw, me)
     report["wrong"] += _sync_against_raw(raw, me, seed=1)
@@ -353,7 +354,8 @@ def _two_worlds(rank: int, size: int, url: str) -> dict:
         t0 = time.monotonic()
         with pytest.raises(
             CommTimeoutError,
-            match=r"timed out after 2 s .*re-form the mode: every member calls connect\(.WEIGHT_SYNC., ...\) again \(generation 2\)",
+            match=r"timed out after 2 s .*re-form the mode: every member calls connect\(.WEIGHT_SYNC., ...\) again "
+            r"\(generation 2\)",
         ):
             comm.all_reduce(torch.zeros(4))
         report["hung_s"] = time.monotonic() - t0

@@ -3,8 +3,9 @@ generation.
 
 See :meth:`CommContext.connect`. :mod:`._forming` agrees on a generation and
 checks the members before any group exists, :mod:`._groups` builds the group
-outside torch's world, :mod:`._liveness` watches the members, and
-:mod:`._connection` holds it together per process.
+outside torch's world, :mod:`._liveness` watches the members,
+:mod:`._generation` is one generation on this process, and
+:mod:`._connection` holds them together per process.
 """
 
 from rlightning_comm.connect._connection import Connections

@@ -1,25 +1,18 @@
-"""This process's connected modes: the stores it hosts, and per mode the generation it is in.
+"""This process's connected modes: the stores it hosts, and per mode the generation it is in and how it forms.
 
 :class:`Connections` is what :meth:`CommContext.connect`, :meth:`CommContext.listen`
-and :meth:`CommContext.destroy` delegate to; :class:`Connection` is one
-generation of one mode on this process: its store, its group, its
-communicator, its watch (:mod:`._liveness`), and what a loss does to them.
-
-A loss costs the hot path nothing: when the watch reports one,
-:meth:`Connection.lose` swaps the communicator's group for a stand-in whose
-every method raises :class:`PeerLostError` (so later calls refuse at once,
-with no check of their own) and breaks the real group, so calls in flight
-fail at once too. The communicator's failure translation, which only runs
-when the backend raised, turns what they raise into :class:`PeerLostError`.
+and :meth:`CommContext.destroy` delegate to; each generation is a
+:class:`~rlightning_comm.connect._generation.Connection`.
 """
 
 from __future__ import annotations
 
+import json
+import secrets
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -30,167 +23,65 @@ from rlightning_comm.communicators.base import Communicator
 from rlightning_comm.connect._forming import (
     Late,
     Opening,
+    await_verdict,
+    decide,
     find_generation,
     format_address,
     is_loopback,
+    judge_late,
+    lost_verdict,
     member_info,
     open_generation,
     parse_address,
-    preflight,
+    post,
+    raise_error,
 )
-from rlightning_comm.connect._groups import break_group, build_group
+from rlightning_comm.connect._generation import DESTROY, Connection
+from rlightning_comm.connect._groups import build_group
 from rlightning_comm.connect._liveness import Watch
 from rlightning_comm.errors import CommError, CommTimeoutError, ModeNotBoundError, PeerLostError
 from rlightning_comm.failures import comm_failure
 
 _PREFIX = "rlightning_comm/connect"
-# After a backend error that is not a timeout, how long a call waits for the watch's word on a loss (it comes within
-# milliseconds of a death; the backend may notice the closed connection first).
-_VERDICT_WAIT = 2.0
-_DESTROY = "destroy() the context"  # the advice of comm_failure for a broken group, which a connected mode replaces
-_OWN_TIMEOUT = "Application timeout caused pair closure"  # gloo, when a wait of this process timed out
-
-
-class _Refused:
-    """Stands in for the group of a lost (or closed) generation: every method raises :class:`PeerLostError`."""
-
-    def __init__(self, error: Callable[[str], PeerLostError]) -> None:
-        self._error = error
-
-    def __getattr__(self, name: str) -> Callable[..., Any]:
-        def refuse(*args: Any, **kwargs: Any) -> Any:
-            raise self._error(name)
-
-        return refuse
-
-
-class Connection:
-    """One generation of a connected mode on this process."""
-
-    def __init__(self, mode: str, generation: int, timeout: float) -> None:
-        self.mode = mode
-        self.generation = generation
-        self.timeout = timeout
-        self.comm: Communicator | None = None
-        self.group: Any = None
-        self.watch: Watch | None = None
-        self.lost: tuple[int | None, str] | None = None
-        self.lost_at: float | None = None  # time.monotonic() of the loss
-        self.name = f"connected/{mode}/{generation}"  # the group's name (debug mode keys its checks by it)
-        self._lost_event = threading.Event()
-        self._lock = threading.Lock()
-        self._failed = False  # a backend error was translated already: the group is broken since
-
-    def attach(self, comm: Communicator) -> None:
-        """Make ``comm`` this generation's: its failures are translated here (an instance attribute over the
-        class's)."""
-        self.comm = comm
-        comm._failure = self.failure  # type: ignore[method-assign]
-        if self.lost is not None:  # lost while the group was being built
-            self._refuse()
-
-    def lose(self, member: int | None, what: str) -> None:
-        """A member was lost (on the watch's thread, or by :meth:`close`): refuse every later call, fail every call in
-        flight."""
-        with self._lock:
-            if self.lost is not None:
-                return
-            self.lost = (member, what)
-            self.lost_at = time.monotonic()
-        self._refuse()
-        if self.group is not None:
-            break_group(self.group)
-        self._lost_event.set()
-
-    def _refuse(self) -> None:
-        if self.comm is not None:
-            self.comm._group = _Refused(self._lost_error)
-
-    def _lost_error(self, op: str) -> PeerLostError:
-        member, what = self.lost or (None, "was lost")
-        mode, g = self.mode, self.generation
-        if member is None:
-            message = f"{op} on mode {mode!r} (generation {g}) is refused: this process {what}"
-        else:
-            died = member == 0 and what.startswith("died")
-            host = (
-                " (rank 0, the store's host: re-form the mode at an address the new rank 0 listens on)" if died else ""
-            )
-            message = (
-                f"{op} on mode {mode!r} (generation {g}) failed: member {member}{host} {what}. The mode refuses every "
-                "call until it is "
-                f"re-formed: every surviving member, and a replacement for the lost one, calls connect({mode!r}, ...) "
-                f"again (generation {g + 1})"
-            )
-        return PeerLostError(message, mode, g, member)
-
-    def failure(self, op: str, err: BaseException) -> CommError:
-        """The communicator's failure translation: :class:`PeerLostError` once a loss is known, else the usual error.
-
-        A timeout of the group stays a :class:`CommTimeoutError` (a member was
-        absent) unless the loss was known well before it (then the timeout is
-        the loss's doing: gloo's sends to a receiver that died mid-message wait
-        it out); any other backend error waits briefly for the watch, which
-        tells a death within milliseconds.
-        """
-        if isinstance(err, PeerLostError):  # the stand-in of a lost generation
-            return self._lost_error(op)
-        error = comm_failure(err, self.mode, op, self.timeout)
-        if _DESTROY not in str(error):  # the backend's own check refused the call here: the group still works
-            return error
-        first, self._failed = not self._failed, True
-        if first and self.lost is None and _OWN_TIMEOUT in str(err):
-            # This process's own timeout closed the group's connections during this very call (gloo reports it on the
-            # call's other waits); only a later call's failure with that text is a group broken before it.
-            error = CommTimeoutError(
-                f"{op} on mode {self.mode!r} timed out after {self.timeout:g} s (the group's timeout): a peer did not "
-                f"join it; {_DESTROY}. Backend: {err}"
-            )
-        if isinstance(error, CommTimeoutError):
-            if self.lost_at is None or time.monotonic() - self.lost_at < _VERDICT_WAIT:
-                return self._re_form_hint(error)
-        elif self.lost is None and not self._lost_event.wait(_VERDICT_WAIT):
-            return self._re_form_hint(error)
-        return self._lost_error(op)
-
-    def _re_form_hint(self, error: CommError) -> CommError:
-        """``error`` telling to re-form the mode (all of this process's context need not go)."""
-        hint = (
-            f"re-form the mode: every member calls connect({self.mode!r}, ...) again (generation {self.generation + 1})"
-        )
-        return type(error)(str(error).replace(_DESTROY, hint))
-
-    def close(self, what: str) -> None:
-        """Leave this generation (the members are told); the communicator refuses every call from now on."""
-        if self.watch is not None:
-            self.watch.close()
-        self.lose(None, what)
-        self.group = None  # the backend goes with its last reference (its connections close)
+_BUILD_POLL = 0.05  # how often the wait for the group's build looks whether the generation was lost meanwhile
 
 
 class _Hosted:
-    """A store this process hosts for connected modes (as their rank 0), and the last generation it opened per mode."""
+    """A store this process hosts for connected modes (as their rank 0), its secret, and the last generation it opened
+    per mode."""
 
-    def __init__(self, store: dist.TCPStore) -> None:
+    def __init__(self, store: dist.TCPStore, secret: str | None) -> None:
         self.store = store
+        # A client of its own for what the watch threads post: a client serves one request at a time, and the
+        # forming's (gloo's rendezvous among them) may block it for long.
+        self.notes = dist.TCPStore(store.host, store.port, None, False, timedelta(seconds=30), use_libuv=True)
+        self.secret = secret  # None: a mode formed without listen() on a bare host:port (membership not proven)
         self.nonce = uuid.uuid4().hex  # tells a restarted host's generations from the old one's
         self.generations: dict[str, int] = {}
 
 
 class Connections:
-    """This process's connected modes: the stores it hosts (by address) and each mode's current :class:`Connection`."""
+    """This process's connected modes: the stores it hosts (by address) and each mode's current :class:`Connection`.
+
+    Its own lock guards its tables only: a forming (which waits for the
+    members) holds no lock, so other threads may use the context meanwhile.
+    """
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()
         self._hosted: dict[tuple[str, int], _Hosted] = {}
         self._current: dict[str, Connection] = {}
+        self._forming: dict[str, Connection] = {}  # mode -> the generation being formed by a connect in progress
         self._modes: set[str] = (
             set()
-        )  # every mode connect was called for (its binding stays, refusing, after a failed re-form)
-        self._joined: dict[str, tuple[tuple[str, int], str, int]] = {}  # mode -> (address, store nonce, generation)
+        )  # every mode connect was called for (its binding stays, refusing, after a failure)
+        self._joined: dict[str, tuple[tuple[str, int], str, int]] = {}  # mode -> (address, store nonce, key joined)
+        self._last: dict[str, int] = {}  # mode -> the number of the last generation this process was in
 
     def modes(self) -> list[str]:
         """The modes :meth:`connect` was called for, sorted (their last generation may have failed to form)."""
-        return sorted(self._modes)
+        with self._lock:
+            return sorted(self._modes)
 
     def generation(self, mode: str) -> int:
         """The generation this process is in on ``mode``.
@@ -207,125 +98,264 @@ class Connections:
         return conn.generation
 
     def listen(self, address: str) -> str:
-        """Host the store of connected modes at ``address`` (port 0: one the OS picks); returns ``"host:port"``."""
-        host, port = parse_address(address)
-        if port and (host, port) in self._hosted:
-            return format_address(host, port)
+        """Host the store of connected modes at ``address`` (port 0: one the OS picks); returns
+        ``"host:port/secret"``."""
+        host, port, secret = parse_address(address)
+        with self._lock:
+            hosted = self._hosted.get((host, port)) if port else None
+            if hosted is None:
+                hosted = self._host(host, port, secret or secrets.token_hex(16), address)
+            elif secret is not None and secret != hosted.secret:
+                raise ValueError(f"this process already hosts {format_address(host, port)} with another secret")
+            return format_address(host, hosted.store.port, hosted.secret)
+
+    def _host(self, host: str, port: int, secret: str | None, address: str) -> _Hosted:
         fd = rendezvous.listen_fd(host, port, 128, f"connected modes at {address!r}")
         store = dist.TCPStore(
             host, port, None, True, timedelta(seconds=300), master_listen_fd=fd, use_libuv=True, wait_for_workers=False
         )
-        self._hosted[(host, store.port)] = _Hosted(store)
-        return format_address(host, store.port)
+        hosted = self._hosted[(host, store.port)] = _Hosted(store, secret)
+        return hosted
 
     def connect(
-        self, mode: str, cls: type[Communicator], backend: str, rank: int, world_size: int, address: str, timeout: float
+        self,
+        mode: str,
+        cls: type[Communicator],
+        backend: str,
+        rank: int,
+        world_size: int,
+        address: str,
+        timeout: float,
+        connect_timeout: float,
+        liveness: float,
     ) -> Communicator:
         """Form the next generation of ``mode`` (see :meth:`CommContext.connect`); the previous one on this process is
         closed first."""
-        host, port = parse_address(address)
+        host, port, secret = parse_address(address)
         if rank == 0 and port == 0:
             raise ValueError(
                 f"rank 0 cannot connect at {address!r} (port 0): call listen({address!r}) first and pass the address "
                 "it returns to every member"
             )
-        self._modes.add(mode)
-        old = self._current.pop(mode, None)
+        with self._lock:
+            if mode in self._forming:
+                raise CommError(f"connect on mode {mode!r} is already in progress in another thread of this process")
+            hosted = self._hosted.get((host, port)) if rank == 0 else None
+            if hosted is not None and secret is not None and secret != hosted.secret:
+                raise ValueError(
+                    f"address {address!r} carries another secret than the one this process hosts "
+                    f"{format_address(host, port)} with: pass the address listen() returned"
+                )
+            self._modes.add(mode)
+            old = self._current.pop(mode, None)
+            last = self._last.get(mode, -1)
+            conn = self._forming[mode] = Connection(mode, last + 1, timeout)
+            conn.arrival = connect_timeout
         if old is not None:
             old.close("left this generation (connect was called again)")
-        deadline = time.monotonic() + timeout
-        info = member_info(rank, world_size, backend, cls.backend == "nccl")
+        deadline = time.monotonic() + connect_timeout
+        info = member_info(rank, world_size, backend, cls.backend == "nccl", last)
+        info["token"] = uuid.uuid4().hex
         try:
             if rank == 0:
-                conn, store, opening = self._open(mode, host, port, info, deadline, timeout)
+                store, opening, verdict = self._open(conn, mode, host, port, secret, info, deadline, liveness)
             else:
-                conn, store, opening = self._join(mode, host, port, info, deadline, timeout)
-            try:
-                conn.group = build_group(
-                    cls.backend,
-                    dist.PrefixStore(f"{opening.generation}/group", store),
-                    rank,
-                    world_size,
-                    timeout,
-                    host if is_loopback(host) else None,
-                    conn.name,
-                )
-            except BaseException:
-                conn.close("could not build the group")
-                raise
-        except (
-            RuntimeError
-        ) as err:  # the store or the group build failed: the store's host is gone, or a member never came
-            if isinstance(err, CommError):
-                raise
-            error = comm_failure(err, mode, "connect", timeout)
-            raise type(error)(str(error).replace(_DESTROY, "call connect again on every member")) from err
+                store, opening, verdict = self._join(conn, mode, host, port, secret, info, deadline, liveness)
+            conn.generation = verdict["generation"]
+            conn.name = f"connected/{mode}/{opening.nonce[:8]}/{opening.generation}"
+            conn.group = self._build(
+                conn, cls.backend, dist.PrefixStore(f"{opening.generation}/group", store), rank, world_size, host
+            )
+        except BaseException as err:
+            lost = conn.lost  # what the watch saw, before closing marks this process as the one that left
+            conn.close("could not form the generation")
+            with self._lock:
+                self._forming.pop(mode, None)
+                if conn.opening is not None:  # decided with this process: the next connect joins a later one
+                    self._joined[mode] = ((host, port), conn.opening.nonce, conn.opening.generation)
+            if isinstance(err, RuntimeError) and not isinstance(err, CommError):
+                if lost is not None and lost[0] is not None:  # the backend failed because a member was lost
+                    conn.lost = lost
+                    raise conn._lost_error("connect") from err
+                # The store failed: on a member, its host (rank 0) is gone; on rank 0, it cannot be.
+                if rank != 0:
+                    conn.lost = (0, "died (its store closed)")
+                    raise conn._lost_error("connect") from err
+                error = comm_failure(err, mode, "connect", timeout)
+                raise type(error)(str(error).replace(DESTROY, "call connect again on every member")) from err
+            raise
         comm = cls(group=conn.group, ranks=range(world_size), mode=mode, timeout=timeout, rank=rank)
         rendezvous.register_store(conn.group, store)  # debug mode's checks go through it
         conn.attach(comm)
-        self._current[mode] = conn
-        self._joined[mode] = ((host, port), opening.nonce, opening.generation)
-        if conn.lost is not None:  # a member died while the group was being built
+        with self._lock:
+            self._forming.pop(mode, None)
+            if conn.lost is None or conn.lost[0] is not None:  # not closed by destroy() meanwhile
+                self._current[mode] = conn
+                self._joined[mode] = ((host, port), opening.nonce, opening.generation)
+                self._last[mode] = conn.generation
+        if conn.lost is not None and conn.lost[0] is None:  # destroy() closed it meanwhile
             raise conn._lost_error("connect")
+        # A member lost after this process built the group: the generation formed, and its communicator refuses
+        # every call (PeerLostError), as after any loss.
         return comm
 
+    def _build(self, conn: Connection, backend: str, store: dist.Store, rank: int, size: int, host: str) -> Any:
+        """The group, built on a thread of its own so that a loss seen by the watch meanwhile ends the wait.
+
+        After a loss the thread is left to end at the group's timeout (what it
+        built then goes unused). It holds what it waits on, rank 0's store
+        server included: destroyed under it (by ``destroy()``, or at the
+        interpreter's exit), the server would fail its wait with a C++
+        exception in a thread Python is finalising, which aborts the process.
+        """
+
+        done: dict[str, Any] = {}
+
+        def build(server: dist.TCPStore | None) -> None:  # the thread's frame holds the server while it runs
+            try:
+                done["group"] = build_group(
+                    backend, store, rank, size, conn.timeout, host if is_loopback(host) else None, conn.name
+                )
+            except BaseException as err:  # noqa: BLE001 - handed to the caller
+                done["error"] = err
+
+        thread = threading.Thread(
+            target=build, args=(conn.server,), name=f"rlightning-comm-build {conn.name}", daemon=True
+        )
+        thread.start()
+        while True:
+            thread.join(_BUILD_POLL)
+            if not thread.is_alive():
+                break
+            conn.interrupt()
+        if "error" in done:
+            raise done["error"]
+        return done["group"]
+
     @staticmethod
-    def _where(mode: str, generation: int, timeout: float) -> str:
-        return f"connect on mode {mode!r} (generation {generation}, timeout {timeout:g} s)"
+    def _where(conn: Connection) -> str:
+        """How the forming's messages start."""
+        return f"connect on mode {conn.mode!r} (generation {conn.generation}, connect_timeout {conn.arrival:g} s)"
 
     def _open(
-        self, mode: str, host: str, port: int, info: dict[str, Any], deadline: float, timeout: float
-    ) -> tuple[Connection, dist.Store, Opening]:
-        """On rank 0: open the next generation of ``mode`` in the store hosted at the address, decide its preflight,
-        accept its watch."""
-        hosted = self._hosted.get((host, port))
-        if hosted is None:
-            self.listen(format_address(host, port))
-            hosted = self._hosted[(host, port)]
+        self,
+        conn: Connection,
+        mode: str,
+        host: str,
+        port: int,
+        secret: str | None,
+        info: dict[str, Any],
+        deadline: float,
+        liveness: float,
+    ) -> tuple[dist.Store, Opening, dict[str, Any]]:
+        """On rank 0: open the next generation of ``mode`` in the store hosted at the address, watch who comes, decide
+        its preflight."""
+        with self._lock:
+            hosted = self._hosted.get((host, port))
+            if hosted is None:  # connect without listen: the secret is the address's, or none (see connect)
+                hosted = self._host(host, port, secret, format_address(host, port))
+            key = hosted.generations[mode] = hosted.generations.get(mode, -1) + 1
         store = dist.PrefixStore(f"{_PREFIX}/{mode}", hosted.store)
-        generation = hosted.generations[mode] = hosted.generations.get(mode, -1) + 1
-        listener = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        # The group is built through a client of its own: a build abandoned after a loss keeps its client busy until
+        # the group's timeout, and the next generation must not wait for it.
+        client = dist.TCPStore(
+            hosted.store.host, hosted.store.port, None, False, timedelta(seconds=conn.timeout), use_libuv=True
+        )
+        listener = socket.create_server(
+            (host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET, backlog=128
+        )
+        where = f"connect on mode {mode!r}"
+        conn.watch = Watch.host(listener, hosted.secret, conn.lose, liveness, where)  # closes the listener
+        conn.store, conn.key, conn.server = dist.PrefixStore(f"{_PREFIX}/{mode}", hosted.notes), key, hosted.store
+        opening = Opening(key, hosted.nonce, listener.getsockname()[1])
+        open_generation(store, opening)
+        post(store, opening, info, hosted.secret)
         try:
-            opening = Opening(generation, hosted.nonce, listener.getsockname()[1])
-            open_generation(store, opening)
-            preflight(store, generation, info, deadline, self._where(mode, generation, timeout))
-        except BaseException:
-            listener.close()
+            verdict = decide(
+                store,
+                opening,
+                info["world_size"],
+                hosted.secret,
+                info["token"],
+                conn.watch.candidates,
+                deadline,
+                conn.interrupt,
+                self._where(conn),
+            )
+        except PeerLostError as err:
+            store.set(f"{key}/verdict", json.dumps(lost_verdict(opening, str(err), err.member)))
             raise
-        conn = Connection(mode, generation, timeout)
-        conn.watch = Watch.host(listener, info["world_size"], deadline, conn.lose, conn.name)  # closes the listener
-        return conn, store, opening
+        conn.watch.admit(set(verdict["admitted"]))
+        store.set(f"{key}/verdict", json.dumps(verdict))
+        conn.generation = verdict["generation"]
+        raise_error(verdict, mode)
+        return dist.PrefixStore(f"{_PREFIX}/{mode}", client), opening, verdict
 
     def _join(
-        self, mode: str, host: str, port: int, info: dict[str, Any], deadline: float, timeout: float
-    ) -> tuple[Connection, dist.Store, Opening]:
-        """On another member: find the generation of ``mode`` to join, pass its preflight, connect to rank 0's watch."""
+        self,
+        conn: Connection,
+        mode: str,
+        host: str,
+        port: int,
+        secret: str | None,
+        info: dict[str, Any],
+        deadline: float,
+        liveness: float,
+    ) -> tuple[dist.Store, Opening, dict[str, Any]]:
+        """On another member: find the generation of ``mode`` to join, connect to rank 0's watch, pass the
+        preflight."""
+        timeout = max(0.001, deadline - time.monotonic())
         try:
             client = dist.TCPStore(host, port, None, False, timedelta(seconds=timeout), use_libuv=True)
         except RuntimeError as err:
             raise CommTimeoutError(
                 f"connect on mode {mode!r}: could not reach rank 0's store at {format_address(host, port)} within "
-                f"{timeout:g} s: "
-                "rank 0 has not called connect (or listen) there yet, or it died"
+                f"{timeout:g} s: rank 0 has not called connect (or listen) there yet, or it died"
             ) from err
         store = dist.PrefixStore(f"{_PREFIX}/{mode}", client)  # keeps the client alive
         joined = self._joined.get(mode)
         after = joined[1:] if joined is not None and joined[0] == (host, port) else None
+        where = f"connect on mode {mode!r}"
         while True:
-            opening = find_generation(store, after, deadline, mode)
+            opening, decided = find_generation(store, after, deadline, mode, conn.interrupt)
+            if not decided:
+                watch = Watch.join(
+                    (host, opening.watch_port),
+                    info["rank"],
+                    info["token"],
+                    secret,
+                    deadline,
+                    conn.lose,
+                    liveness,
+                    where,
+                )
+                if watch.dropped():  # the verdict was given without it
+                    watch.close()
+                else:
+                    conn.watch = watch
+                    post(store, opening, info, secret)
+            verdict = await_verdict(store, opening, deadline, conn.interrupt, self._where(conn))
+            conn.generation, conn.opening = verdict["generation"], opening
+            if info["token"] in verdict["admitted"]:
+                raise_error(verdict, mode)
+                return store, opening, verdict
+            if conn.watch is not None:
+                conn.watch.close()  # not counted: rank 0 dropped it already
+                conn.watch = None
             try:
-                preflight(store, opening.generation, info, deadline, self._where(mode, opening.generation, timeout))
-                break
+                judge_late(store, opening, verdict, info, conn.interrupt, mode, self._where(conn))
             except Late:
                 after = (opening.nonce, opening.generation)
-        conn = Connection(mode, opening.generation, timeout)
-        conn.watch = Watch.join((host, opening.watch_port), info["rank"], deadline, conn.lose, conn.name)
-        return conn, store, opening
 
     def close_all(self) -> None:
-        """Leave every connected mode and stop hosting: what :meth:`CommContext.destroy` does for them."""
-        for conn in self._current.values():
+        """Leave every connected mode (and stop a forming in progress) and stop hosting: what
+        :meth:`CommContext.destroy` does for them."""
+        with self._lock:
+            conns = [*self._current.values(), *self._forming.values()]
+            self._current.clear()
+            self._forming.clear()
+            self._modes.clear()
+            self._hosted.clear()
+            self._joined.clear()
+        for conn in conns:
             conn.close("left the mode (destroy)")
-        self._current.clear()
-        self._modes.clear()
-        self._hosted.clear()

@@ -1,30 +1,41 @@
-"""The death watch of one generation of a connected mode: one socket from every member to rank 0, one thread per
-process.
+"""The watch of one generation of a connected mode: one socket from every member to rank 0, one thread per process.
 
 gloo does not always notice a member's death (a send to a receiver that died
 after posting its receive waits out the group's timeout), so a connected mode
-keeps connections of its own: every other member connects to rank 0 while the
-generation forms and keeps the connection open. The kernel closes a dead
-process's sockets, so a death reaches the other end within milliseconds,
-whatever the members are doing. A thread per generation waits on its sockets
-(blocked in ``select``: it costs nothing while nobody dies, and no collective
-ever looks at it) and reports a loss once:
+keeps connections of its own. Every other member connects to rank 0's watch
+as soon as it has found the generation to join, before the preflight, proves
+on it that it holds the mode's secret, and keeps it open while the generation
+lives. A thread per generation waits on its sockets (blocked in ``select``;
+no collective ever looks at it) and reports a loss once:
 
-* rank 0 sees a member's connection close (a death), or that member's
-  "leaving" message (it called ``connect`` again, or ``destroy``); it tells
-  every other member which member was lost, then closes the generation's
-  connections;
-* a member sees rank 0's message naming the lost member, rank 0's
-  "closing" message (rank 0 re-forms the mode or left), or rank 0's
-  connection close (rank 0 died).
+* a closed connection: the kernel closes a dead process's sockets, so a
+  death is seen within milliseconds, whatever the members are doing;
+* silence: both ends send a heartbeat every ``liveness / 4`` seconds, and a
+  peer not heard from for ``liveness`` seconds is lost (stopped, hung with
+  its threads, or on a node that went away without closing anything);
+* a message: a member "leaving" (it called ``connect`` again, or
+  ``destroy``); rank 0 naming a lost member to the others, or "closing"
+  (rank 0 re-forms the mode or left).
 
-A member that is alive but absent (blocked elsewhere) keeps its connection
-open: that is a timeout of the group, not a loss.
+On rank 0 the watch starts before the generation opens: it accepts every
+connection at once and reads each one's proof with a short read timeout, so
+a silent connection (a port scanner, a health check) is dropped without
+delaying anyone; a connection without the proof is refused. Until rank 0's
+verdict the connected processes are *candidates*, and the death of one fails
+the forming on every member; the verdict admits the counted ones and drops
+the others (late arrivals), which leave quietly.
+
+A member alive but absent (blocked elsewhere, in a long step) keeps
+answering: its thread sends the heartbeats. That is a timeout of the group,
+not a loss.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
+import os
 import selectors
 import socket
 import struct
@@ -32,13 +43,32 @@ import threading
 import time
 from collections.abc import Callable
 
-from rlightning_comm.errors import CommTimeoutError
+from rlightning_comm.errors import CommError, CommTimeoutError
 
 _NOTE = struct.Struct("!cI")  # a message: kind, member
-_HELLO, _LEAVING, _LOST, _CLOSING = b"H", b"B", b"L", b"R"
+_HELLO = struct.Struct("!I16s32s")  # a member's answer to the challenge: its rank, its token, the proof
+_CHALLENGE = 16
+_PING, _ACK, _DROPPED, _LEAVING, _CLOSING = b"P", b"A", b"N", b"B", b"R"
+# Rank 0 naming a lost member to the others, by what it saw.
+_LOST = {
+    b"L": "died (its connection closed; rank 0 saw it)",
+    b"M": "left the mode (it called connect again, or destroy; rank 0 saw it)",
+    b"S": "stopped answering (rank 0 heard no heartbeat from it)",
+}
+_DIED, _LEFT, _SILENT = _LOST
+HANDSHAKE_TIMEOUT = 5.0  # how long rank 0 waits for a connection's proof; how long a member waits for rank 0's answer
+_CONNECT_TRIES = 5  # a refused connection to the watch is tried again (see _connect)
 
 # (lost member or None, what happened): called once, on the watch's thread.
 OnLost = Callable[[int | None, str], None]
+
+
+def proof(secret: str | None, *parts: object) -> bytes:
+    """The HMAC-SHA256 of ``parts`` under ``secret`` (32 zero bytes for a mode without a secret)."""
+    if secret is None:
+        return bytes(32)
+    message = "|".join(map(str, parts)).encode()
+    return hmac.new(secret.encode(), message, hashlib.sha256).digest()
 
 
 def _recv_note(sock: socket.socket) -> tuple[bytes, int] | None:
@@ -49,126 +79,324 @@ def _recv_note(sock: socket.socket) -> tuple[bytes, int] | None:
     return _NOTE.unpack(data) if len(data) == _NOTE.size else None
 
 
+def _send(sock: socket.socket, kind: bytes, member: int = 0) -> bool:
+    try:
+        sock.sendall(_NOTE.pack(kind, member))
+    except OSError:
+        return False
+    return True
+
+
+class _Peer:
+    """A connection the watch keeps: who is at the other end, and when it was last heard from."""
+
+    def __init__(self, sock: socket.socket, rank: int, token: str) -> None:
+        self.sock, self.rank, self.token = sock, rank, token
+        self.heard = time.monotonic()
+
+
 class Watch:
     """The sockets of one generation and the thread that watches them.
 
-    Build it with :meth:`host` on rank 0 or :meth:`join` on the other members.
+    Build it with :meth:`host` on rank 0 (before the generation opens) or
+    :meth:`join` on the other members.
     """
 
-    def __init__(self, peers: dict[int, socket.socket], is_host: bool, on_lost: OnLost, name: str) -> None:
-        self._peers = peers  # member -> socket (on a member: {0: its socket to rank 0})
+    def __init__(self, is_host: bool, on_lost: OnLost, liveness: float, where: str) -> None:
         self._is_host = is_host
         self._on_lost = on_lost
+        self._liveness = liveness
+        self._interval = liveness / 4
+        self._where = where
+        self._lock = threading.Lock()
+        self._peers: dict[socket.socket, _Peer] = {}
+        self._admitted: set[str] | None = None  # rank 0: the tokens the verdict counted (None: no verdict yet)
+        self._listener: socket.socket | None = None
+        self._secret: str | None = None
+        self._handshakes: dict[socket.socket, tuple[bytes, float]] = {}  # rank 0: challenge sent, read deadline
         self._closing = False
+        self._dropped = False  # a member: rank 0 did not count it (it leaves quietly)
         self._wake_r, self._wake_w = socket.socketpair()
-        self._thread = threading.Thread(target=self._run, name=f"rlightning-comm-watch {name}", daemon=True)
-        self._thread.start()
+        self._thread = threading.Thread(target=self._run, name=f"rlightning-comm-watch {where}", daemon=True)
+
+    # ----------------------------------------------------------------- building
+    @classmethod
+    def host(cls, listener: socket.socket, secret: str | None, on_lost: OnLost, liveness: float, where: str) -> Watch:
+        """On rank 0: accept the members' connections on ``listener`` (which the watch closes) from now on."""
+        watch = cls(True, on_lost, liveness, where)
+        listener.setblocking(False)
+        watch._listener, watch._secret = listener, secret
+        watch._thread.start()
+        return watch
 
     @classmethod
-    def host(cls, listener: socket.socket, world_size: int, deadline: float, on_lost: OnLost, name: str) -> Watch:
-        """On rank 0: accept every other member's connection (each says its rank), then watch them.
+    def join(
+        cls,
+        address: tuple[str, int],
+        rank: int,
+        token: str,
+        secret: str | None,
+        deadline: float,
+        on_lost: OnLost,
+        liveness: float,
+        where: str,
+    ) -> Watch:
+        """On a member: connect to rank 0's watch, prove the secret, and watch rank 0.
 
         Raises:
-            CommTimeoutError: some member did not connect by ``deadline`` (``time.monotonic()``).
+            CommTimeoutError: rank 0's watch could not be reached by ``deadline``, or did not answer.
+            CommError: rank 0 refused the proof (the address carries no secret, or another one).
         """
-        peers: dict[int, socket.socket] = {}
+        host, port = address
         try:
-            while len(peers) < world_size - 1:
-                listener.settimeout(max(0.001, deadline - time.monotonic()))
-                try:
-                    sock, _ = listener.accept()
-                except TimeoutError:
-                    missing = sorted(set(range(1, world_size)) - set(peers))
-                    raise CommTimeoutError(
-                        f"connect on mode {name}: ranks {missing} passed the preflight but did not connect to rank 0 "
-                        "in time"
-                    ) from None
-                sock.settimeout(max(0.001, deadline - time.monotonic()))
+            sock = _connect(address, deadline)
+            challenge = sock.recv(_CHALLENGE, socket.MSG_WAITALL)
+            if len(challenge) == _CHALLENGE:
+                sock.sendall(_HELLO.pack(rank, bytes.fromhex(token), proof(secret, challenge.hex(), rank, token)))
                 note = _recv_note(sock)
-                if note is None or note[0] != _HELLO or note[1] in peers or not 0 < note[1] < world_size:
-                    sock.close()  # not a member of this generation
-                    continue
-                sock.settimeout(None)
-                peers[note[1]] = sock
-        except BaseException:
-            for sock in peers.values():
-                sock.close()
-            raise
-        finally:
-            listener.close()
-        return cls(peers, True, on_lost, name)
-
-    @classmethod
-    def join(cls, address: tuple[str, int], rank: int, deadline: float, on_lost: OnLost, name: str) -> Watch:
-        """On a member: connect to rank 0's watch and say this member's rank.
-
-        Raises:
-            CommTimeoutError: rank 0 could not be reached by ``deadline``.
-        """
-        try:
-            sock = socket.create_connection(address, timeout=max(0.001, deadline - time.monotonic()))
-            sock.sendall(_NOTE.pack(_HELLO, rank))
+            else:
+                note = None
         except OSError as err:
-            raise CommTimeoutError(
-                f"connect on mode {name}: could not connect to rank 0's watch at {address[0]}:{address[1]}: {err}"
-            ) from err
+            raise CommTimeoutError(f"{where}: could not reach rank 0's watch at {host}:{port}: {err}") from err
+        if note is not None and note[0] == _DROPPED:  # the verdict was given without this process
+            sock.close()
+            watch = cls(False, on_lost, liveness, where)
+            watch._dropped = True
+            return watch
+        if note is None or note[0] != _ACK:
+            sock.close()
+            raise CommError(
+                f"{where}: rank 0 refused this process: it could not prove the mode's secret. Pass every member the "
+                "address listen() returned on rank 0 (host:port/secret), not the bare host:port"
+            )
         sock.settimeout(None)
-        return cls({0: sock}, False, on_lost, name)
+        watch = cls(False, on_lost, liveness, where)
+        watch._peers[sock] = _Peer(sock, 0, "")
+        watch._thread.start()
+        return watch
 
+    # ------------------------------------------------------------------ rank 0
+    def candidates(self) -> dict[str, int]:
+        """On rank 0: the tokens of the processes that proved the secret and are connected, with the rank each
+        claims."""
+        with self._lock:
+            return {peer.token: peer.rank for peer in self._peers.values()}
+
+    def admit(self, tokens: set[str]) -> None:
+        """On rank 0: the verdict counted ``tokens``; every other candidate is dropped (and leaves quietly)."""
+        with self._lock:
+            self._admitted = set(tokens)
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"a")
+
+    def dropped(self) -> bool:
+        """On a member: whether rank 0 dropped this process (it was not counted)."""
+        return self._dropped
+
+    # ------------------------------------------------------------------ thread
     def _run(self) -> None:
         selector = selectors.DefaultSelector()
-        selector.register(self._wake_r, selectors.EVENT_READ, None)
-        for member, sock in self._peers.items():
-            selector.register(sock, selectors.EVENT_READ, member)
+        selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        if self._listener is not None:
+            selector.register(self._listener, selectors.EVENT_READ, "listener")
+        for sock in self._peers:
+            selector.register(sock, selectors.EVENT_READ, "peer")
+        next_ping = time.monotonic()
         try:
-            while True:
-                for key, _ in selector.select():
-                    if key.data is None or self._closing:
+            while not self._closing:
+                now = time.monotonic()
+                if now >= next_ping:
+                    next_ping = now + self._interval
+                    if self._beat(now):
                         return
-                    self._report(key.data, _recv_note(key.fileobj))
-                    return
+                waits = [next_ping] + [deadline for _, deadline in self._handshakes.values()]
+                for key, _ in selector.select(max(0.0, min(waits) - time.monotonic())):
+                    if self._closing:
+                        return
+                    if key.data == "wake":
+                        with contextlib.suppress(OSError):
+                            self._wake_r.recv(64)
+                        self._prune(selector)
+                    elif key.data == "listener":
+                        self._accept(selector)
+                    elif key.data == "handshake":
+                        self._handshake(selector, key.fileobj)
+                    elif self._note(selector, key.fileobj):
+                        return
+                now = time.monotonic()
+                for sock, (_, deadline) in list(self._handshakes.items()):
+                    if now >= deadline:  # silent or slow: it cannot hold up the forming
+                        self._forget(selector, sock)
         finally:
             selector.close()
+            self._close_sockets()
 
-    def _report(self, member: int, note: tuple[bytes, int] | None) -> None:
-        """One message (or a closed connection) from ``member``: what was lost, told to the others on rank 0."""
-        if self._is_host:
-            lost: int | None = member
-            what = (
-                "left the mode (it called connect again, or destroy)"
-                if note is not None and note[0] == _LEAVING
-                else "died (its connection closed)"
-            )
-            for other, sock in self._peers.items():
-                if other != member:
-                    with contextlib.suppress(OSError):
-                        sock.sendall(_NOTE.pack(_LOST, member))
-        elif note is not None and note[0] == _LOST:
-            lost, what = note[1], "was lost (rank 0 saw it die or leave)"
-        elif note is not None and note[0] == _CLOSING:
-            lost, what = 0, "closed this generation (rank 0 re-forms the mode, or left)"
+    def _beat(self, now: float) -> bool:
+        """Send every peer a heartbeat; report a peer not heard from for ``liveness`` seconds. Whether one was lost."""
+        with self._lock:
+            peers = list(self._peers.values())
+        for peer in peers:
+            _send(peer.sock, _PING)
+        for peer in peers:
+            if now - peer.heard > self._liveness:
+                what = (
+                    f"stopped answering (no heartbeat for {self._liveness:g} s: stopped, hung, or its node is "
+                    "unreachable)"
+                )
+                self._report(peer, what, code=_SILENT)
+                return True
+        return False
+
+    def _accept(self, selector: selectors.BaseSelector) -> None:
+        assert self._listener is not None
+        try:
+            sock, _ = self._listener.accept()
+        except OSError:
+            return
+        challenge = os.urandom(_CHALLENGE)
+        sock.setblocking(True)
+        sock.settimeout(HANDSHAKE_TIMEOUT)
+        if not _send_raw(sock, challenge):
+            sock.close()
+            return
+        self._handshakes[sock] = (challenge, time.monotonic() + HANDSHAKE_TIMEOUT)
+        selector.register(sock, selectors.EVENT_READ, "handshake")
+
+    def _handshake(self, selector: selectors.BaseSelector, sock: socket.socket) -> None:
+        """A connection's answer to its challenge: a candidate if it proves the secret, else refused (closed)."""
+        challenge, _ = self._handshakes.pop(sock)
+        selector.unregister(sock)
+        try:
+            sock.settimeout(0.2)  # the answer is one small message, sent at once: a partial one is refused
+            data = sock.recv(_HELLO.size, socket.MSG_WAITALL)
+        except OSError:
+            data = b""
+        if len(data) != _HELLO.size:
+            sock.close()
+            return
+        rank, token, mac = _HELLO.unpack(data)
+        if not hmac.compare_digest(mac, proof(self._secret, challenge.hex(), rank, token.hex())):
+            sock.close()  # a process that does not hold the secret: refused
+            return
+        with self._lock:
+            late = self._admitted is not None  # the verdict was given without it: it reads the verdict
+            if not late:
+                self._peers[sock] = _Peer(sock, rank, token.hex())
+        if late or not _send(sock, _ACK):
+            if late:
+                _send(sock, _DROPPED)
+            with self._lock:
+                self._peers.pop(sock, None)
+            sock.close()
+            return
+        sock.settimeout(2.0)
+        selector.register(sock, selectors.EVENT_READ, "peer")
+
+    def _note(self, selector: selectors.BaseSelector, sock: socket.socket) -> bool:
+        """One message (or a closed connection) from a peer; whether a loss was reported."""
+        peer = self._peers[sock]
+        note = _recv_note(sock)
+        if note is not None and note[0] == _PING:
+            peer.heard = time.monotonic()
+            return False
+        if not self._is_host:
+            if note is not None and note[0] == _DROPPED:
+                self._dropped = True
+                return True
+            if note is not None and note[0] in _LOST:
+                self._report(peer, _LOST[note[0]], note[1])
+            elif note is not None and note[0] == _CLOSING:
+                self._report(peer, "closed this generation (rank 0 re-forms the mode, or left)")
+            else:
+                self._report(peer, "died (its connection closed)")
+            return True
+        with self._lock:
+            counted = self._admitted is None or peer.token in self._admitted
+        if not counted:  # a late arrival leaving: not a member of this generation
+            self._forget(selector, sock)
+            return False
+        if note is not None and note[0] == _LEAVING:
+            self._report(peer, "left the mode (it called connect again, or destroy)", code=_LEFT)
         else:
-            lost, what = 0, "died (its connection closed)"
+            self._report(peer, "died (its connection closed)", code=_DIED)
+        return True
+
+    def _prune(self, selector: selectors.BaseSelector) -> None:
+        """On rank 0 after the verdict: drop the candidates it did not count, and stop accepting."""
+        with self._lock:
+            admitted = self._admitted or set()
+            dropped = [sock for sock, peer in self._peers.items() if peer.token not in admitted]
+        for sock in dropped:
+            _send(sock, _DROPPED)
+            self._forget(selector, sock)
+
+    def _forget(self, selector: selectors.BaseSelector, sock: socket.socket) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            selector.unregister(sock)
+        self._handshakes.pop(sock, None)
+        with self._lock:
+            self._peers.pop(sock, None)
+        sock.close()
+
+    def _report(self, peer: _Peer, what: str, member: int | None = None, code: bytes = _DIED) -> None:
+        """A loss: told to the other members on rank 0 (``code`` says what rank 0 saw), then to this process (once)."""
+        lost = peer.rank if member is None else member
+        if self._is_host:
+            with self._lock:
+                others = [p for p in self._peers.values() if p is not peer]
+            for other in others:
+                _send(other.sock, code, lost)
         self._on_lost(lost, what)
-        self._close_sockets()
 
     def close(self) -> None:
         """Leave: tell the other end (rank 0 tells every member it closes; a member tells rank 0 it leaves), stop the
         thread."""
         self._closing = True
         kind = _CLOSING if self._is_host else _LEAVING
-        for sock in list(self._peers.values()):
-            with contextlib.suppress(OSError):
-                sock.sendall(_NOTE.pack(kind, 0))
+        with self._lock:
+            peers = list(self._peers.values())
+        for peer in peers:
+            _send(peer.sock, kind)
         with contextlib.suppress(OSError):
             self._wake_w.send(b"x")
-        if self._thread is not threading.current_thread():
+        if self._thread.ident is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         self._close_sockets()
         self._wake_r.close()
         self._wake_w.close()
 
     def _close_sockets(self) -> None:
-        for sock in self._peers.values():
+        with self._lock:
+            socks = [*self._peers, *self._handshakes]
+        if self._listener is not None:
+            socks.append(self._listener)
+        for sock in socks:
             with contextlib.suppress(OSError):
                 sock.close()
+
+
+def _send_raw(sock: socket.socket, data: bytes) -> bool:
+    try:
+        sock.sendall(data)
+    except OSError:
+        return False
+    return True
+
+
+def _connect(address: tuple[str, int], deadline: float) -> socket.socket:
+    """A connection to rank 0's watch, tried again after a refusal while ``deadline`` allows.
+
+    The listener is open for the generation's whole life, so a refusal is a
+    transient: most likely a TIME_WAIT entry of an older connection with the
+    same addresses and ports (the listener's port is picked from the range
+    the clients' ports come from), which answers the new SYN with a reset.
+    """
+    for attempt in range(_CONNECT_TRIES):
+        timeout = max(0.001, min(HANDSHAKE_TIMEOUT, deadline - time.monotonic()))
+        try:
+            return socket.create_connection(address, timeout=timeout)
+        except ConnectionRefusedError:
+            if attempt == _CONNECT_TRIES - 1 or time.monotonic() + 0.05 >= deadline:
+                raise
+            time.sleep(0.05)
+    raise AssertionError("unreachable")

@@ -32,25 +32,30 @@ class ContextConnect:
 
     def listen(self, address: str = "127.0.0.1:0") -> str:
         """Host the store that connected modes meet at, in this process (their rank 0), listening on ``address``'s host
-        only.
+        only, and issue the modes' secret.
 
-        Needed before :meth:`connect` only to learn the port the OS picks for
-        port 0; :meth:`connect` on rank 0 listens on its address itself
-        otherwise. The store stays up until :meth:`destroy` (every generation of
-        every connected mode at this address meets there).
+        The store stays up until :meth:`destroy` (every generation of every
+        connected mode at this address meets there). The returned address
+        carries a secret (``"host:port/secret"``, 32 random hex digits, or the
+        one ``address`` carries): every member passes that string to
+        :meth:`connect`, and proves on rank 0's watch that it holds the
+        secret; a process given only ``"host:port"`` is refused. The secret
+        never goes through the store.
 
         Args:
-            address: ``"host:port"``; port 0 lets the OS pick one.
+            address: ``"host:port"``; port 0 lets the OS pick one. ``"host:port/secret"`` sets the secret (letters,
+                digits, ``_``, ``-``; for a launcher that hands every member the same secret).
 
         Returns:
-            ``"host:port"`` with the real port: pass it to every member's :meth:`connect`.
+            ``"host:port/secret"`` with the real port: pass it to every member's :meth:`connect`.
 
         Raises:
-            TypeError, ValueError: a bad address.
+            TypeError, ValueError: a bad address, or another secret than the one this process hosts the address with.
             CommError: the address cannot be listened on.
         """
         with self._lock:
-            return self._connections.listen(address)
+            connections = self._connections
+        return connections.listen(address)
 
     def connect(
         self,
@@ -61,36 +66,53 @@ class ContextConnect:
         address: str,
         backend: str = "gloo",
         timeout: float | timedelta = 1800,
+        connect_timeout: float | timedelta | None = None,
+        liveness_timeout: float = 10.0,
     ) -> Communicator:
         """Bind ``mode`` to a group of ``world_size`` processes that meet at ``address``, whatever world each is in (or
         none).
 
         Rank 0 hosts the group's store at ``address`` (see :meth:`listen`); the
         others connect to it. Each call forms a new *generation*: the members
-        check that they match (world size, ranks, backend, torch version, and
-        NCCL's version and ``NCCL_CUMEM_ENABLE`` for NCCL) and build their own
-        group outside torch's world, which nothing of the world touches. The
-        mode is then a mode like any other (every collective,
-        ``broadcast_state_dict``, debug mode and stats), whose ranks (``src``,
-        ``dst``, the getters) are its own, 0 to ``world_size - 1``.
+        prove they hold the secret of ``address``, check that they match (world
+        size, ranks, backend, torch version, and NCCL's version and
+        ``NCCL_CUMEM_ENABLE`` for NCCL) and build their own group outside
+        torch's world, which nothing of the world touches. The mode is then a
+        mode like any other (every collective, ``broadcast_state_dict``, debug
+        mode and stats), whose ranks (``src``, ``dst``, the getters) are its
+        own, 0 to ``world_size - 1``.
 
         When a member dies or leaves, every other member's call in flight and
         every later call on the mode raises :class:`PeerLostError` within
-        milliseconds. Re-form the mode by calling ``connect`` again on every
-        survivor and on the lost member's replacement (same arguments): that
-        forms the next generation. The communicator of an older generation
-        refuses every call. If rank 0 dies, re-form at an address the new rank 0
-        listens on.
+        milliseconds; when it stops answering (stopped, hung, its node gone
+        without closing its connections), within ``liveness_timeout`` plus a
+        quarter of it. A member dying while the generation forms makes every
+        other member's ``connect`` raise :class:`PeerLostError` the same way.
+        Re-form the mode by calling ``connect`` again on every survivor and on
+        the lost member's replacement (same arguments): that forms the next
+        generation. The communicator of an older generation refuses every call.
+        If rank 0 dies, re-form at an address the new rank 0 listens on.
+
+        The forming holds no lock of the context: other threads may use it
+        meanwhile (another connect on the same mode is refused).
 
         Args:
             mode: The mode to bind (not ``GLOBAL``, nor a mode bound by :meth:`init_group`).
             rank: This process's rank in the mode, 0 to ``world_size - 1``; rank 0 hosts the store.
             world_size: Number of members.
-            address: ``"host:port"`` where rank 0 listens (``"127.0.0.1:port"`` keeps everything on loopback).
+            address: What :meth:`listen` returned on rank 0 (``"host:port/secret"``). On rank 0, a
+                ``"host:port"`` it does not host yet makes it host one there, with the secret the address
+                carries, or none: the mode then proves no membership (any process that reaches the
+                address may join).
             backend: ``"gloo"``, ``"nccl"`` or a registered communicator built on one of them.
-            timeout: Of the forming and of every collective, in seconds or a ``timedelta``: a member that
-                does not arrive, or is alive but does not call, makes the others raise
-                :class:`CommTimeoutError` after it.
+            timeout: The collectives' timeout, in seconds or a ``timedelta``: a member alive but not calling
+                makes the others raise :class:`CommTimeoutError` after it.
+            connect_timeout: How long this call waits for the members to arrive (``None``: ``timeout``); a
+                member that does not come makes the others raise :class:`CommTimeoutError`, naming it.
+            liveness_timeout: Seconds without a heartbeat after which a member (or rank 0) counts as lost.
+                Heartbeats are sent by a thread of the watch, so a long step or a busy main thread does not
+                count; a process stopped (SIGSTOP, a debugger) or frozen longer than this (a garbage
+                collection pause holding the interpreter, a C extension holding the GIL) does.
 
         Returns:
             The communicator bound to ``mode`` on this process.
@@ -98,14 +120,31 @@ class ContextConnect:
         Raises:
             TypeError, ValueError, KeyError: a bad argument (before anything is sent).
             RuntimeError: an NCCL backend without CUDA (before anything is sent).
-            CommMismatchError: the members do not match (raised on every member, naming who differs).
-            CommTimeoutError: a member did not arrive within ``timeout`` (named), or rank 0 could not be reached.
-            PeerLostError: a member died while the group was being built.
+            CommError: rank 0 refused this process (it could not prove the secret), or another thread is
+                connecting the mode.
+            CommMismatchError: the members do not match (raised on every member, naming who differs; also on a
+                process that arrives after the others formed without it).
+            CommTimeoutError: a member did not arrive within ``connect_timeout`` (named), or rank 0 could not
+                be reached.
+            PeerLostError: a member died, left or stopped answering while the generation formed (rank 0
+                included: re-form at a new address then), or this process's context was destroyed meanwhile.
         """
         name = mode_name(mode)
         with self._lock:
             cls, config = self._plan_connect(name, rank, world_size, backend, timeout)
-            comm = self._connections.connect(name, cls, backend, rank, world_size, address, config.timeout)
+            arrival = config.timeout if connect_timeout is None else _seconds(connect_timeout, "connect_timeout")
+            if isinstance(liveness_timeout, bool) or not isinstance(liveness_timeout, int | float):
+                raise TypeError(f"liveness_timeout must be a number of seconds; got {liveness_timeout!r}")
+            if not liveness_timeout > 0:
+                raise ValueError(f"liveness_timeout must be > 0 seconds; got {liveness_timeout!r}")
+            connections = self._connections
+        # The forming waits for the other members: no lock of the context is held meanwhile.
+        comm = connections.connect(
+            name, cls, backend, rank, world_size, address, config.timeout, arrival, float(liveness_timeout)
+        )
+        with self._lock:
+            if connections is not self._connections:  # destroy() ran meanwhile (and closed the generation)
+                raise CommError(f"connect on mode {name!r}: the context was destroyed while the mode formed")
             self._configs[name] = config
             self._bind(name, comm)
             return comm
@@ -150,3 +189,13 @@ class ContextConnect:
             ModeNotBoundError: ``mode`` is not a connected mode bound on this process.
         """
         return self._connections.generation(mode_name(mode))
+
+
+def _seconds(value: object, label: str) -> float:
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{label} must be seconds or a timedelta; got {type(value).__name__} {value!r}")
+    if not value > 0:
+        raise ValueError(f"{label} must be > 0 seconds; got {value!r}")
+    return float(value)

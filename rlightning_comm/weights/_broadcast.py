@@ -22,7 +22,7 @@ from rlightning_comm.context import CommContext
 from rlightning_comm.errors import CommError
 from rlightning_comm.modes import CommMode, ParallelMode
 from rlightning_comm.weights._commit import Sync, mode_store
-from rlightning_comm.weights._handshake import agree
+from rlightning_comm.weights._handshake import agree, forget
 from rlightning_comm.weights._report import WeightSyncReport
 from rlightning_comm.weights._versions import SyncOptions
 
@@ -62,7 +62,10 @@ class StateDictTransfer:
         """
         if not self._pipeline.done:
             with self._comm._exclusive("broadcast_state_dict"):
-                return self._pipeline.finish()
+                try:
+                    return self._pipeline.finish()
+                finally:
+                    forget(self._comm, self._pipeline)
         return self._pipeline.finish()
 
 
@@ -253,7 +256,10 @@ def transfer(
                 *err.args[1:],
             ) from err
         if not async_op:
-            return pipeline.finish()
+            try:
+                return pipeline.finish()
+            finally:
+                forget(comm, pipeline)
         pipeline.start()
     return StateDictTransfer(comm, pipeline)
 

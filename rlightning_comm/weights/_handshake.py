@@ -31,7 +31,6 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-import weakref
 from typing import Any
 
 import torch
@@ -80,13 +79,27 @@ class Kept:
         return kept[2], kept[3] if is_source and kept[3] is not None else (0, 0)
 
 
-# Dies with its communicator (a destroyed context frees the buffers).
-_kept: weakref.WeakKeyDictionary[Any, Kept] = weakref.WeakKeyDictionary()
-
-
 def kept(comm: Any) -> Kept:
-    """What ``comm`` kept from its last transfer."""
-    return _kept.setdefault(comm, Kept())
+    """What ``comm`` kept from its last transfer.
+
+    An attribute of the communicator, not an entry of a weak-keyed dict: the
+    unfinished transfer it holds refers to the communicator, and a value that
+    refers to its own weak key keeps both alive forever (a generation of a
+    connected mode never went, nor its buffers). As an attribute they form a
+    cycle that goes with the communicator.
+    """
+    memory = comm.__dict__.get("_weights_kept")
+    if memory is None:
+        memory = comm._weights_kept = Kept()
+    return memory
+
+
+def forget(comm: Any, transfer: Transfer) -> None:
+    """Drop ``transfer`` from what ``comm`` keeps once it finished (or failed): it holds the caller's tensors, the
+    communicator and, after a failure, its broken group."""
+    memory = kept(comm)
+    if memory.unfinished is transfer:
+        memory.unfinished = None
 
 
 def _hash(obj: Any) -> tuple[int, int]:
