@@ -94,8 +94,8 @@ def kept(comm: Any) -> Kept:
     return memory
 
 
-def forget(comm: Any, transfer: Transfer) -> None:
-    """Drop ``transfer`` from what ``comm`` keeps once it finished (or failed): it holds the caller's tensors, the
+def forget(comm: Any, transfer: Any) -> None:
+    """Drop ``transfer`` (a finished sync or transfer) from what ``comm`` keeps once it finished (or failed): it holds the caller's tensors, the
     communicator and, after a failure, its broken group."""
     memory = kept(comm)
     if memory.unfinished is transfer:
