@@ -95,8 +95,8 @@ def kept(comm: Any) -> Kept:
 
 
 def forget(comm: Any, transfer: Any) -> None:
-    """Drop ``transfer`` (a finished sync or transfer) from what ``comm`` keeps once it finished (or failed): it holds the caller's tensors, the
-    communicator and, after a failure, its broken group."""
+    """Drop ``transfer`` (a sync or transfer that finished or failed) from what ``comm`` keeps: it holds the caller's
+    tensors, the communicator and, after a failure, its broken group."""
     memory = kept(comm)
     if memory.unfinished is transfer:
         memory.unfinished = None
