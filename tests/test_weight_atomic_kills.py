@@ -84,7 +84,7 @@ def _victim(address: str, round_: int) -> None:
     """A victim engine: waits for its round, joins the mode as member 2, dies at the round's point."""
     from rlightning_comm import CommContext, broadcast_state_dict
 
-    host, port = address.rsplit(":", 1)
+    host, port = address.split("/")[0].rsplit(":", 1)  # listen() returns host:port/secret
     store = dist.TCPStore(host, int(port), None, False, timedelta(seconds=120))
     store.set(f"kills/ready/{round_}", "1")  # torch and the library are imported: it joins within the mode's timeout
     store.wait([f"kills/go/{round_}"], timedelta(seconds=240))
@@ -106,7 +106,7 @@ def _rounds(rank: int, size: int, url: str) -> list[dict]:
     box = [ctx.listen("127.0.0.1:0") if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     address = box[0]
-    host, port = address.rsplit(":", 1)
+    host, port = address.split("/")[0].rsplit(":", 1)  # listen() returns host:port/secret
     store = dist.TCPStore(host, int(port), None, False, timedelta(seconds=200))
     out = []
     try:

@@ -33,6 +33,18 @@ DESTROY = "destroy() the context"  # the advice of comm_failure for a broken gro
 _OWN_TIMEOUT = "Application timeout caused pair closure"  # gloo, when a wait of this process timed out
 
 
+# What a member that left in order is reported as (see _liveness): its calls are over, so nothing is broken at once.
+_ORDERLY = ("left", "closed this generation")
+_ORDERLY_GRACE = 1.0  # seconds a call in flight gets to complete after an orderly departure
+
+
+def _break_quietly(group: Any) -> None:
+    try:
+        break_group(group)
+    except Exception:  # noqa: BLE001 - destroyed meanwhile: nothing is in flight on it any more
+        pass
+
+
 class _Refused:
     """Stands in for the group of a lost (or closed) generation: every method raises :class:`PeerLostError`."""
 
@@ -96,7 +108,15 @@ class Connection:
                 pass  # the store is closing (destroy)
         self._refuse()
         if self.group is not None:
-            break_group(self.group)
+            if member is not None and what.startswith(_ORDERLY):
+                # An orderly departure comes after the leaver returned from its last call: a call in flight here that
+                # it took part in completes (its last messages may still be on their way, as when rank 0 leaves right
+                # after a barrier); one it never joined is failed after the grace.
+                timer = threading.Timer(_ORDERLY_GRACE, _break_quietly, (self.group,))
+                timer.daemon = True
+                timer.start()
+            else:
+                break_group(self.group)
         self._lost_event.set()
 
     def interrupt(self) -> None:
