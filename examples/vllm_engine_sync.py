@@ -104,7 +104,7 @@ def trainer(rank: int, store: str, config_dir: str, bucket_bytes: int, to_driver
             full = {name: t.full_tensor() for name, t in model.state_dict().items()}  # a collective: both ranks
             if rank == 0:
                 t0 = time.perf_counter()
-                broadcast_state_dict(full, MODE, src=0, bucket_bytes=bucket_bytes)
+                broadcast_state_dict(full, MODE, src=0, bucket_bytes=bucket_bytes, version=round_)
                 sent = time.perf_counter() - t0
                 reference = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
                 reference.load_state_dict(full)

@@ -106,7 +106,7 @@ def test_exact_tokens_after_every_sync_at_every_bucket_size(engine) -> None:
         assert received == [sent] == [27]  # a 2-layer Qwen2 with untied embeddings, by the trainer's names
         assert _tokens(llm) == expected, bucket
         assert llm.llm_engine.get_weight_version() == str(version)
-        assert llm.collective_rpc("weight_version") == [None]  # until versions are part of the library
+        assert llm.collective_rpc("weight_version") == [version]  # what the worker committed
         seen.append(expected)
     assert seen[0] != seen[1] != seen[2]  # each sync changed the tokens: a stale engine could not pass
 

@@ -37,7 +37,7 @@ def trainer(config_dir: str, prompts: list[list[int]], new_tokens: int, orders, 
                 with torch.no_grad():
                     for p in model.parameters():
                         p.add_(torch.randn(p.shape, generator=gen), alpha=0.05)
-                broadcast_state_dict(model, "WEIGHT_SYNC", src=0, bucket_bytes=bucket)
+                broadcast_state_dict(model, "WEIGHT_SYNC", src=0, bucket_bytes=bucket, version=step - 1)
                 tokens = []
                 with torch.no_grad():
                     for prompt in prompts:

@@ -91,9 +91,12 @@ class WeightSyncWorker:
 
         Args:
             mode: The mode :meth:`connect_weight_sync` joined.
-            version: The version of the weights the trainer sends. Versions are
-                not yet part of the library: the value is only checked to be an
-                int (or ``None``); :func:`sync_weights` hands it to vLLM.
+            version: The version of the weights the trainer sends (the same
+                ``version`` the trainer passes to ``broadcast_state_dict``). The
+                sync is refused on every member, before any byte moves, when
+                this worker committed that version or a later one already;
+                :meth:`weight_version` returns it afterwards, and
+                :func:`sync_weights` hands it to vLLM too.
             src: The sending trainer's rank in the mode.
 
         Returns:
@@ -103,6 +106,8 @@ class WeightSyncWorker:
 
         Raises:
             TypeError: ``version`` is not an int or ``None``.
+            CommMismatchError: ``version`` is not newer than the one this worker
+                committed (or the trainer's differs); nothing was transferred.
             PeerLostError, CommTimeoutError, CommError: the transfer failed; the
                 engine then holds a mix of old and new weights (vLLM puts its
                 old tensors back for layers that received nothing): sync again.
@@ -134,7 +139,7 @@ class WeightSyncWorker:
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
             initialize_layerwise_reload(model)
             try:
-                broadcast_state_dict(load, mode, src=src)
+                broadcast_state_dict(load, mode, src=src, version=version)
             finally:
                 t0 = time.perf_counter()
                 finalize_layerwise_reload(model, self.vllm_config.model_config)
@@ -146,13 +151,15 @@ class WeightSyncWorker:
         return received
 
     def weight_version(self, mode: CommMode | str = DEFAULT_MODE) -> int | None:
-        """The version of the weights last committed on ``mode``: ``None`` until versions are part of the library.
+        """The version of the weights this worker last committed on ``mode`` (:meth:`receive_weights` with a
+        ``version``); ``None`` before the first versioned sync.
 
         Raises:
             ModeNotBoundError: ``mode`` is not bound in this worker.
         """
-        CommContext().get_communicator(mode)
-        return None
+        ctx = CommContext()
+        ctx.get_communicator(mode)
+        return ctx.get_weight_version(mode)
 
 
 def _copy_what_vllm_keeps(model: torch.nn.Module, buffers: set[int]) -> None:
