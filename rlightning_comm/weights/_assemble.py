@@ -100,7 +100,10 @@ def _hashing(load: Any, digests: Digests, plan: Plan) -> Any:
     def hashed(named: list[tuple[str, torch.Tensor]]) -> Any:
         for name, tensor in named:
             if index[name] not in aliased:
-                digests.update_piece(index[name], tensor, (), tensor.dtype)  # before load: the views are the bucket's
-        return load(named)
+                digests.update_piece(index[name], tensor, (), tensor.dtype)
+        try:
+            return load(named)  # while the digests' thread reads the same bytes
+        finally:
+            digests.settle()  # the views are the bucket's, valid only during this call
 
     return hashed

@@ -23,6 +23,8 @@ does not depend on the bucketing, on how a tensor is cut into pieces, nor on
 which member sent which piece. The inner sums are one ``int8`` matrix
 product per block (``torch._int_mm``, exact in ``int32``), a pass at about
 memory speed on the host and on a GPU; no host copy of a device tensor.
+:class:`Digests` computes them on a thread of its own (torch releases the
+GIL in its kernels), overlapped with the transfer where a core is free.
 
 What it detects: any change of one byte, always (its weight is odd for
 ``j == 0``); random corruption and bytes from the wrong place or the wrong
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -89,14 +92,52 @@ def _row_w(rows: torch.Tensor) -> torch.Tensor:
 
 
 def _int_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w`` of int8 matrices, exact, in int64."""
+    """``x @ w`` of int8 matrices, exact (in int32, or in int64 where the CUDA kernel does not take the shapes)."""
     if x.is_cpu:
-        return torch._int_mm(x, w).to(torch.int64)
+        return torch._int_mm(x, w)
     m, k = x.shape
     if m > 16 and k % 8 == 0 and x.stride(1) == 1:  # what the CUDA kernel takes
-        return torch._int_mm(x, w).to(torch.int64)
+        return torch._int_mm(x, w)
     # Small or odd blocks: exact in float64 (|sum| < 2**53), no faster path needed for them.
     return (x.to(torch.float64) @ w.to(torch.float64)).to(torch.int64)
+
+
+# Row weights per (block rows, segment): a model's blocks recur sync after sync, and computing the weights is most of
+# the cost of a small block. Bounded: cleared when it holds more than _CACHE_ROWS rows.
+_CACHE_ROWS = 1 << 20
+_row_cache: dict[tuple, torch.Tensor] = {}
+_cached_rows = 0
+
+
+def _rows_of(
+    offsets: Sequence[int], block: Sequence[int], shape: Sequence[int], segments: int, s: int, m: int, device: Any
+) -> torch.Tensor:
+    """Row weights ``(rows, 8)`` of the block's rows (leading dims at ``offsets``, sizes ``block``, of ``shape``) for
+    segment ``s`` (``m`` consecutive segments of one row: ``(m, 8)``)."""
+    global _cached_rows
+    key = (tuple(offsets), tuple(block), tuple(shape), segments, s, m, device)
+    h = _row_cache.get(key)
+    if h is not None:
+        return h
+    lead = len(shape)
+    rows = torch.zeros((), dtype=torch.int64, device=device)
+    stride = 1
+    for d in range(lead - 1, -1, -1):
+        idx = torch.arange(offsets[d], offsets[d] + block[d], dtype=torch.int64, device=device) * stride
+        rows = rows.unsqueeze(0) + idx.view(-1, *([1] * (lead - 1 - d)))
+        stride *= shape[d]
+    rows = rows.reshape(-1)
+    if m > 1:
+        virtual = rows[0] * segments + s + torch.arange(m, dtype=torch.int64, device=device)
+    else:
+        virtual = rows * segments + s
+    h = _row_w(virtual)
+    if _cached_rows + h.shape[0] > _CACHE_ROWS:
+        _row_cache.clear()
+        _cached_rows = 0
+    _row_cache[key] = h
+    _cached_rows += h.shape[0]
+    return h
 
 
 def block_digest(view: torch.Tensor, offsets: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
@@ -112,36 +153,31 @@ def block_digest(view: torch.Tensor, offsets: Sequence[int], shape: Sequence[int
     if v.stride(-1) != 1 and v.shape[-1] != 1:
         v = v.contiguous()
     k = v.element_size()
-    x = v.view(torch.int8) if k > 1 or v.dtype != torch.int8 else v
-    if v.shape[-1] == 1 and k > 1 and x.shape[-1] != k:  # a column of stride != 1: view() did not widen it
+    x = v.view(torch.int8) if v.dtype != torch.int8 else v
+    if x.shape[-1] != v.shape[-1] * k:  # a column of stride != 1: view() did not widen it
         x = v.contiguous().view(torch.int8)
-    lead = len(shape) - 1
-    rows = torch.zeros((), dtype=torch.int64, device=v.device)
-    stride = 1
-    for d in range(lead - 1, -1, -1):
-        idx = torch.arange(offsets[d], offsets[d] + v.shape[d], dtype=torch.int64, device=v.device) * stride
-        rows = rows.unsqueeze(0) + idx.view(-1, *([1] * (lead - 1 - d)))
-        stride *= shape[d]
-    rows = rows.reshape(-1)
+    block = v.shape[:-1]
     x = x.reshape(-1, x.shape[-1])
     segments = -(-shape[-1] * k // SEGMENT)
     w = _bytes_w(v.device)
     start, stop = offsets[-1] * k, offsets[-1] * k + x.shape[1]
-    total = torch.zeros((), dtype=torch.int64, device=v.device)
+    lead = (tuple(offsets[:-1]), tuple(block), tuple(shape[:-1]))
+    total = None
     s = start // SEGMENT
     while s * SEGMENT < stop:
         a, b = max(start, s * SEGMENT), min(stop, (s + 1) * SEGMENT)
         full = a == s * SEGMENT and b == (s + 1) * SEGMENT
         if full and x.shape[0] == 1 and (stop - a) >= 2 * SEGMENT:  # a long row: its whole segments as one matrix
             m = (stop - a) // SEGMENT
-            part = x[0, a - start : a - start + m * SEGMENT].view(m, SEGMENT)
-            virtual = rows[0] * segments + s + torch.arange(m, dtype=torch.int64, device=v.device)
-            total += (_int_mm(part, w) * _row_w(virtual)).sum()
+            part = _int_mm(x[0, a - start : a - start + m * SEGMENT].view(m, SEGMENT), w)
+            h = _rows_of(*lead, segments, s, m, v.device)
             s += m
-            continue
-        part = _int_mm(x[:, a - start : b - start], w[a - s * SEGMENT : b - s * SEGMENT])
-        total += (part * _row_w(rows * segments + s)).sum()
-        s += 1
+        else:
+            part = _int_mm(x[:, a - start : b - start], w[a - s * SEGMENT : b - s * SEGMENT])
+            h = _rows_of(*lead, segments, s, 1, v.device)
+            s += 1
+        value = (part * h).sum()
+        total = value if total is None else total + value
     return total
 
 
@@ -191,12 +227,21 @@ class Digests:
         self._shapes = tuple(tuple(s) for s in shapes)
         self._aliases = tuple(aliases)
         self._sums: dict[int, torch.Tensor] = {}
+        self._worker: ThreadPoolExecutor | None = None
+        self._last: Future | None = None
 
-    def update(self, index: int, data: torch.Tensor, offsets: Sequence[int]) -> None:
-        """Add the block ``data`` (with the tensor's dtype and the block's shape) at ``offsets`` of tensor ``index``."""
+    def _add(self, index: int, data: torch.Tensor, offsets: Sequence[int]) -> None:
         part = block_digest(data, offsets, self._shapes[index])
         kept = self._sums.get(index)
         self._sums[index] = part if kept is None else kept + part
+
+    def update(self, index: int, data: torch.Tensor, offsets: Sequence[int]) -> None:
+        """Add the block ``data`` (with the tensor's dtype and the block's shape) at ``offsets`` of tensor ``index``,
+        on the digests' thread (torch releases the GIL in its kernels): ``data`` must hold its bytes until
+        :meth:`settle`."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="rlightning_comm-digests")
+        self._last = self._worker.submit(self._add, index, data, offsets)  # one thread: in order
 
     def update_piece(self, index: int, data: torch.Tensor, where: tuple[Any, ...], dtype: torch.dtype) -> None:
         """Add a broadcast plan's piece ``tensor[where]``: ``data`` is its view, or its bytes (``uint8``) as they
@@ -207,13 +252,21 @@ class Digests:
         self.update(index, data.reshape(block) if block else data.reshape(()), offsets)
 
     def settle(self) -> None:
-        """Kept for the pipelines' order of calls: the sums are computed as they are fed (nothing runs behind)."""
+        """Wait until every block fed so far is added (their memory may then be reused)."""
+        last, self._last = self._last, None
+        if last is not None:
+            last.result()
 
     def close(self) -> None:
-        """Nothing runs behind: nothing to stop."""
+        """Stop the digests' thread (after the work queued so far)."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
 
     def result(self) -> dict[str, int]:
         """Every name's digest (a tensor never fed has no bytes: digest 0); one read of the device."""
+        self.settle()
+        self.close()
         got: dict[int, int] = {}
         by_device: dict[torch.device, list[int]] = {}
         for i, value in self._sums.items():

@@ -201,6 +201,8 @@ class Pipeline(Transfer):
                 self._forwards.append(forward)
             else:
                 self._wait(forward, sent=True)  # the buffer is free once the successors have its bytes
+        if staged is not None and self.digests is not None:
+            self.digests.settle()  # the buffer is free once its digest parts are computed
         self._arrived += 1
 
     def _feed(self, unit: Unit, staged: torch.Tensor | None) -> None:
