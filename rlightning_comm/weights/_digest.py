@@ -157,11 +157,14 @@ def block_digest(view: torch.Tensor, offsets: Sequence[int], shape: Sequence[int
     if x.shape[-1] != v.shape[-1] * k:  # a column of stride != 1: view() did not widen it
         x = v.contiguous().view(torch.int8)
     block = v.shape[:-1]
-    x = x.reshape(-1, x.shape[-1])
+    if x.dim() != 2:
+        x = x.reshape(-1, x.shape[-1])
     segments = -(-shape[-1] * k // SEGMENT)
     w = _bytes_w(v.device)
     start, stop = offsets[-1] * k, offsets[-1] * k + x.shape[1]
     lead = (tuple(offsets[:-1]), tuple(block), tuple(shape[:-1]))
+    if start == 0 and segments == 1:  # whole rows of one segment (most tensors of a model): one product
+        return (_int_mm(x, w[:stop]) * _rows_of(*lead, 1, 0, 1, v.device)).sum()
     total = None
     s = start // SEGMENT
     while s * SEGMENT < stop:
