@@ -172,8 +172,8 @@ def test_reshard_versions_verify_and_atomic_on_every_member() -> None:
 
 
 # ----------------------------------------------------------------------------------- kills
-POINTS = ["data", "staged", "voted", "decided"]
-ABORTED = {"data", "staged"}  # before the commit point: the previous version everywhere
+POINTS = ["handshake", "data", "staged", "voted", "decided"]
+ABORTED = {"handshake", "data", "staged"}  # before the commit point: the previous version everywhere
 COMMITTED = {"decided"}  # after it: the new version on every survivor
 KILL_MODE = "RVKILL"
 VICTIM = 2
@@ -187,9 +187,11 @@ def _die() -> None:
 
 
 def _arm(point: str) -> None:
-    from rlightning_comm.weights import _commit, _mover
+    from rlightning_comm.weights import _commit, _mover, _reshard
 
-    if point == "data":
+    if point == "handshake":
+        _reshard._agree = lambda *a, **k: _die()
+    elif point == "data":
         original, seen = _mover.Mover._pack, []
 
         def pack(self, bucket, buffer, pack):
