@@ -52,3 +52,17 @@ def test_one_changed_byte_and_a_swap_change_the_digest() -> None:
     u = t.clone()
     u[[3, 7]] = u[[7, 3]]
     assert tensor_digest(u) != d
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the digest on CUDA tensors needs a GPU; this machine has none"
+)
+def test_digest_on_a_cuda_tensor_is_the_hosts_and_stays_on_the_device() -> None:
+    # Shapes for both CUDA paths: the int8 kernel (more than 16 rows, a multiple of 8 bytes per row) and the float64
+    # fallback (few rows, odd row lengths); blocks of them add up as on the host.
+    for t in (torch.randn(64, 40), torch.randn(5, 3).to(torch.bfloat16), torch.randn(40000), torch.randn(33, 7)):
+        on_gpu = t.cuda()
+        assert tensor_digest(on_gpu) == oracle(t)
+        part = block_digest(on_gpu[1:], (1,) + (0,) * (t.dim() - 1), tuple(t.shape))
+        assert part.device == on_gpu.device  # no copy to the host until the sum is read
+        assert digest_int(part + block_digest(on_gpu[:1], (0,) * t.dim(), tuple(t.shape))) == oracle(t)

@@ -96,8 +96,11 @@ def _int_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if x.is_cpu:
         return torch._int_mm(x, w)
     m, k = x.shape
-    if m > 16 and k % 8 == 0 and x.stride(1) == 1:  # what the CUDA kernel takes
-        return torch._int_mm(x, w)
+    if m > 16 and k % 8 == 0 and x.stride(1) == 1:  # what the CUDA kernel takes (written to its docs: unverified)
+        try:
+            return torch._int_mm(x, w)
+        except RuntimeError:  # a layout or device it refuses: the exact fallback below
+            pass
     # Small or odd blocks: exact in float64 (|sum| < 2**53), no faster path needed for them.
     return (x.to(torch.float64) @ w.to(torch.float64)).to(torch.int64)
 
