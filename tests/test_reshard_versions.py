@@ -230,7 +230,7 @@ def _kill_sync(member: int, version: int, live: dict | None) -> object:
 def _victim(address: str, round_: int) -> None:
     from rlightning_comm import CommContext
 
-    host, port = address.rsplit(":", 1)
+    host, port = address.split("/")[0].rsplit(":", 1)  # listen() may return host:port/secret
     store = dist.TCPStore(host, int(port), None, False, timedelta(seconds=120))
     store.set(f"rvkills/ready/{round_}", "1")
     store.wait([f"rvkills/go/{round_}"], timedelta(seconds=240))
@@ -251,7 +251,7 @@ def _kill_rounds(rank: int, size: int, url: str) -> list[dict]:
     box = [ctx.listen("127.0.0.1:0") if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     address = box[0]
-    host, port = address.rsplit(":", 1)
+    host, port = address.split("/")[0].rsplit(":", 1)  # listen() may return host:port/secret
     store = dist.TCPStore(host, int(port), None, False, timedelta(seconds=200))
     member = MEMBER[rank]
     live = {n: torch.zeros(ROWS // WANTERS, COLS) for n in NAMES} if member >= 2 else None
