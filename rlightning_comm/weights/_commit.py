@@ -107,6 +107,7 @@ class SourceCheck:
         self._src = src
 
     def words(self, mine: dict[str, int]) -> list[int]:
+        """This member's words for the round: a fingerprint of its digests."""
         return fingerprint(mine)
 
     def bad(self, rows: list[list[int]]) -> list[int]:
@@ -115,10 +116,12 @@ class SourceCheck:
         return [rank for rank, row in zip(self._comm.ranks, rows) if row != src_row]
 
     def text(self, mine: dict[str, int], bad: list[int]) -> str | None:
+        """This member's digests when they are needed to name the tensors (the source's, a differing member's)."""
         me = self._comm._global_rank
         return json.dumps(mine) if me == self._src or me in bad else None
 
     def mismatch(self, texts: dict[int, str | None], bad: list[int]) -> str:
+        """The message naming each differing member's tensors."""
         reference = json.loads(texts[self._src] or "{}")
         named = []
         for rank in bad:
@@ -230,8 +233,8 @@ class Sync:
 
     # ------------------------------------------------------------------ phases
     def _settle(self, mine: dict[str, int]) -> None:
-        """Compare this member's digests (``mine``) with the source's on every member; with ``atomic``, decide and
-        apply."""
+        """Check every member's digests (``mine`` here) the call's way (``check``: against the source's, or against
+        what the holders sent); with ``atomic``, decide and apply."""
         comm, options = self._comm, self._options
         failure: CommError | None = None
         mismatch: str | None = None

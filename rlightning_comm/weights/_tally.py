@@ -113,11 +113,13 @@ class Tally:
         ]
 
     def text(self, mine: dict[str, int], bad: list[int]) -> str | None:
+        """What this member received, and what it sent to the differing destinations, per name."""
         dests = {self._comm.ranks.index(r) for r in bad}
         sent = {f"{d}\0{n}": v for (d, n), v in self._sent_ints.items() if d in dests}
         return json.dumps({"received": mine, "sent": sent})
 
     def mismatch(self, texts: dict[int, str | None], bad: list[int]) -> str:
+        """The message naming, per differing destination, the names whose received digest is not the sum sent."""
         shared = {rank: json.loads(t or "{}") for rank, t in texts.items()}
         named = []
         for rank in bad:
