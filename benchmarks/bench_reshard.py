@@ -11,6 +11,7 @@ from a barrier to every engine rank holding its shards):
 * library: ``reshard_state_dict`` (steady state: the plan kept);
 * limit: each trainer sends each engine rank exactly the bytes the plan sends it, as one ready contiguous buffer, with
   raw ``isend``/``irecv`` (no packing, no handshake);
+* verify, atomic: the library with ``verify=True``, and with ``atomic=True`` and a new version each round;
 * gather + broadcast: the status quo: trainer rank 1 sends its rows to trainer rank 0 (raw ``send``/``recv`` per
   tensor), rank 0 ``broadcast_state_dict``s the full model to both engine ranks, each copies its shard out of it.
 
@@ -138,11 +139,29 @@ def _task(rank: int, nproc: int, rounds: int, bucket_bytes: int, threads: int) -
                 else:
                     t.copy_(gathered[name])
 
-    for t in engine.values():
-        t.zero_()
-    gather_broadcast()
-    ok["gather_broadcast"] = identical()
-    ways = {"library": library, "limit": limit, "gather_broadcast": gather_broadcast}
+    version = [0]
+
+    def verify() -> None:
+        reshard_state_dict(held=held, wanted=wanted, comm_mode="RESHARD", bucket_bytes=bucket_bytes, verify=True)
+
+    def atomic() -> None:
+        version[0] += 1
+        reshard_state_dict(
+            held=held, wanted=wanted, comm_mode="RESHARD", bucket_bytes=bucket_bytes, version=version[0], atomic=True
+        )
+
+    for name, way in (("gather_broadcast", gather_broadcast), ("verify", verify), ("atomic", atomic)):
+        for t in engine.values():
+            t.zero_()
+        way()
+        ok[name] = identical()
+    ways = {
+        "library": library,
+        "limit": limit,
+        "verify": verify,
+        "atomic": atomic,
+        "gather_broadcast": gather_broadcast,
+    }
     names = list(ways)
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds + 2):  # two warm-up rounds

@@ -7,7 +7,7 @@ rotates each round, two warm-up rounds first); a round's time for a way is the s
 
 * star: ``broadcast_state_dict(state, fanout="star")``: the source sends every unit to every engine;
 * relay: ``fanout="chain"``: the source sends each unit once, the engines forward it down a chain;
-* verify: the relay with ``verify=True`` (per-tensor SHA-256 fed as the bytes pass, one more round);
+* verify: the relay with ``verify=True`` (per-tensor digests computed as the bytes pass, one more round);
 * atomic: the relay with ``atomic=True`` and a version (staging, verify, the commit through the world's store);
 * seed: engine 1 sends the model to engine E over a group of the two (the trainer takes no part); with E = 1, the
   trainer's sync to engine 1 over the same kind of group ("seed" then stands for "a sync from the trainer");

@@ -24,7 +24,6 @@ sets the number of steps, 3 by default, ``--kill-step K`` the step whose sync an
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import sys
 import time
@@ -72,14 +71,11 @@ class Member:
 
         return CommContext().listen("127.0.0.1:0")
 
-    def digests(self) -> dict[str, str]:
-        """Each live tensor's SHA-256 (of its bytes in row-major order), computed here."""
-        import torch
+    def digests(self) -> dict[str, int]:
+        """Each live tensor's digest (what a verified sync reports for it), computed here."""
+        from rlightning_comm.weights import tensor_digest
 
-        return {
-            name: hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-            for name, t in self.model.state_dict().items()
-        }
+        return {name: tensor_digest(t) for name, t in self.model.state_dict().items()}
 
     def version(self) -> int | None:
         from rlightning_comm import CommContext
@@ -172,7 +168,7 @@ def _steps(ray, steps: int, kill_step: int) -> int:
     address = get(trainer.listen.remote())
     generation = get([m.connect.remote(MODE, i, len(members), address) for i, m in enumerate(members)])[0]
     print(f"{MODE} at {address}: the trainer and {ENGINES} engines (generation {generation})")
-    committed: dict[str, str] | None = None  # the digests of the last version every engine committed
+    committed: dict[str, int] | None = None  # the digests of the last version every engine committed
     for step in range(steps):
         version = step + 1
         get(trainer.train_step.remote(step))

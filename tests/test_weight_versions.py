@@ -1,19 +1,19 @@
 """Versioned, verified, all-or-nothing weight syncs on one spawned world of 4 ranks (one task, many cases).
 
 Rank 0 is the trainer (the source), ranks 1 to 3 engines: rank 1 and 2 in place, rank 3 through a ``load`` callable.
-The oracles are the test's own: each tensor's SHA-256 computed here with ``hashlib`` on the values each rank holds,
-and the bytes counted from the tensors' sizes.
+The oracles are the test's own: each tensor's digest computed from its definition (tests/digest_oracle.py) on the
+values each rank holds, and the bytes counted from the tensors' sizes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import time
 
 import pytest
 import torch
 from conftest import _world
+from digest_oracle import oracles
 from world import init_world
 
 BUCKET = 16 * 2**10  # "big" (75 KiB) goes in pieces, the small ones in buckets
@@ -38,8 +38,8 @@ def _zeros() -> dict[str, torch.Tensor]:
     return out
 
 
-def _oracle(state: dict[str, torch.Tensor]) -> dict[str, str]:
-    return {k: hashlib.sha256(v.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest() for k, v in state.items()}
+def _oracle(state: dict[str, torch.Tensor]) -> dict[str, int]:
+    return oracles(state)
 
 
 def _total() -> int:

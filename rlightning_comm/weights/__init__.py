@@ -3,13 +3,14 @@
 :func:`broadcast_state_dict` sends full tensors from one source member to every other member, in place or through a
 ``load`` callable; :class:`StateDictTransfer` is its asynchronous handle. :func:`reshard_state_dict` moves blocks of
 tensors from the members that hold them straight into the blocks others want (:class:`TensorSlice`; the layouts of
-common engines in :mod:`.layouts`), with no gather, and returns a :class:`WeightSyncReport`. The private modules are
-their parts: the inputs' checks, the plans agreed by every member, the handshake, the pipeline of buckets, the loader
-and the transport.
+common engines in :mod:`.layouts`), with no gather. Both return a :class:`WeightSyncReport`; :func:`tensor_digest`
+computes a report's digest of a tensor at hand. The private modules are their parts: the inputs' checks, the plans
+agreed by every member, the handshake, the pipeline of buckets, the loader and the transport.
 """
 
 from rlightning_comm.weights import layouts
 from rlightning_comm.weights._broadcast import StateDictTransfer, broadcast_state_dict
+from rlightning_comm.weights._digest import tensor_digest
 from rlightning_comm.weights._report import WeightSyncReport
 from rlightning_comm.weights._reshard import reshard_state_dict
 from rlightning_comm.weights._slices import TensorSlice
@@ -21,4 +22,5 @@ __all__ = [
     "broadcast_state_dict",
     "layouts",
     "reshard_state_dict",
+    "tensor_digest",
 ]

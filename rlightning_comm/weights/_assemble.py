@@ -69,7 +69,7 @@ def assemble(
         onto = [r for r in range(comm.world_size) if r != me]
     sent = {comm.ranks[r]: plan.total_bytes for r in onto}
     received = {} if into is None else {comm.ranks[into]: plan.total_bytes}
-    digests = Digests(plan.names, plan.aliases) if options.verify else None
+    digests = Digests(plan.names, [e[2] for e in plan.manifest], plan.aliases) if options.verify else None
     live: tuple[Any, list[Any]] | None = None
     if load is not None and not options.atomic:
         if digests is not None:
@@ -100,9 +100,9 @@ def _hashing(load: Any, digests: Digests, plan: Plan) -> Any:
     def hashed(named: list[tuple[str, torch.Tensor]]) -> Any:
         for name, tensor in named:
             if index[name] not in aliased:
-                digests.update(index[name], tensor)
+                digests.update_piece(index[name], tensor, (), tensor.dtype)
         try:
-            return load(named)  # while the digests' thread hashes the same bytes
+            return load(named)  # while the digests' thread reads the same bytes
         finally:
             digests.settle()  # the views are the bucket's, valid only during this call
 

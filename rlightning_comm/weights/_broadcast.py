@@ -117,7 +117,7 @@ def broadcast_state_dict(
     member before any byte moves when a destination has committed this
     version or a later one, or when the source itself holds another version
     (an engine seeding a newcomer sends the version it holds). With
-    ``verify``, every member computes each tensor's SHA-256 as its bytes pass
+    ``verify``, every member computes each tensor's digest as its bytes pass
     and the destinations' are compared with the source's in one more small
     round: a mismatch raises :class:`CommMismatchError` on every member,
     naming the tensors. With ``atomic``, the destinations receive into

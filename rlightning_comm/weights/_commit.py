@@ -93,6 +93,43 @@ def _lost(comm: Any) -> bool:
     return False
 
 
+def shown(names: list[str]) -> str:
+    """Up to eight names, quoted."""
+    return ", ".join(repr(n) for n in names[:8]) + (", ..." if len(names) > 8 else "")
+
+
+class SourceCheck:
+    """Verification against one source: every member's digests must equal the source's (a fingerprint of two words
+    per member, then the texts of the source and of the members that differ)."""
+
+    def __init__(self, comm: Any, src: int) -> None:
+        self._comm = comm
+        self._src = src
+
+    def words(self, mine: dict[str, int]) -> list[int]:
+        """This member's words for the round: a fingerprint of its digests."""
+        return fingerprint(mine)
+
+    def bad(self, rows: list[list[int]]) -> list[int]:
+        """The ranks whose digests differ from the source's."""
+        src_row = rows[self._comm.ranks.index(self._src)]
+        return [rank for rank, row in zip(self._comm.ranks, rows) if row != src_row]
+
+    def text(self, mine: dict[str, int], bad: list[int]) -> str | None:
+        """This member's digests when they are needed to name the tensors (the source's, a differing member's)."""
+        me = self._comm._global_rank
+        return json.dumps(mine) if me == self._src or me in bad else None
+
+    def mismatch(self, texts: dict[int, str | None], bad: list[int]) -> str:
+        """The message naming each differing member's tensors."""
+        reference = json.loads(texts[self._src] or "{}")
+        named = []
+        for rank in bad:
+            names = differing(reference, json.loads(texts[rank] or "{}"))
+            named.append(f"rank {rank}: {len(names)} tensors differ ({shown(names)})")
+        return f"digests differ from the source's (rank {self._src}): {'; '.join(named)}"
+
+
 class Sync:
     """One weight sync on one member: its data phase, verification and commit; :meth:`finish` returns the report.
 
@@ -111,6 +148,8 @@ class Sync:
         applies: Whether this member has live weights to write and a version to record (default: every member but
             ``src``); a transfer kind whose members both send and receive says so.
         coordinator: The rank that records the decision (default ``src``; the same on every member).
+        check: How the members' digests are compared (default: :class:`SourceCheck`, against ``src``'s).
+        destinations: The ranks with live weights to write (default: every member but ``src``), for messages.
     """
 
     def __init__(
@@ -128,11 +167,15 @@ class Sync:
         what: str,
         applies: bool | None = None,
         coordinator: int | None = None,
+        check: Any = None,
+        destinations: list[int] | None = None,
     ) -> None:
         self._comm = comm
         self._transfer = transfer
         self._options = options
         self._src = src
+        self._check = SourceCheck(comm, src) if check is None else check
+        self._destinations = [r for r in comm.ranks if r != src] if destinations is None else destinations
         me = comm._global_rank
         self._applies = src != me if applies is None else applies
         self._coordinates = (src if coordinator is None else coordinator) == me
@@ -189,27 +232,20 @@ class Sync:
             self._done = True
 
     # ------------------------------------------------------------------ phases
-    def _settle(self, mine: dict[str, str]) -> None:
-        """Compare this member's digests (``mine``) with the source's on every member; with ``atomic``, decide and
-        apply."""
+    def _settle(self, mine: dict[str, int]) -> None:
+        """Check every member's digests (``mine`` here) the call's way (``check``: against the source's, or against
+        what the holders sent); with ``atomic``, decide and apply."""
         comm, options = self._comm, self._options
         failure: CommError | None = None
         mismatch: str | None = None
         bad: list[int] = []
+        check = self._check
         try:
-            rows = self._exchange(fingerprint(mine))
-            src_row = rows[comm.ranks.index(self._src)]
-            bad = [rank for rank, row in zip(comm.ranks, rows) if row != src_row]
+            rows = self._exchange(check.words(mine))
+            bad = check.bad(rows)
             if bad:
-                share = comm._global_rank == self._src or comm._global_rank in bad
-                texts = dict(zip(comm.ranks, self._texts(json.dumps(mine) if share else None)))
-                reference = json.loads(texts[self._src] or "{}")
-                named = []
-                for rank in bad:
-                    names = differing(reference, json.loads(texts[rank] or "{}"))
-                    shown = ", ".join(repr(n) for n in names[:8]) + (", ..." if len(names) > 8 else "")
-                    named.append(f"rank {rank}: {len(names)} tensors differ ({shown})")
-                mismatch = f"digests differ from the source's (rank {self._src}): {'; '.join(named)}"
+                texts = dict(zip(comm.ranks, self._texts(check.text(mine, bad))))
+                mismatch = check.mismatch(texts, bad)
         except CommError as err:
             if not options.atomic:
                 if self._applies:
@@ -286,7 +322,7 @@ class Sync:
 
     # ---------------------------------------------------------------- messages
     def _left(self) -> str:
-        options, ranks = self._options, self._comm.ranks
+        options = self._options
         head = "the sync was not committed" if options.version is None else f"version {options.version} not committed"
         if self._applies:
             held = options.left(self._comm._global_rank)
@@ -294,7 +330,7 @@ class Sync:
             return f"{head}; live weights are {live}"
         if options.version is None:
             return f"{head}; every destination's live weights are unchanged"
-        held = ", ".join(f"rank {r}: {options.left(r)}" for r in ranks if r != self._src)
+        held = ", ".join(f"rank {r}: {options.left(r)}" for r in self._destinations)
         return f"{head}; every destination's live weights are unchanged ({held})"
 
     def _refusal(self, why: str) -> str:

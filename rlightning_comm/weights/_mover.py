@@ -58,6 +58,8 @@ class Mover:
         self._direct: list[tuple[int, Any]] = []  # the in-place pieces' sends: waited after the final receipts
         self._touched: set[str] = set()  # names whose wanted bytes may have changed here
         self._failed_peer: int | None = None
+        self.tally: Any = None  # a Tally fed with every piece as it passes (verify=True)
+        self.staging = False  # the wanted tensors are an atomic sync's staging, not the live slices
         wanted = [b.tensor for n in names.values() for b in n.wanted]
         self._writes = torch.inference_mode if any(t.is_inference() for t in wanted) else torch.no_grad
 
@@ -87,9 +89,13 @@ class Mover:
             typed = buffer[p.at : p.at + p.nbytes].view(dtype_of(self._names[p.name].dtype)).view(view.shape)
             if pack:
                 typed.copy_(view)
+                if self.tally is not None:
+                    self.tally.sent(p.dst, p.name, typed, p.lo)
             else:
                 self._touched.add(p.name)
                 view.copy_(typed)
+                if self.tally is not None:
+                    self.tally.received(p.name, typed, p.lo)
 
     # ------------------------------------------------------------------ point to point
     def _launch(self, post: Any) -> list[Any]:
@@ -124,6 +130,13 @@ class Mover:
         self._send(torch.zeros(1, dtype=torch.uint8), peer, _RECEIPT_TAG)
 
     # ------------------------------------------------------------------ the run
+    def start(self) -> None:
+        """Nothing is launched before :meth:`finish` (what :class:`~._commit.Sync` calls first)."""
+
+    def finish(self) -> None:
+        """:meth:`run`."""
+        self.run()
+
     def run(self) -> None:
         try:
             with self._writes():
@@ -141,6 +154,17 @@ class Mover:
         for p in self._s.copies:
             self._touched.add(p.name)
             self._dst_view(p).copy_(self._src_view(p))
+            if self.tally is not None:
+                self.tally.copied(self._me, p.name, self._dst_view(p), p.lo)
+
+    def _sent_whole(self, p: Piece) -> None:
+        """Tally a piece that travels from its own memory (in place, or alone in a bucket)."""
+        if self.tally is not None:
+            self.tally.sent(p.dst, p.name, self._src_view(p), p.lo)
+
+    def _received_whole(self, p: Piece) -> None:
+        if self.tally is not None:
+            self.tally.received(p.name, self._dst_view(p), p.lo)
 
     def _run(self) -> None:
         me, s = self._me, self._s
@@ -162,6 +186,7 @@ class Mover:
             if p.src == me:
                 self._send(self._bytes(self._src_view(p)), p.dst, _DIRECT_TAG)
                 self._direct.append(self._sends.pop())
+                self._sent_whole(p)
         self._copies()
         for j in range(1, len(s.chunks)):
             launched = self._launch_chunk(s.chunks[j], j % 2)
@@ -172,6 +197,9 @@ class Mover:
         # Wait for the last receive from each source first: a pair's messages complete in order.
         for peer, work in reversed(incoming):
             self._wait(peer, work)
+        for p in s.direct:
+            if p.dst == me:
+                self._received_whole(p)
         for peer in direct_sources:
             self._receipt(peer)
         finals = [self._recv(torch.empty(1, dtype=torch.uint8), peer, _RECEIPT_TAG) for peer in direct_dests]
@@ -194,6 +222,7 @@ class Mover:
                     data = buffer
                 else:
                     data = self._bytes(self._src_view(bucket.pieces[0]))
+                    self._sent_whole(bucket.pieces[0])
                 receipt = (
                     self._recv(torch.empty(1, dtype=torch.uint8), bucket.dst, _RECEIPT_TAG) if bucket.receipt else None
                 )
@@ -216,6 +245,8 @@ class Mover:
                 self._receipt(bucket.src)
             if second is not None:
                 self._pack(bucket, second, pack=False)
+            else:
+                self._received_whole(bucket.pieces[0])
         for bucket, (first, second) in zip(chunk, launched):
             if bucket.src == me and first is not None:
                 self._wait(*first)  # the destination has the bucket: the send has completed
@@ -262,10 +293,14 @@ class Mover:
         for p in self._s.direct:
             if p.src == me:
                 ops.append((dist.isend, self._bytes(self._src_view(p)), p.dst))
+                self._sent_whole(p)
             else:
                 self._touched.add(p.name)
                 ops.append((dist.irecv, self._bytes(self._dst_view(p)), p.src))
         batch(ops)
+        for p in self._s.direct:
+            if p.dst == me:
+                self._received_whole(p)
         self._copies()
         for j, chunk in enumerate(self._s.chunks):
             ops, staged = [], []
@@ -275,6 +310,8 @@ class Mover:
                 if bucket.src == me:
                     if buffer is not None:
                         self._pack(bucket, buffer, pack=True)
+                    else:
+                        self._sent_whole(bucket.pieces[0])
                     ops.append(
                         (
                             dist.isend,
@@ -288,14 +325,20 @@ class Mover:
                 else:
                     self._touched.add(bucket.pieces[0].name)
                     ops.append((dist.irecv, self._bytes(self._dst_view(bucket.pieces[0])), bucket.src))
+                    staged.append((bucket, None))
             batch(ops)
             for bucket, buffer in staged:
-                self._pack(bucket, buffer, pack=False)
+                if buffer is None:
+                    self._received_whole(bucket.pieces[0])
+                else:
+                    self._pack(bucket, buffer, pack=False)
 
     def _account(self) -> str:
         ranks = self._comm.ranks
         parts = []
-        if self._s.wanted_names:
+        if self._s.wanted_names and self.staging:
+            parts.append("this member received into staging; its live slices were not written")
+        elif self._s.wanted_names:
             touched = sorted(self._touched)
             untouched = [n for n in self._s.wanted_names if n not in self._touched]
             if touched:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from rlightning_comm.weights._inputs import plain, same_view
-from rlightning_comm.weights._plan import Piece, Plan, Unit
+from rlightning_comm.weights._plan import Piece, Plan, Unit, dtype_of
 from rlightning_comm.weights._transport import Transfer
 
 
@@ -202,7 +202,7 @@ class Pipeline(Transfer):
             else:
                 self._wait(forward, sent=True)  # the buffer is free once the successors have its bytes
         if staged is not None and self.digests is not None:
-            self.digests.settle()  # the buffer is free once its bytes are hashed
+            self.digests.settle()  # the buffer is free once its digest parts are computed
         self._arrived += 1
 
     def _feed(self, unit: Unit, staged: torch.Tensor | None) -> None:
@@ -210,11 +210,13 @@ class Pipeline(Transfer):
         digests = self.digests
         if digests is None:
             return
+        manifest = self._plan.manifest
         for piece in unit.pieces:
             if staged is not None:
-                digests.update(piece.index, staged[piece.at : piece.at + piece.nbytes])
+                data = staged[piece.at : piece.at + piece.nbytes]
             else:
-                digests.update(piece.index, _view(self._tensors[piece.index], piece.where))
+                data = _view(self._tensors[piece.index], piece.where)
+            digests.update_piece(piece.index, data, piece.where, dtype_of(manifest[piece.index][1]))
 
     def _step(self, block: bool) -> bool:
         """Launch the next unit; ``False`` when it needs a busy buffer and ``block`` is off, or when none is left."""

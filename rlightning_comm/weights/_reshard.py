@@ -19,13 +19,19 @@ import json
 import weakref
 from typing import Any
 
+import torch
+
 from rlightning_comm.context import CommContext
+from rlightning_comm.errors import CommError
 from rlightning_comm.modes import CommMode, ParallelMode
+from rlightning_comm.weights._commit import Sync, mode_store
 from rlightning_comm.weights._handshake import _ERRORS, _exchange_texts, _hash, exchange, kept
 from rlightning_comm.weights._mover import OP, Mover
 from rlightning_comm.weights._report import WeightSyncReport
 from rlightning_comm.weights._schedule import Schedule, build_schedule
-from rlightning_comm.weights._slices import Named, collect, metadata
+from rlightning_comm.weights._slices import Block, Named, collect, metadata
+from rlightning_comm.weights._tally import Tally
+from rlightning_comm.weights._versions import SyncOptions
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20
 
@@ -39,6 +45,10 @@ def reshard_state_dict(
     wanted: Any = None,
     comm_mode: CommMode | ParallelMode | str = ParallelMode.WEIGHT_TRANSFER,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    version: int | None = None,
+    verify: bool = False,
+    atomic: bool = False,
+    staging_device: torch.device | str | None = None,
 ) -> WeightSyncReport | None:
     """Write every block each member wants with the bytes of the members that hold it, with no gather.
 
@@ -72,6 +82,23 @@ def reshard_state_dict(
       group's timeout; each destination's error names the tensors it may have
       partly written, each source the destinations it was sending to.
 
+    Versions, verification and atomic updates work as for
+    :func:`broadcast_state_dict`, with every member that wants something as a
+    destination and every member that holds something as a source: with
+    ``version``, a destination records the version it committed
+    (:meth:`CommContext.get_weight_version`) and the call is refused on every
+    member before any byte moves when a destination has committed this
+    version or a later one (or a holder that wants nothing holds another
+    version). With ``verify``, each piece's digest is computed by its sender
+    as it is packed and by its destination as it is unpacked, and every
+    destination's total is checked against what the holders sent it: a
+    mismatch raises :class:`CommMismatchError` on every member naming the
+    tensors. With ``atomic``, the destinations receive into staging, verify,
+    and write their live slices only once every member staged and verified
+    (a two-phase commit through the mode's store): a death or a mismatch
+    before that point leaves every live slice as it was ("version 7 not
+    committed; live weights are version 6").
+
     Args:
         held: What this member can send: a mapping of names to a tensor (the
             whole tensor), a ``DTensor`` (its local shard, where its placements
@@ -86,15 +113,27 @@ def reshard_state_dict(
             world, or a connected mode.
         bucket_bytes: Largest staging buffer, in bytes; the value of the
             member of group rank 0 is used.
+        version: The version these weights are, or ``None`` (an unversioned
+            sync, which clears the destinations' record). Every member passes
+            the same.
+        verify: Check every wanted slice's digest against the bytes the holders sent.
+        atomic: All or nothing (implies ``verify``): stage, verify, then commit through the mode's store. Staging holds
+            one more copy of this member's wanted slices, allocated for the call.
+        staging_device: Where an atomic destination stages: ``None`` or the communicator's device (the only one
+            supported here).
 
     Returns:
         A :class:`WeightSyncReport` (bytes sent and received per peer, whether
-        the plan was reused); ``None`` on a rank that is not a member of ``comm_mode``.
+        the plan was reused, the version; with ``verify``, the digest of each
+        name this member wants, over its wanted slices of it: members that
+        want the same slices report the same digests); ``None`` on a rank that
+        is not a member of ``comm_mode``.
 
     Raises:
         TypeError, ValueError: a bad argument or a plan that cannot be served,
             on every member, before any byte moves.
         ModeNotBoundError: ``comm_mode`` is not bound on this rank.
+        CommMismatchError: a stale version (before anything moves), or digests that differ after the transfer.
         CommError, CommTimeoutError, PeerLostError: a transfer failed midway.
 
     Tensors live on the communicator's device: the host for gloo, the
@@ -102,27 +141,82 @@ def reshard_state_dict(
     tensors, nor a destination read or write its slices.
     """
     comm = CommContext().get_communicator(comm_mode)
-    return reshard(comm, held, wanted, bucket_bytes)
+    options = SyncOptions(version, verify, atomic, staging_device, None, comm.mode)
+    return reshard(comm, held, wanted, bucket_bytes, options)
 
 
-def reshard(comm: Any, held: Any, wanted: Any, bucket_bytes: Any) -> WeightSyncReport | None:
+def reshard(
+    comm: Any, held: Any, wanted: Any, bucket_bytes: Any, options: SyncOptions | None = None
+) -> WeightSyncReport | None:
     """:func:`reshard_state_dict` on the communicator ``comm`` (bound to a mode, or built by the caller)."""
     if not comm.is_member:
         return None
+    if options is None:
+        options = SyncOptions(None, False, False, None, None, comm.mode)
+    if options.problem is None and options.atomic is True:
+        if mode_store(comm) is None:
+            options.problem = (ValueError, f"atomic=True needs a store every member of mode {comm.mode!r} reaches")
+        elif options.staging_device is not None and options.staging_device != comm.device:
+            options.problem = (
+                ValueError,
+                f"staging_device={options.staging_device} is not supported by {OP}; expected None or the "
+                f"communicator's device {comm.device}",
+            )
     with comm._exclusive(OP):
         memory = kept(comm)
         if memory.unfinished is not None:  # an unwaited broadcast_state_dict on this mode: it holds the group's order
             memory.unfinished.finish()
             memory.unfinished = None
-        names, schedule, cached = _agree(comm, held, wanted, bucket_bytes, memory)
-        mover = Mover(comm, schedule, names, memory.slots)
-        mover.run()
+        try:
+            names, schedule, cached, live, wanters = _agree(comm, held, wanted, bucket_bytes, memory, options)
+        except CommError as err:  # a member lost in the handshake: nothing moved
+            if options.version is None and not options.atomic:
+                raise
+            have = CommContext().get_weight_version(options.record_as)
+            left = "no committed version" if have is None else f"version {have}"
+            raise type(err)(
+                f"{OP}: version {options.version} not committed; live weights are {left} (nothing was transferred): "
+                f"{err}",
+                *err.args[1:],
+            ) from err
         ranks = comm.ranks
-        return WeightSyncReport(
-            sent={ranks[r]: n for r, n in sorted(schedule.sent.items())},
-            received={ranks[r]: n for r, n in sorted(schedule.received.items())},
-            plan_cached=cached,
+        tally = Tally(comm, {n: e.global_shape for n, e in names.items()}) if options.verify else None
+        mover = Mover(comm, schedule, names, memory.slots)
+        mover.tally, mover.staging = tally, live is not None
+        rounds = (lambda words: exchange(comm, words, memory), lambda text: _exchange_texts(comm, text, memory))
+        sync = Sync(
+            comm,
+            mover,
+            options,
+            ranks[0],
+            {ranks[r]: n for r, n in sorted(schedule.sent.items())},
+            {ranks[r]: n for r, n in sorted(schedule.received.items())},
+            tally,
+            live,
+            cached,
+            rounds,
+            OP,
+            applies=bool(schedule.wanted_names),
+            coordinator=ranks[0],
+            check=tally,
+            destinations=wanters,
         )
+        sync.start()
+        return sync.finish()
+
+
+def _staged(names: dict[str, Named]) -> tuple[dict[str, Named], tuple[list, list]]:
+    """``names`` with every wanted block replaced by a contiguous staging tensor; ``(live, staged)`` tensors."""
+    live, staged, out = [], [], {}
+    for name, e in names.items():
+        blocks = []
+        for b in e.wanted:
+            t = torch.empty(b.shape, dtype=b.tensor.dtype, device=b.tensor.device)
+            live.append(b.tensor.detach())
+            staged.append(t)
+            blocks.append(Block(t, b.offsets, b.shape, tuple(t.stride()), True))
+        out[name] = e._replace(wanted=blocks)
+    return out, (live, staged)
 
 
 def _raise_shared(comm: Any, problem: Any, memory: Any) -> None:
@@ -133,24 +227,35 @@ def _raise_shared(comm: Any, problem: Any, memory: Any) -> None:
 
 
 def _agree(
-    comm: Any, held: Any, wanted: Any, bucket_bytes: Any, memory: Any
-) -> tuple[dict[str, Named], Schedule, bool]:
-    """This member's blocks and schedule, and whether the schedule was kept; or the same error on every member."""
+    comm: Any, held: Any, wanted: Any, bucket_bytes: Any, memory: Any, options: SyncOptions
+) -> tuple[dict[str, Named], Schedule, bool, tuple[list, list] | None, list[int]]:
+    """This member's blocks and schedule, whether the schedule was kept, its ``(live, staged)`` tensors (atomic) and
+    the ranks that want something; or the same error on every member."""
     names, problem = collect(held, wanted, comm.device)
+    problem = problem or options.problem
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         problem = problem or (ValueError, f"bucket_bytes must be a positive int; got {bucket_bytes!r}")
+    live = None
+    if problem is None and options.atomic is True:
+        names, live = _staged(names)  # the plan is made for the staging tensors: the live ones wait for the commit
+    wants = any(e.wanted for e in names.values())
+    holds = any(e.held for e in names.values())
     text = "" if problem is not None else json.dumps(metadata(names), separators=(",", ":"))
     mine = _hash(text)
     kept_plan = _plans.get(comm)
     kept_key = kept_plan[0] if kept_plan is not None else (0, 0)
-    words = [int(problem is not None), bucket_bytes if problem is None else 0, *mine, *kept_key]
-    rows = exchange(comm, words, memory)
+    words = [int(problem is not None), bucket_bytes if problem is None else 0, *mine, *kept_key, int(wants), int(holds)]
+    rows = exchange(comm, [*words, *options.words()], memory)
     if any(row[0] for row in rows):
         _raise_shared(comm, problem, memory)
+    ranks = comm.ranks
+    wanters = [r for r, row in zip(ranks, rows) if row[6]]
+    holders = {r for r, row in zip(ranks, rows) if row[7]}
+    options.check(ranks, [row[8:] for row in rows], ranks[0], OP, set(wanters), holders)
     bucket = rows[0][1]
     key = _hash((tuple(tuple(row[2:4]) for row in rows), bucket))
     if kept_plan is not None and all(tuple(row[4:6]) == key for row in rows):
-        return names, kept_plan[1], True
+        return names, kept_plan[1], True, live, wanters
     metas = [json.loads(t) for t in _exchange_texts(comm, text, memory)]
     _plans.pop(comm, None)
     try:
@@ -158,4 +263,4 @@ def _agree(
     except ValueError as err:  # the same on every member: the metadata is
         raise ValueError(f"{OP}: nothing was transferred; {err}") from None
     _plans[comm] = (key, schedule)
-    return names, schedule, False
+    return names, schedule, False, live, wanters

@@ -86,9 +86,21 @@ class SyncOptions:
             secrets.randbits(62),
         ]
 
-    def check(self, ranks: tuple[int, ...], rows: list[list[int]], src: int, what: str) -> None:
+    def check(
+        self,
+        ranks: tuple[int, ...],
+        rows: list[list[int]],
+        src: int,
+        what: str,
+        destinations: set[int] | None = None,
+        sources: set[int] | None = None,
+    ) -> None:
         """Raise the same error on every member when the members' words (``rows``, in ``ranks``' order) refuse the
         sync.
+
+        ``src``'s random word names the sync's decision. The destinations (default: every member but ``src``) must
+        not have committed this version or a later one; the sources (default: ``src``), unless also destinations,
+        must hold this version or none.
 
         Raises:
             ValueError: the members ask for different versions or flags.
@@ -109,12 +121,21 @@ class SyncOptions:
                 )
         if self.version is None:
             return
-        stale = [(r, v) for r, v in self.committed.items() if r != src and v is not None and v >= self.version]
-        held = self.committed[src]
-        if stale or (held is not None and held != self.version):
+        if destinations is None:
+            destinations = {r for r in ranks if r != src}
+        if sources is None:
+            sources = {src}
+        stale = [(r, v) for r, v in self.committed.items() if r in destinations and v is not None and v >= self.version]
+        other = [
+            (r, v)
+            for r, v in self.committed.items()
+            if r in sources and r not in destinations and v is not None and v != self.version
+        ]
+        if stale or other:
             detail = [f"rank {r} has committed version {v}" for r, v in stale]
-            if held is not None and held != self.version:
-                detail.append(f"the source (rank {src}) holds version {held}, not {self.version}")
+            for r, v in other:
+                who = "the source" if sources == {src} else "a holder"
+                detail.append(f"{who} (rank {r}) holds version {v}, not {self.version}")
             raise CommMismatchError(
                 f"{what}: version {self.version} refused (versions of mode {self.record_as!r}), nothing was "
                 f"transferred: {'; '.join(detail)}. A destination only moves forward; a source sends the version it "
