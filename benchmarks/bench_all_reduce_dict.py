@@ -1,21 +1,21 @@
 """``all_reduce_dict`` with 256 scalar keys against one all_reduce per key and against one raw all_reduce of 256
 elements.
 
-2 gloo ranks, interleaved rounds (the order of the three paths rotates); in each
-round each path runs ``calls`` times after a barrier. Paths:
+2 gloo ranks, interleaved rounds (the order of the three paths rotates); in each round each path runs ``calls`` times
+after a barrier. Paths:
 
 * dict: ``collective.all_reduce_dict(d, mode)`` on 256 Python floats;
 * per key: for each key, ``t = torch.tensor([v]); collective.all_reduce(t, mode); out[k] = t.item()``;
 * raw: ``torch.distributed.all_reduce`` of a ready 256-element float32 tensor (no packing at all);
-* by hand: ``t = torch.tensor(list(d.values())); dist.all_reduce(t); dict(zip(d, t.tolist()))``,
-  the least any code that starts from a dict of Python numbers can do;
-* raw+cpu, a control: the raw all_reduce preceded by as much busy CPU work as the dict path's own
-  (measured first): what the dict would cost if its Python work were pure CPU with no other effect.
+* by hand: ``t = torch.tensor(list(d.values())); dist.all_reduce(t); dict(zip(d, t.tolist()))``, the least any code that
+  starts from a dict of Python numbers can do;
+* raw+cpu, a control: the raw all_reduce preceded by as much busy CPU work as the dict path's own (measured first): what
+  the dict would cost if its Python work were pure CPU with no other effect.
 
 Targets: per key / dict >= 20; dict / raw <= 1.3 (medians of the per-round ratios).
-The dict reduces a float64 buffer (exact integer counts), 2 KiB against raw's 1 KiB of float32.
-First, with the launch of the collective replaced by a no-op, the CPU time
-(``time.thread_time``) per call of dict and by hand: the Python work around the collective.
+The dict reduces a float64 buffer (exact integer counts), 2 KiB against raw's 1 KiB of float32. First, with the launch
+of the collective replaced by a no-op, the CPU time (``time.thread_time``) per call of dict and by hand: the Python work
+around the collective.
 
     python benchmarks/bench_all_reduce_dict.py [--rounds 15]
 """
@@ -77,8 +77,8 @@ def _task(rank: int, nproc: int, rounds: int) -> dict[str, float]:
     }
     if not paths["dict"]() == per_key() == by_hand():  # the same answer every way
         raise RuntimeError("all_reduce_dict disagrees with one all_reduce per key")
-    # No network: the Python work alone. The communicator calls its process group directly, so a stand-in group
-    # whose work is already done takes its place (every check and the pack/unpack still run).
+    # No network: the Python work alone. The communicator calls its process group directly, so a stand-in group whose
+    # work is already done takes its place (every check and the pack/unpack still run).
     comm = CommContext().get_communicator(CommMode.GLOBAL)
     real_all_reduce, dist.all_reduce = dist.all_reduce, lambda *a, **k: None
     real_group, comm._group = comm._group, _NoWire()

@@ -1,21 +1,18 @@
 """Cold per-call cost: every tensor collective through the library against raw torch.distributed, as a training loop
 calls them.
 
-Between two collectives a training loop waits on the backend, so every call
-starts cold. Here each call runs alone right after a barrier (not timed), and
-the library's call (``collective.<op>(..., mode)``: mode lookup, checks, launch)
-and the raw call (``torch.distributed.<op>(..., group=group)``) alternate on
-the same buffers, swapping which goes first every round, so both see the same
-machine. Per op and size: the median of each side over ``--rounds`` calls on
-every rank, and library / raw of the slowest rank's medians, in wall time and
-in the calling thread's CPU time (which a loaded machine does not inflate).
+Between two collectives a training loop waits on the backend, so every call starts cold. Here each call runs alone right
+after a barrier (not timed), and the library's call (``collective.<op>(..., mode)``: mode lookup, checks, launch) and
+the raw call (``torch.distributed.<op>(..., group=group)``) alternate on the same buffers, swapping which goes first
+every round, so both see the same machine. Per op and size: the median of each side over ``--rounds`` calls on every
+rank, and library / raw of the slowest rank's medians, in wall time and in the calling thread's CPU time (which a loaded
+machine does not inflate).
 
-The barrier is the process group's own (``pg.barrier().wait()``, C++ only) by
-default, so it warms neither side's Python. ``--sync dist`` uses
-``torch.distributed.barrier`` instead, as the first version of this benchmark
+The barrier is the process group's own (``pg.barrier().wait()``, C++ only) by default, so it warms neither side's
+Python. ``--sync dist`` uses ``torch.distributed.barrier`` instead, as the first version of this benchmark
 did: its Python shares helpers with the raw side (the exception-logging
-wrapper, ``_rank_not_in_group``, the default-group lookup), so it runs them
-just before each raw call and the raw side starts warmer.
+wrapper, ``_rank_not_in_group``, the default-group lookup), so it runs them just before each raw call and the raw side
+starts warmer.
 
     python benchmarks/bench_cold.py [--ranks 2,4] [--rounds 300] [--sizes 4,8192,1048576] [--sync pg|dist]
 """

@@ -1,23 +1,19 @@
 """A connected mode across worlds: the weight sync against one raw broadcast, and what a member's death costs.
 
-``sync``: 3 processes, each in a world of its own (a 1-rank gloo world), joined
-by a connected mode (rank 0, the trainer, hosts it at 127.0.0.1); the trainer
-sends the 68 MiB model of 121 tensors of ``bench_weight_transfer.py`` to the
-two engines. Ways, on the same connected group, interleaved (the order
-rotates each round); a round's time for a way is the slowest member's, from a
-barrier to that member holding every tensor; medians over rounds, and the
-median of the per-round ratios to the limit's speed:
+``sync``: 3 processes, each in a world of its own (a 1-rank gloo world), joined by a connected mode (rank 0, the
+trainer, hosts it at 127.0.0.1); the trainer sends the 68 MiB model of 121 tensors of ``bench_weight_transfer.py`` to
+the two engines. Ways, on the same connected group, interleaved (the order rotates each round); a round's time for a way
+is the slowest member's, from a barrier to that member holding every tensor; medians over rounds, and the median of the
+per-round ratios to the limit's speed:
 
 * library: ``broadcast_state_dict(state, mode, src=0)``, in place (the steady state: the plan is kept);
 * load: the same, the engines passing a ``load`` callable that copies each named tensor into their own;
 * limit: one broadcast of a ready flat buffer of the same bytes, by the group itself (no packing at all).
 
-``loss``: a trainer (member 0), an engine that survives (member 1) and an
-engine replaced after each death (member 2, forked from a server that
-imported torch once). Each round member 2 enters a transfer of a 12 MiB model
-and is SIGKILLed; recorded: the time from the kill to each survivor's
-``PeerLostError``, and the time to re-form (the slowest member's ``connect``,
-from the moment every member, the replacement included, is ready to call it).
+``loss``: a trainer (member 0), an engine that survives (member 1) and an engine replaced after each death (member 2,
+forked from a server that imported torch once). Each round member 2 enters a transfer of a 12 MiB model and is
+SIGKILLed; recorded: the time from the kill to each survivor's ``PeerLostError``, and the time to re-form (the slowest
+member's ``connect``, from the moment every member, the replacement included, is ready to call it).
 
     python benchmarks/bench_connect.py [--rounds 20] [--kills 11] [--only sync|loss] [--threads N]
 """

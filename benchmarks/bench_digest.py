@@ -2,8 +2,8 @@
 
     python benchmarks/bench_digest.py [--rounds 9]
 
-The model is bench_weight_versions.py's (a bf16 embedding 4096 x 256, 60 fp32 256 x 256 matrices and their biases,
-17.1 MiB) and one fp32 4096 x 4096 matrix (64 MiB). Each round times the library's digest of every tensor (row weights
+The model is bench_weight_versions.py's (a bf16 embedding 4096 x 256, 60 fp32 256 x 256 matrices and their biases, 17.1
+MiB) and one fp32 4096 x 4096 matrix (64 MiB). Each round times the library's digest of every tensor (row weights
 already cached, as in a repeat sync) and ``hashlib.sha256`` of the same bytes, in alternating order.
 """
 

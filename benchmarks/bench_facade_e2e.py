@@ -1,10 +1,8 @@
 """End to end: ``collective.all_reduce`` against raw ``torch.distributed.all_reduce`` on the same tensors, 2 gloo ranks.
 
-Rounds are interleaved (which path goes first alternates); in each round each
-path makes ``calls`` calls after a barrier, timed together. Reported per size:
-the median over rounds of the per-call time of each path and the median of the
-per-round ratio facade/raw. Target: within noise at 4 bytes and at 16 MiB (no
-extra copies of the payload).
+Rounds are interleaved (which path goes first alternates); in each round each path makes ``calls`` calls after a
+barrier, timed together. Reported per size: the median over rounds of the per-call time of each path and the median of
+the per-round ratio facade/raw. Target: within noise at 4 bytes and at 16 MiB (no extra copies of the payload).
 
     python benchmarks/bench_facade_e2e.py [--rounds 21]
 """

@@ -1,21 +1,16 @@
 """Added cost per call, hot loop: the Python time around one collective, with no network time in it (the second figure).
 
-The headline figure is the cold per-call ratio of ``bench_cold.py``; this one
-isolates the Python. Each of 2 gloo ranks replaces the process group's
-methods (``allreduce``, ``broadcast``, ``all_gather_single``) with a stub
-that returns an already completed work, then times, in a tight loop: the
-facade (``collective.all_reduce(t, mode)``: mode lookup, communicator
-method, checks, the one-call claim, the launch), raw torch.distributed
-(``dist.all_reduce(t, group=pg)``) and the stubbed process-group call alone
-(``pg.allreduce([t], opts).wait()``). Added cost = path - stub, per call: the
-median over rounds of the mean of many calls (one call is too short for a
-timer). Target for all_reduce of a 4-byte tensor: at most 2 us, and below
-torch.distributed's own. Also shown: broadcast, all_gather, and all_reduce
-with stats on.
+The headline figure is the cold per-call ratio of ``bench_cold.py``; this one isolates the Python. Each of 2 gloo ranks
+replaces the process group's methods (``allreduce``, ``broadcast``, ``all_gather_single``) with a stub that returns an
+already completed work, then times, in a tight loop: the facade (``collective.all_reduce(t, mode)``: mode lookup,
+communicator method, checks, the one-call claim, the launch), raw torch.distributed (``dist.all_reduce(t, group=pg)``)
+and the stubbed process-group call alone (``pg.allreduce([t], opts).wait()``). Added cost = path - stub, per call: the
+median over rounds of the mean of many calls (one call is too short for a timer). Target for all_reduce of a 4-byte
+tensor: at most 2 us, and below torch.distributed's own. Also shown: broadcast, all_gather, and all_reduce with stats
+on.
 
-Two clocks: the calling thread's CPU time (``time.thread_time``: what the
-library spends, untouched by the time the thread waits for a core on a
-shared machine) and wall time (``time.perf_counter``).
+Two clocks: the calling thread's CPU time (``time.thread_time``: what the library spends, untouched by the time the
+thread waits for a core on a shared machine) and wall time (``time.perf_counter``).
 
     python benchmarks/bench_overhead.py [--rounds 31] [--calls 10000]
 """

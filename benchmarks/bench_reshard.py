@@ -1,12 +1,10 @@
 """``reshard_state_dict`` from an FSDP-sharded trainer to a tensor-parallel engine: bytes, time, and the planner alone.
 
-4 gloo ranks in one world: ranks 0 and 1 are the trainer, each holding its
-``Shard(0)`` rows of every tensor (FSDP2's layout, as ``TensorSlice``), ranks 2
-and 3 the engine in TP=2 (the first matrix of each layer column-parallel, the
-second row-parallel, so the second's blocks cross the trainer's row shards).
-The model: 8 layers of two fp32 1024 x 1024 matrices and a 1024 bias, 64.0
-MiB. Ways, interleaved in rotating order (a round's time is the slowest rank's,
-from a barrier to every engine rank holding its shards):
+4 gloo ranks in one world: ranks 0 and 1 are the trainer, each holding its ``Shard(0)`` rows of every tensor (FSDP2's
+layout, as ``TensorSlice``), ranks 2 and 3 the engine in TP=2 (the first matrix of each layer column-parallel, the
+second row-parallel, so the second's blocks cross the trainer's row shards). The model: 8 layers of two fp32 1024 x 1024
+matrices and a 1024 bias, 64.0 MiB. Ways, interleaved in rotating order (a round's time is the slowest rank's, from a
+barrier to every engine rank holding its shards):
 
 * library: ``reshard_state_dict`` (steady state: the plan kept);
 * limit: each trainer sends each engine rank exactly the bytes the plan sends it, as one ready contiguous buffer, with
@@ -15,11 +13,11 @@ from a barrier to every engine rank holding its shards):
 * gather + broadcast: the status quo: trainer rank 1 sends its rows to trainer rank 0 (raw ``send``/``recv`` per
   tensor), rank 0 ``broadcast_state_dict``s the full model to both engine ranks, each copies its shard out of it.
 
-Bytes come from the reports, checked against the engines' wanted bytes; every engine shard is checked bit-identical
-to the full model sliced first. Then the planner in one process: 1,000 tensors, 8 holders (2 data-parallel
-replicas x 4 FSDP row shards), 16 wanters (2 engine replicas x TP 8, half the tensors column-, half row-parallel):
-the plan's time (cold), and the local cost of a repeat call (reading the arguments and hashing their metadata; the
-repeat then exchanges one fingerprint).
+Bytes come from the reports, checked against the engines' wanted bytes; every engine shard is checked bit-identical to
+the full model sliced first. Then the planner in one process: 1,000 tensors, 8 holders (2 data-parallel replicas x 4
+FSDP row shards), 16 wanters (2 engine replicas x TP 8, half the tensors column-, half row-parallel): the plan's time
+(cold), and the local cost of a repeat call (reading the arguments and hashing their metadata; the repeat then exchanges
+one fingerprint).
 
     python benchmarks/bench_reshard.py [--rounds 10] [--bucket-mib 64] [--threads 1]
 """

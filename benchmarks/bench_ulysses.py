@@ -1,17 +1,14 @@
 """Ulysses on gloo: the seed's 4-argument ``all_to_all`` against the seed's list of chunks, and a compiled block.
 
-Part 1 re-shards ``[batch, seq/P, heads, head_dim]`` to ``[batch, seq, heads/P, head_dim]``:
-"seed" is the seed's way (``torch.distributed.all_to_all`` on a list of
-``.contiguous()`` chunks, then ``torch.cat``), "ours" is
-``rlightning_comm.sequence_parallel.all_to_all(x, 1, 2, group)`` (the seed's
-call, default lengths: one ``all_to_all_single``, no length exchange), with a
-``ProcessGroup`` and with a mode name. Same processes, same input, interleaved
-(the order alternates every iteration); each iteration's time is the slowest
-rank's; medians over many iterations, and the ratio ours / seed.
+Part 1 re-shards ``[batch, seq/P, heads, head_dim]`` to ``[batch, seq, heads/P, head_dim]``: "seed" is the seed's way
+(``torch.distributed.all_to_all`` on a list of ``.contiguous()`` chunks, then ``torch.cat``), "ours" is
+``rlightning_comm.sequence_parallel.all_to_all(x, 1, 2, group)`` (the seed's call, default lengths: one
+``all_to_all_single``, no length exchange), with a ``ProcessGroup`` and with a mode name. Same processes, same input,
+interleaved (the order alternates every iteration); each iteration's time is the slowest rank's; medians over many
+iterations, and the ratio ours / seed.
 
-Part 2 times a training step (forward and backward) of a two-layer Ulysses
-attention block (projections, ``ulysses_attention``, MLP), eager against
-``torch.compile(..., backend="inductor", fullgraph=True)``: the median step
+Part 2 times a training step (forward and backward) of a two-layer Ulysses attention block (projections,
+``ulysses_attention``, MLP), eager against ``torch.compile(..., backend="inductor", fullgraph=True)``: the median step
 time of each, and the compile time (the first compiled step, minus a steady one).
 
     PYTHONPATH=. python benchmarks/bench_ulysses.py [--nprocs 2] [--no-block]

@@ -2,8 +2,8 @@
 
 A trainer process (a Hugging Face Qwen2, float32, seeded weights) is member 0 of two connected modes: ``WEIGHT_SYNC``
 with the worker of a vLLM CPU engine (``WeightSyncWorker``), and ``PLAIN`` with a receiver process holding tensors of
-the same names and shapes, which it overwrites in place (``broadcast_state_dict(state)``). Rounds alternate the two
-(the order swaps every round), at the default bucket size (64 MiB). Per round:
+the same names and shapes, which it overwrites in place (``broadcast_state_dict(state)``). Rounds alternate the two (the
+order swaps every round), at the default bucket size (64 MiB). Per round:
 
 * plain: the shorter of the two sides' ``broadcast_state_dict`` calls (the later arrival's: the transfer itself);
 * vLLM: the driver's ``collective_rpc("receive_weights")`` plus ``llm.reset_prefix_cache()`` (what ``sync_weights``

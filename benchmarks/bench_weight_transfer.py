@@ -1,30 +1,28 @@
 """``broadcast_state_dict`` against RLightning's per-dtype way, one broadcast per tensor, and the limit, in one run.
 
-3 gloo ranks (rank 0 sends to ranks 1 and 2 over the weight-transfer group), a
-68 MiB model of 121 tensors: a bf16 embedding (16384 x 256), 60 fp32 matrices
-(512 x 512) and their 60 fp32 biases. Ways, all on the same group:
+3 gloo ranks (rank 0 sends to ranks 1 and 2 over the weight-transfer group), a 68 MiB model of 121 tensors: a bf16
+embedding (16384 x 256), 60 fp32 matrices (512 x 512) and their 60 fp32 biases. Ways, all on the same group:
 
 * library: ``broadcast_state_dict(state, src=0)`` (steady state: the manifest is cached);
-* library load: the same, the destinations passing a ``load`` callable (vLLM's ``load_weights``
-  shape) that copies each named tensor into its own with ``copy_``;
-* rlightning: RLightning's "full" strategy: per dtype, flatten the source's tensors
-  (``parameters_to_vector``), one async broadcast per dtype, wait, and the receivers copy
-  the flat vector back into their tensors (its metadata list goes over Ray, not counted here);
+* library load: the same, the destinations passing a ``load`` callable (vLLM's ``load_weights`` shape) that copies each
+  named tensor into its own with ``copy_``;
+* rlightning: RLightning's "full" strategy: per dtype, flatten the source's tensors (``parameters_to_vector``), one
+  async broadcast per dtype, wait, and the receivers copy the flat vector back into their tensors (its metadata list
+  goes over Ray, not counted here);
 * per tensor: one ``torch.distributed.broadcast`` per tensor, in place;
-* sends per tensor: hand-written point-to-point, in place: each destination posts a
-  ``torch.distributed.irecv`` per tensor and tells the source (one small send), the source
-  then ``isend``s every tensor to every destination (no handshake, no coalescing);
+* sends per tensor: hand-written point-to-point, in place: each destination posts a ``torch.distributed.irecv`` per
+  tensor and tells the source (one small send), the source then ``isend``s every tensor to every destination (no
+  handshake, no coalescing);
 * limit: one ``torch.distributed.broadcast`` of a ready flat buffer of the same bytes (no packing at all).
 
-Interleaved rounds (the order rotates each round); a round's time for a way is
-the slowest rank's, from a barrier to that rank holding every tensor. Medians
-over rounds, and the medians of the per-round ratios to the limit's speed.
-Every way's destinations are checked bit-identical to the source first.
+Interleaved rounds (the order rotates each round); a round's time for a way is the slowest rank's, from a barrier to
+that rank holding every tensor. Medians over rounds, and the medians of the per-round ratios to the limit's speed. Every
+way's destinations are checked bit-identical to the source first.
 
     python benchmarks/bench_weight_transfer.py [--rounds 20] [--bucket-mib 64] [--threads 0] [--ways library_load,...]
 
-A ``load`` callable's ``copy_`` runs on torch's intra-op threads: with several ranks on few cores (torch's default
-is one thread per core in every rank) that is several times a plain copy; ``--threads 1`` is what torchrun sets.
+A ``load`` callable's ``copy_`` runs on torch's intra-op threads: with several ranks on few cores (torch's default is
+one thread per core in every rank) that is several times a plain copy; ``--threads 1`` is what torchrun sets.
 """
 
 from __future__ import annotations

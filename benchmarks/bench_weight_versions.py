@@ -1,9 +1,9 @@
 """Versions, verification and relay: ``broadcast_state_dict`` star against relay, ``verify`` and ``atomic`` against a
 plain sync, and seeding a newcomer from a peer, on 1 to 4 engines, in one run per engine count.
 
-1 trainer (rank 0) and E engines (ranks 1..E), gloo, one process each, a model of 121 tensors (a bf16 embedding
-4096 x 256, 60 fp32 matrices 256 x 256 and their biases, about 17.8 MiB). Ways, interleaved per round (the order
-rotates each round, two warm-up rounds first); a round's time for a way is the slowest rank's:
+1 trainer (rank 0) and E engines (ranks 1..E), gloo, one process each, a model of 121 tensors (a bf16 embedding 4096 x
+256, 60 fp32 matrices 256 x 256 and their biases, about 17.8 MiB). Ways, interleaved per round (the order rotates each
+round, two warm-up rounds first); a round's time for a way is the slowest rank's:
 
 * star: ``broadcast_state_dict(state, fanout="star")``: the source sends every unit to every engine;
 * relay: ``fanout="chain"``: the source sends each unit once, the engines forward it down a chain;

@@ -9,14 +9,12 @@ simulated node's ranks with that node's ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and
 
     python examples/parallel_layout.py --nproc 4 --simulated-nodes 2 --tp 2
 
-Every rank binds GLOBAL, TENSOR/SEQUENCE/DATA/TRAIN_DATA_PARALLEL (from
-``--tp``/``--sp``/``--order``), INTRA_NODE/INTER_NODE (from the launcher's
-LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK) and WEIGHT_TRANSFER (rank 0 to the
-others), runs every collective of every mode against values computed from
-the group's ranks, checks that all members of each group agree on it, and
-sends a small mixed-dtype model over WEIGHT_TRANSFER. Rank 0 prints the
-layout, one all_reduce per mode, and a ``LAYOUT_JSON`` line. The exit code is
-non-zero on every rank if any check failed on any rank.
+Every rank binds GLOBAL, TENSOR/SEQUENCE/DATA/TRAIN_DATA_PARALLEL (from ``--tp``/``--sp``/``--order``),
+INTRA_NODE/INTER_NODE (from the launcher's LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK) and WEIGHT_TRANSFER (rank 0 to the
+others), runs every collective of every mode against values computed from the group's ranks, checks that all members of
+each group agree on it, and sends a small mixed-dtype model over WEIGHT_TRANSFER. Rank 0 prints the layout, one
+all_reduce per mode, and a ``LAYOUT_JSON`` line. The exit code is non-zero on every rank if any check failed on any
+rank.
 """
 
 from __future__ import annotations

@@ -3,27 +3,21 @@ comes back.
 
 Two worlds, as in RL post-training with an inference engine of its own:
 
-* the trainer world: 2 trainer actors (their own gloo world), which average
-  their gradients over it every step;
-* the engine world: 2 engine actors (another gloo world, like an engine's
-  tensor-parallel group), which all-reduce over it every step.
+* the trainer world: 2 trainer actors (their own gloo world), which average their gradients over it every step;
+* the engine world: 2 engine actors (another gloo world, like an engine's tensor-parallel group), which all-reduce over
+  it every step.
 
-A connected mode, ``WEIGHT_SYNC``, joins trainer rank 0 (its member 0, which
-hosts the mode's store) and both engines (members 1 and 2): every step the
-trainer sends its weights to both engines with ``broadcast_state_dict``.
+A connected mode, ``WEIGHT_SYNC``, joins trainer rank 0 (its member 0, which hosts the mode's store) and both engines
+(members 1 and 2): every step the trainer sends its weights to both engines with ``broadcast_state_dict``.
 
-Mid-run, engine 1 is killed while a sync is in flight (``ray.kill(actor,
-no_restart=False)``). The trainer's and engine 0's sync raise
-``PeerLostError`` within milliseconds, naming member 2. Ray restarts the actor
-(``max_restarts=1``); the engine world is re-formed with it, the connected
-mode is re-formed by every member calling ``connect`` again (generation 1),
-and the next sync is bit-identical. The trainer world is never touched. The
-script exits 1 if any engine's weights differ from the trainer's after a
-sync, or if the trainer world restarted.
+Mid-run, engine 1 is killed while a sync is in flight (``ray.kill(actor, no_restart=False)``). The trainer's and engine
+0's sync raise ``PeerLostError`` within milliseconds, naming member 2. Ray restarts the actor (``max_restarts=1``); the
+engine world is re-formed with it, the connected mode is re-formed by every member calling ``connect`` again (generation
+1), and the next sync is bit-identical. The trainer world is never touched. The script exits 1 if any engine's weights
+differ from the trainer's after a sync, or if the trainer world restarted.
 
-Everything stays on loopback (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` before
-``ray.init``, every address ``127.0.0.1``, gloo pinned to ``lo``) and every
-wait is bounded. Needs the ``ray`` extra (``pip install ".[ray]"``); from the
+Everything stays on loopback (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` before ``ray.init``, every address ``127.0.0.1``,
+gloo pinned to ``lo``) and every wait is bounded. Needs the ``ray`` extra (``pip install ".[ray]"``); from the
 repository root (``--steps N`` sets the number of steps, 4 by default, and
 ``--kill-step K`` the step whose sync engine 1 dies in, 2 by default)::
 

@@ -1,27 +1,22 @@
 """An RL loop on a local Ray instance: 2 trainer actors and 2 rollout actors in one gloo world, weights synced every
 step.
 
-The world is built the way RLightning's ``DistributedMixin`` builds it: the
-driver picks the rank of every actor and one master address and port, and each
-actor sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
-``MASTER_ADDR`` and ``MASTER_PORT`` in its own environment, then calls
-``initialize_distributed_env(..., dist_url="env://")``. Groups are built the way
-its ``PolicyGroup`` builds them: one ``init_group`` call per group, each call
-sent to every actor at once (``INTRA_NODE`` for the node, one
-``WEIGHT_TRANSFER`` group per trainer and its rollout, ``TRAIN_DATA_PARALLEL``
-for the trainers).
+The world is built the way RLightning's ``DistributedMixin`` builds it: the driver picks the rank of every actor and one
+master address and port, and each actor sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+``MASTER_ADDR`` and ``MASTER_PORT`` in its own environment, then calls ``initialize_distributed_env(...,
+dist_url="env://")``. Groups are built the way its ``PolicyGroup`` builds them: one ``init_group`` call per group, each
+call sent to every actor at once (``INTRA_NODE`` for the node, one ``WEIGHT_TRANSFER`` group per trainer and its
+rollout, ``TRAIN_DATA_PARALLEL`` for the trainers).
 
-Each step the trainers average their gradients over ``TRAIN_DATA_PARALLEL``,
-reduce their metrics with ``all_reduce_dict`` and send their weights to their
-rollout with ``broadcast_state_dict``. Rollout 0 is a plain actor; rollout 1 is
-a threaded actor (``max_concurrency`` > 1, as RLightning's async rollouts are)
-that receives in its own weight-updater thread. The script prints each step's
-sync time and bytes, and exits 1 if any rollout's weights differ from its
-trainer's (or the trainers' from each other).
+Each step the trainers average their gradients over ``TRAIN_DATA_PARALLEL``, reduce their metrics with
+``all_reduce_dict`` and send their weights to their rollout with ``broadcast_state_dict``. Rollout 0 is a plain actor;
+rollout 1 is a threaded actor (``max_concurrency`` > 1, as RLightning's async rollouts are) that receives in its own
+weight-updater thread. The script prints each step's sync time and bytes, and exits 1 if any rollout's weights differ
+from its trainer's (or the trainers' from each other).
 
-Everything stays on loopback: ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` before
-``ray.init`` keeps a local Ray instance on 127.0.0.1, and gloo is pinned to
-``lo`` in the actors. Needs the ``ray`` extra (``pip install ".[ray]"``); from the repository root (``--steps N``
+Everything stays on loopback: ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` before ``ray.init`` keeps a local Ray instance on
+127.0.0.1, and gloo is pinned to ``lo`` in the actors. Needs the ``ray`` extra (``pip install ".[ray]"``); from the
+repository root (``--steps N``
 sets the number of steps, 5 by default)::
 
     python examples/ray_rl_loop.py

@@ -4,19 +4,16 @@ From the repository root, with the package installed (``pip install .``)::
 
     python examples/reshard_sync.py --steps 3
 
-It starts 4 processes on this machine (gloo, CPU, loopback only). A trainer
-world of 2 trains a small transformer block under FSDP2 (``fully_shard``: each
-parameter a ``DTensor`` sharded by rows, 61 vocabulary rows split 31/30). An
-engine world of 2 holds the same model in a tensor-parallel layout, as vLLM
-lays it out: q/k/v fused into one column-parallel ``qkv_proj`` (2 K/V heads,
-one per engine rank), gate and up fused into one ``gate_up_proj``, ``o_proj``
-and ``down_proj`` row-parallel (their columns split, where the trainer splits
+It starts 4 processes on this machine (gloo, CPU, loopback only). A trainer world of 2 trains a small transformer block
+under FSDP2 (``fully_shard``: each parameter a ``DTensor`` sharded by rows, 61 vocabulary rows split 31/30). An engine
+world of 2 holds the same model in a tensor-parallel layout, as vLLM lays it out: q/k/v fused into one column-parallel
+``qkv_proj`` (2 K/V heads, one per engine rank), gate and up fused into one ``gate_up_proj``, ``o_proj`` and
+``down_proj`` row-parallel (their columns split, where the trainer splits
 rows: the boundaries cross), the rest replicated. The four processes join a
-connected mode. Each step the trainer takes an optimizer step, every process
-calls ``reshard_state_dict`` (each trainer sends each engine rank only the
-intersection of its shard and that rank's blocks), and the engine's forward
-must equal the trainer's full-model forward on the same tokens. Every process
-prints what it sent and received; the exit code is non-zero if a check failed.
+connected mode. Each step the trainer takes an optimizer step, every process calls ``reshard_state_dict`` (each trainer
+sends each engine rank only the intersection of its shard and that rank's blocks), and the engine's forward must equal
+the trainer's full-model forward on the same tokens. Every process prints what it sent and received; the exit code is
+non-zero if a check failed.
 """
 
 from __future__ import annotations

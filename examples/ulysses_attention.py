@@ -9,12 +9,10 @@ or, under torchrun, each process is one rank::
 
     torchrun --nproc-per-node 4 examples/ulysses_attention.py
 
-Every rank trains the same model two ways, step by step: sequence-parallel
-(the sequence split across the ranks, attention through ``ulysses_attention``,
-parameter gradients summed over the group) and on the whole sequence in one
-process. Rank 0 prints both losses per step; any rank exits non-zero if they
-differ. The sequence length (30 by default) does not divide by 4: the ranks
-hold 8, 8, 7 and 7 tokens.
+Every rank trains the same model two ways, step by step: sequence-parallel (the sequence split across the ranks,
+attention through ``ulysses_attention``, parameter gradients summed over the group) and on the whole sequence in one
+process. Rank 0 prints both losses per step; any rank exits non-zero if they differ. The sequence length (30 by default)
+does not divide by 4: the ranks hold 8, 8, 7 and 7 tokens.
 """
 
 from __future__ import annotations

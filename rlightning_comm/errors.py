@@ -1,7 +1,7 @@
 """The library's exception types.
 
-Bad values raise the builtin ``ValueError``/``TypeError``; wrong state and
-failed collectives raise :class:`CommError` or one of its subclasses.
+Bad values raise the builtin ``ValueError``/``TypeError``; wrong state and failed collectives raise :class:`CommError`
+or one of its subclasses.
 """
 
 from __future__ import annotations
@@ -19,22 +19,18 @@ class CommMismatchError(CommError):
     """Ranks disagreed about a collective they were about to run (debug mode's consistency check),
     or the members of a connected mode about what must match before its group is built (its preflight).
 
-    Raised on every rank of the group before the collective starts (or the
-    group is built), so the group stays usable.
+    Raised on every rank of the group before the collective starts (or the group is built), so the group stays usable.
     """
 
 
 class PeerLostError(CommError):
     """A member of a connected mode died, left or stopped answering: the mode refuses every call until it is re-formed.
 
-    Raised by a call in flight and by every later call on the mode, on every
-    surviving member, within milliseconds of a death or a departure, and
-    within ``liveness_timeout`` (plus a quarter) of a member that stopped
-    answering (the mode watches its members over connections of its own,
-    with heartbeats); by ``connect`` on every other member when a member is
-    lost while the generation forms. Re-form the mode by calling
-    :meth:`CommContext.connect` again on every survivor and on the lost
-    member's replacement, which builds the next generation.
+    Raised by a call in flight and by every later call on the mode, on every surviving member, within milliseconds of a
+    death or a departure, and within ``liveness_timeout`` (plus a quarter) of a member that stopped answering (the mode
+    watches its members over connections of its own, with heartbeats); by ``connect`` on every other member when a
+    member is lost while the generation forms. Re-form the mode by calling :meth:`CommContext.connect` again on every
+    survivor and on the lost member's replacement, which builds the next generation.
 
     Args:
         message: What happened and what to do.
@@ -70,8 +66,8 @@ class PeerLostError(CommError):
 class ObjectRefusedError(CommError):
     """A received object was refused: not plain data in safe mode, or over the size limit.
 
-    Nothing was deserialised, the caller's list is unchanged and the group
-    stays usable (the payload was received in full and dropped).
+    Nothing was deserialised, the caller's list is unchanged and the group stays usable (the payload was received in
+    full and dropped).
     """
 
 

@@ -1,11 +1,9 @@
 """Backend failures as the library's errors, naming the mode, the op and the timeout.
 
-torch.distributed reports a timed-out or broken collective as a bare
-``RuntimeError`` (gloo: ``Timed out waiting 1500ms for recv operation to
-complete``, ``Connection reset by peer``, ``Application timeout caused pair
-closure``). The communicators catch it where the backend is called, in the call
-itself for a blocking op and in :meth:`WorkHandle.wait` for an async one, and
-raise what :func:`comm_failure` builds from it, chained to the original.
+torch.distributed reports a timed-out or broken collective as a bare ``RuntimeError`` (gloo: ``Timed out waiting 1500ms
+for recv operation to complete``, ``Connection reset by peer``, ``Application timeout caused pair closure``). The
+communicators catch it where the backend is called, in the call itself for a blocking op and in :meth:`WorkHandle.wait`
+for an async one, and raise what :func:`comm_failure` builds from it, chained to the original.
 """
 
 from __future__ import annotations
@@ -18,8 +16,8 @@ import torch
 
 from rlightning_comm.errors import CommError, CommTimeoutError
 
-# After a timeout gloo closes the group's connections: the next op fails at
-# once with this text, which names a timeout but is not one.
+# After a timeout gloo closes the group's connections: the next op fails at once with this text, which names a timeout
+# but is not one.
 _BROKEN_MARKERS = (
     "pair closure",
     "connection reset",
@@ -60,11 +58,9 @@ def close_gloo_group(group: Any) -> None:
     """Close every connection of a gloo ``group`` on this process, so that every member's pending operation with it
     fails now.
 
-    For a group a failure has made unusable: its members would otherwise wait
-    out the group's timeout on a receive this process will never match. A
-    receive from any member, waited for one millisecond: on its timeout gloo
-    closes every connection of the group's context (its own reaction to a
-    timeout), and the other end of each sees it closed at once.
+    For a group a failure has made unusable: its members would otherwise wait out the group's timeout on a receive this
+    process will never match. A receive from any member, waited for one millisecond: on its timeout gloo closes every
+    connection of the group's context (its own reaction to a timeout), and the other end of each sees it closed at once.
     """
     try:
         if group.size() > 1:
@@ -88,12 +84,10 @@ def comm_failure(err: BaseException, mode: str, op: str, timeout: float | None) 
         timeout: The group's timeout in seconds, if known.
 
     Returns:
-        A :class:`CommTimeoutError` when the backend timed out waiting for a
-        peer; the same ``TypeError`` / ``ValueError`` (or, for any other local
-        refusal, a :class:`CommError`) saying that the backend's own check
-        refused the call on this rank and the group still works; else a
-        :class:`CommError` saying a peer is gone or the group is broken. The
-        caller raises it ``from err``.
+        A :class:`CommTimeoutError` when the backend timed out waiting for a peer; the same ``TypeError`` /
+        ``ValueError`` (or, for any other local refusal, a :class:`CommError`) saying that the backend's own check
+        refused the call on this rank and the group still works; else a :class:`CommError` saying a peer is gone or the
+        group is broken. The caller raises it ``from err``.
     """
     text = str(err).strip()
     lowered = text.lower()
@@ -128,9 +122,8 @@ class WorkHandle:
     """The handle an ``async_op=True`` collective returns: torch's work object whose :meth:`wait` raises the library's
     errors.
 
-    Every other attribute (``is_completed``, ``get_future``, ...) is the
-    wrapped torch work's own. A backend that returned no work (``None``: the
-    op completed in the call, or runs in stream order) gets a handle that is
+    Every other attribute (``is_completed``, ``get_future``, ...) is the wrapped torch work's own. A backend that
+    returned no work (``None``: the op completed in the call, or runs in stream order) gets a handle that is
     complete: ``wait()`` and ``is_completed()`` return ``True`` and
     ``get_future()`` a completed future.
     """

@@ -30,8 +30,8 @@ def under_launcher() -> bool:
 def _placement_env(rank: int, world_size: int) -> dict[str, str]:
     """What torchrun puts in the environment of rank ``rank`` of a one-node job of ``world_size`` processes.
 
-    The placement variables only: the ranks :func:`run` spawns meet through a
-    file store, so there is no ``MASTER_ADDR`` / ``MASTER_PORT``.
+    The placement variables only: the ranks :func:`run` spawns meet through a file store, so there is no ``MASTER_ADDR``
+    / ``MASTER_PORT``.
     """
     return {
         **dict.fromkeys(("RANK", "LOCAL_RANK", "ROLE_RANK"), str(rank)),
@@ -44,12 +44,10 @@ def _placement_env(rank: int, world_size: int) -> dict[str, str]:
 def _process_context() -> Any:
     """How the local ranks start: forked from a fork server on Linux, spawned elsewhere.
 
-    The fork server is a fresh process that imports torch and the library
-    once, and nothing else (no CUDA, no threads of the caller's), so each rank
-    starts as a spawned one would but without importing torch again: on a
-    2-core machine that is most of a 4-rank run's start-up. Like a spawned
-    rank, a forked one imports the caller's main module (``fn`` must be
-    importable) and gets the caller's environment (:func:`_rank_main`).
+    The fork server is a fresh process that imports torch and the library once, and nothing else (no CUDA, no threads of
+    the caller's), so each rank starts as a spawned one would but without importing torch again: on a 2-core machine
+    that is most of a 4-rank run's start-up. Like a spawned rank, a forked one imports the caller's main module (``fn``
+    must be importable) and gets the caller's environment (:func:`_rank_main`).
     """
     if sys.platform.startswith("linux"):
         ctx = mp.get_context("forkserver")
@@ -83,8 +81,8 @@ def _rank_main(
     ctx._mark_launched()
     try:
         fn(*args)
-        # No rank tears the world down while a peer still uses it: gloo's connection set-up on a slower peer
-        # fails once a faster one has closed its side (a function that makes no collective returns at once).
+        # No rank tears the world down while a peer still uses it: gloo's connection set-up on a slower peer fails once
+        # a faster one has closed its side (a function that makes no collective returns at once).
         if ctx.is_initialized():
             ctx.get_communicator().barrier()
     finally:
@@ -114,44 +112,33 @@ def run(
 ) -> None:
     """Run ``fn(*args)`` on every rank, with the context initialised.
 
-    With no launcher, ``nproc`` local processes are started (forked from a
-    fork server that has imported torch once, on Linux; spawned elsewhere):
-    each imports the caller's main module as a spawned process does, so
-    ``fn`` must be importable (defined at module level, with the call under
-    ``if __name__ == "__main__":``), and starts with the caller's
-    environment. They rendezvous through a
-    file store in a private temporary folder and gloo listens on the loopback
-    interface (unless ``GLOO_SOCKET_IFNAME`` is set), so nothing listens
-    beyond loopback. Each rank gets torchrun's placement variables
-    (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
-    ``GROUP_RANK`` = 0, ...): with ``backend="nccl"`` rank ``i`` runs on
-    ``cuda:i``. Under torchrun (``RANK`` and ``WORLD_SIZE`` set), this
-    process is one rank: the world is initialised from the launcher's
-    environment (``env://``) and ``nproc`` is ignored.
+    With no launcher, ``nproc`` local processes are started (forked from a fork server that has imported torch once, on
+    Linux; spawned elsewhere): each imports the caller's main module as a spawned process does, so ``fn`` must be
+    importable (defined at module level, with the call under ``if __name__ == "__main__":``), and starts with the
+    caller's environment. They rendezvous through a file store in a private temporary folder and gloo listens on the
+    loopback interface (unless ``GLOO_SOCKET_IFNAME`` is set), so nothing listens beyond loopback. Each rank gets
+    torchrun's placement variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` = 0,
+    ...): with ``backend="nccl"`` rank ``i`` runs on ``cuda:i``. Under torchrun (``RANK`` and ``WORLD_SIZE`` set), this
+    process is one rank: the world is initialised from the launcher's environment (``env://``) and ``nproc`` is ignored.
 
-    Inside ``fn`` the world is ready: ``CommContext()`` has ``CommMode.GLOBAL``
-    bound, and a call to ``init_distributed_env`` that asks for this world
-    (its size, rank, backend, timeout and ``bounded_wait``; size and rank may
-    be left out; ``env://``)
-    is a no-op; one that asks for another raises ``CommError`` naming both.
-    When ``fn`` returns, the rank waits at a barrier of the world for the
-    others, then destroys the context; when it raises, it destroys it at once
-    (the peers' next collective fails).
+    Inside ``fn`` the world is ready: ``CommContext()`` has ``CommMode.GLOBAL`` bound, and a call to
+    ``init_distributed_env`` that asks for this world (its size, rank, backend, timeout and ``bounded_wait``; size and
+    rank may be left out; ``env://``) is a no-op; one that asks for another raises ``CommError`` naming both. When
+    ``fn`` returns, the rank waits at a barrier of the world for the others, then destroys the context; when it raises,
+    it destroys it at once (the peers' next collective fails).
 
     Args:
-        fn: A picklable (module-level) function; it finds its ranks through
-            ``CommContext()``.
+        fn: A picklable (module-level) function; it finds its ranks through ``CommContext()``.
         nproc: Number of local ranks to spawn without a launcher.
         *args: Passed to ``fn`` (picklable).
         backend: Registered communicator name for the world.
-        timeout: Collective timeout in seconds, as ``init_distributed_env``'s;
-            also bounds the wait for the local ranks (twice this long at most).
-        bounded_wait: As ``init_distributed_env``'s (NCCL calls wait on the
-            host within their timeout and raise the library's errors).
+        timeout: Collective timeout in seconds, as ``init_distributed_env``'s; also bounds the wait for the local ranks
+            (twice this long at most).
+        bounded_wait: As ``init_distributed_env``'s (NCCL calls wait on the host within their timeout and raise the
+            library's errors).
 
     Raises:
-        ValueError: ``nproc`` is not a positive integer, or more ranks than
-            GPUs are asked for with ``backend="nccl"``.
+        ValueError: ``nproc`` is not a positive integer, or more ranks than GPUs are asked for with ``backend="nccl"``.
         KeyError: ``backend`` is not registered.
         RuntimeError: a spawned rank failed or did not finish in time.
     """

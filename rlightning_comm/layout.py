@@ -1,8 +1,8 @@
 """Read a context's group layout back as data, and print it.
 
-A facade over :class:`CommContext` (the layouts are declared with
-:meth:`CommContext.init_parallel_groups`, :meth:`CommContext.init_node_groups`,
-:meth:`CommContext.init_weight_transfer_group` and :meth:`CommContext.init_group`).
+A facade over :class:`CommContext` (the layouts are declared with :meth:`CommContext.init_parallel_groups`,
+:meth:`CommContext.init_node_groups`, :meth:`CommContext.init_weight_transfer_group` and
+:meth:`CommContext.init_group`).
 """
 
 from __future__ import annotations
@@ -34,8 +34,7 @@ def describe_layout(context: CommContext | None = None) -> dict[str, ModeLayout]
         context: The context to read; ``None`` means ``CommContext()``.
 
     Returns:
-        Bound mode name -> :class:`ModeLayout`, sorted by mode name (empty
-        when the context is not initialised).
+        Bound mode name -> :class:`ModeLayout`, sorted by mode name (empty when the context is not initialised).
     """
     if context is None:
         context = CommContext()

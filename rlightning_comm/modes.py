@@ -8,9 +8,8 @@ from enum import Enum
 class CommMode(str, Enum):
     """A named communication group.
 
-    A member compares and hashes equal to its string name
-    (``CommMode.GLOBAL == "GLOBAL"``), so every API that takes a mode also
-    takes the plain string, and a custom mode is just any other string.
+    A member compares and hashes equal to its string name (``CommMode.GLOBAL == "GLOBAL"``), so every API that takes a
+    mode also takes the plain string, and a custom mode is just any other string.
     """
 
     GLOBAL = "GLOBAL"
@@ -31,9 +30,8 @@ class CommMode(str, Enum):
 class ParallelMode(str, Enum):
     """The seed's ``ParallelMode``: every :class:`CommMode` name, with equal values.
 
-    In the seed ``ParallelMode`` extends ``CommMode``, so ``ParallelMode.INTRA_NODE``
-    is a name too; here both carry every name and compare and hash equal
-    (``ParallelMode.INTRA_NODE == CommMode.INTRA_NODE == "INTRA_NODE"``), so
+    In the seed ``ParallelMode`` extends ``CommMode``, so ``ParallelMode.INTRA_NODE`` is a name too; here both carry
+    every name and compare and hash equal (``ParallelMode.INTRA_NODE == CommMode.INTRA_NODE == "INTRA_NODE"``), so
     either spelling resolves to the same bound communicator.
     """
 

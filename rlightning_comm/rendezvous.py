@@ -1,17 +1,14 @@
 """World initialisation whose store listens on loopback only, when the rendezvous address is a loopback one.
 
-torch's ``TCPStore`` server listens on every interface whatever host the URL
-names, so ``tcp://127.0.0.1:29500`` exposes an unauthenticated key-value store
-(which the process groups trust) to the whole network. When the rendezvous
-address is loopback (``tcp://127.0.0.1:port``, ``tcp://localhost:port``,
-``tcp://[::1]:port``, or ``env://`` with such a ``MASTER_ADDR`` outside a
-torchrun agent), rank 0 binds the listening socket to that address itself and
-hands it to the store. Every other URL goes to torch unchanged.
+torch's ``TCPStore`` server listens on every interface whatever host the URL names, so ``tcp://127.0.0.1:29500`` exposes
+an unauthenticated key-value store (which the process groups trust) to the whole network. When the rendezvous address is
+loopback (``tcp://127.0.0.1:port``, ``tcp://localhost:port``, ``tcp://[::1]:port``, or ``env://`` with such a
+``MASTER_ADDR`` outside a torchrun agent), rank 0 binds the listening socket to that address itself and hands it to the
+store. Every other URL goes to torch unchanged.
 
-The backend's own connections are another matter: gloo listens on the
-interface its host name resolves to unless ``GLOO_SOCKET_IFNAME`` names one.
-:func:`pin_gloo_to_loopback` sets it for processes that are known to be
-single-node (``rlightning_comm.launch.run`` does so for the ranks it spawns).
+The backend's own connections are another matter: gloo listens on the interface its host name resolves to unless
+``GLOO_SOCKET_IFNAME`` names one. :func:`pin_gloo_to_loopback` sets it for processes that are known to be single-node
+(``rlightning_comm.launch.run`` does so for the ranks it spawns).
 """
 
 from __future__ import annotations
@@ -65,16 +62,13 @@ def init_process_group(
 ) -> None:
     """``torch.distributed.init_process_group``, with a loopback-only store for a loopback rendezvous address.
 
-    The world's store is made here (a loopback ``TCPStore``, or torch's public
-    ``torch.distributed.rendezvous`` for every other URL, as
-    ``init_process_group`` itself does) and kept for :func:`world_store`.
+    The world's store is made here (a loopback ``TCPStore``, or torch's public ``torch.distributed.rendezvous`` for
+    every other URL, as ``init_process_group`` itself does) and kept for :func:`world_store`.
 
-    ``device_id`` (an NCCL world's GPU) binds the world to that device: torch
-    connects the world's communicator at once, refuses a tensor on another
-    device, and creates later NCCL groups by splitting the world's
-    communicator (every rank of the world must then take part in every group
-    creation, members or not; :func:`rlightning_comm.context._groups.new_group` makes
-    the members of a gloo group take part too).
+    ``device_id`` (an NCCL world's GPU) binds the world to that device: torch connects the world's communicator at once,
+    refuses a tensor on another device, and creates later NCCL groups by splitting the world's communicator (every rank
+    of the world must then take part in every group creation, members or not;
+    :func:`rlightning_comm.context._groups.new_group` makes the members of a gloo group take part too).
 
     Raises:
         CommError: rank 0 could not listen on the loopback address.
@@ -156,8 +150,7 @@ def loopback_interface() -> str | None:
 def pin_gloo_to_loopback() -> None:
     """Make gloo listen on the loopback interface in this process, unless ``GLOO_SOCKET_IFNAME`` is set already.
 
-    Only for processes whose peers all run on this host; call it before the
-    world is initialised.
+    Only for processes whose peers all run on this host; call it before the world is initialised.
     """
     name = loopback_interface()
     if name is not None:

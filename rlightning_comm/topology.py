@@ -1,8 +1,7 @@
 """Pure rank-layout computations: which global ranks form each group of a declared layout.
 
-Nothing here touches torch.distributed, so every layout can be checked
-without processes. A *partition* is a tuple of disjoint groups, each a tuple
-of global ranks in group-rank order (as declared): the shape
+Nothing here touches torch.distributed, so every layout can be checked without processes. A *partition* is a tuple of
+disjoint groups, each a tuple of global ranks in group-rank order (as declared): the shape
 :meth:`CommContext.init_group` takes.
 """
 
@@ -45,8 +44,8 @@ def _first_fastest(shape: Sequence[int]) -> Iterator[tuple[int, ...]]:
 def _orthogonal_groups(shape: Sequence[int], spanned: Sequence[bool]) -> Partition:
     """Groups of the ranks of a grid numbered first-axis-fastest, each spanning the ``spanned`` axes.
 
-    This is Megatron's ``generate_masked_orthogonal_rank_groups``: a group
-    holds the ranks whose coordinates differ only on spanned axes.
+    This is Megatron's ``generate_masked_orthogonal_rank_groups``: a group holds the ranks whose coordinates differ only
+    on spanned axes.
     """
     strides = [1]
     for n in shape[:-1]:
@@ -66,20 +65,17 @@ def _orthogonal_groups(shape: Sequence[int], spanned: Sequence[bool]) -> Partiti
 def parallel_partitions(config: ParallelConfig, world_size: int) -> dict[str, Partition]:
     """The groups of every parallel mode of ``config`` in a world of ``world_size`` ranks.
 
-    Ranks fill the grid of :meth:`ParallelConfig.sizes` with the first axis of
-    ``config.order`` varying fastest: with ``order="tp-sp-dp"``, tensor
-    parallel size 2 and sequence parallel size 2, ranks 0 and 1 form a
-    tensor-parallel group, 0 and 2 a sequence-parallel one, 0 and 4 a
-    data-parallel one.
+    Ranks fill the grid of :meth:`ParallelConfig.sizes` with the first axis of ``config.order`` varying fastest: with
+    ``order="tp-sp-dp"``, tensor parallel size 2 and sequence parallel size 2, ranks 0 and 1 form a tensor-parallel
+    group, 0 and 2 a sequence-parallel one, 0 and 4 a data-parallel one.
 
     Args:
         config: The declared layout.
         world_size: Number of ranks in the world.
 
     Returns:
-        Mode name -> partition, for ``TENSOR_PARALLEL``, ``SEQUENCE_PARALLEL``,
-        ``DATA_PARALLEL`` and, if ``config.bind_train_data_parallel``,
-        ``TRAIN_DATA_PARALLEL``.
+        Mode name -> partition, for ``TENSOR_PARALLEL``, ``SEQUENCE_PARALLEL``, ``DATA_PARALLEL`` and, if
+        ``config.bind_train_data_parallel``, ``TRAIN_DATA_PARALLEL``.
 
     Raises:
         ValueError: the sizes do not tile the world.
@@ -94,21 +90,19 @@ def parallel_partitions(config: ParallelConfig, world_size: int) -> dict[str, Pa
 def node_partitions(placements: Sequence[NodePlacement | tuple[int, int, int]]) -> dict[str, Partition]:
     """``INTRA_NODE`` and ``INTER_NODE`` groups from every rank's placement.
 
-    ``INTRA_NODE`` groups the ranks of one node, by local rank; ``INTER_NODE``
-    groups the ranks with the same local rank, by node rank.
+    ``INTRA_NODE`` groups the ranks of one node, by local rank; ``INTER_NODE`` groups the ranks with the same local
+    rank, by node rank.
 
     Args:
-        placements: ``placements[r]`` is global rank ``r``'s
-            ``(node_rank, local_rank, local_world_size)``.
+        placements: ``placements[r]`` is global rank ``r``'s ``(node_rank, local_rank, local_world_size)``.
 
     Returns:
         ``{"INTRA_NODE": ..., "INTER_NODE": ...}``.
 
     Raises:
-        ValueError: uneven nodes (local world sizes differ, or a node holds a
-            different number of ranks), local ranks that repeat or fall
-            outside ``[0, local_world_size)``, or node ranks that are not
-            ``0 .. number of nodes - 1``.
+        ValueError: uneven nodes (local world sizes differ, or a node holds a different number of ranks), local ranks
+            that repeat or fall outside ``[0, local_world_size)``, or node ranks that are not ``0 .. number of nodes -
+            1``.
     """
     world = len(placements)
     if not world:
@@ -152,14 +146,13 @@ def node_partitions(placements: Sequence[NodePlacement | tuple[int, int, int]]) 
 def weight_transfer_ranks(src: int, dst_ranks: Sequence[int], world_size: int) -> tuple[int, ...]:
     """The ``WEIGHT_TRANSFER`` group's global ranks in group-rank order: ``(src, *dst_ranks)``.
 
-    The source is group rank 0 and destination ``i`` is group rank ``i + 1``,
-    whatever their global ranks (:meth:`CommContext.init_group` keeps the
-    declared order).
+    The source is group rank 0 and destination ``i`` is group rank ``i + 1``, whatever their global ranks
+    (:meth:`CommContext.init_group` keeps the declared order).
 
     Raises:
         TypeError: a rank is not an int, or ``dst_ranks`` is not a sequence.
-        ValueError: a rank outside the world, no destination, a repeated
-            destination, or the source among the destinations.
+        ValueError: a rank outside the world, no destination, a repeated destination, or the source among the
+            destinations.
     """
     if isinstance(dst_ranks, (str, bytes)) or not isinstance(dst_ranks, Sequence):
         raise TypeError(f"dst_ranks must be a list of global ranks; got {type(dst_ranks).__name__}")

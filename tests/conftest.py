@@ -11,9 +11,9 @@ from world import World
 
 _worlds: dict[int, World] = {}
 
-# Files whose tests start interpreters of their own or compile (up to a minute each on 2 busy cores). They go first,
-# so that under pytest-xdist they start early and the short tests fill in around them, instead of one of them
-# starting last and running alone at the end.
+# Files whose tests start interpreters of their own or compile (up to a minute each on 2 busy cores). They go first, so
+# that under pytest-xdist they start early and the short tests fill in around them, instead of one of them starting last
+# and running alone at the end.
 SLOW_FIRST = (
     "test_ray_example.py",
     "test_multinode.py",

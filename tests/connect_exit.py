@@ -1,11 +1,9 @@
 """Processes of a connected mode that end through the interpreter's own exit (not ``os._exit``, as a
 multiprocessing child does), run by ``tests/test_connect_long_run.py`` under ``python -X dev``.
 
-``host FOLDER``: rank 0. Its first generation loses member 1 while the group
-is built; its second loses member 1 (killed by the test) during a barrier,
-and that ``PeerLostError`` is not caught. ``victim FOLDER``: member 1 of the
-first generation, which dies (SIGKILL) where it would build the group.
-``member FOLDER``: member 1 of the second generation.
+``host FOLDER``: rank 0. Its first generation loses member 1 while the group is built; its second loses member 1 (killed
+by the test) during a barrier, and that ``PeerLostError`` is not caught. ``victim FOLDER``: member 1 of the first
+generation, which dies (SIGKILL) where it would build the group. ``member FOLDER``: member 1 of the second generation.
 """
 
 from __future__ import annotations

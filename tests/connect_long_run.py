@@ -1,11 +1,9 @@
 """The long run of a connected mode: many generations of kill-and-replace, each with a sync, on 3 processes.
 
-Run as a program (``python -X dev tests/connect_long_run.py GENERATIONS``) by
-``tests/test_connect_long_run.py``: its members are forked from a fork server
-that inherits the interpreter's flags, so they run in development mode too,
-and their stderr is this program's. It prints one JSON line: what the two
-long-lived members (the trainer, rank 0, and engine 1) measured of themselves
-after every generation (open file descriptors, native threads, RSS), after
+Run as a program (``python -X dev tests/connect_long_run.py GENERATIONS``) by ``tests/test_connect_long_run.py``: its
+members are forked from a fork server that inherits the interpreter's flags, so they run in development mode too, and
+their stderr is this program's. It prints one JSON line: what the two long-lived members (the trainer, rank 0, and
+engine 1) measured of themselves after every generation (open file descriptors, native threads, RSS), after
 ``destroy()``, and how a member ends on an uncaught ``PeerLostError``.
 """
 

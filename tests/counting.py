@@ -1,9 +1,7 @@
 """Count the collectives that reach the process group from a worker (to prove a call started none, or exactly one).
 
-The communicators call the ``ProcessGroup`` directly on the eager path and
-torch.distributed's functions call the same methods, so counting at the
-``ProcessGroup`` class sees every collective of either, whatever the Python
-path above it.
+The communicators call the ``ProcessGroup`` directly on the eager path and torch.distributed's functions call the same
+methods, so counting at the ``ProcessGroup`` class sees every collective of either, whatever the Python path above it.
 """
 
 from __future__ import annotations

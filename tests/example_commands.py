@@ -1,11 +1,11 @@
 """The commands the examples' docstrings show, as the tests run them, so a docstring cannot show a command no test runs.
 
-An example's module docstring shows its commands on indented lines that start with ``python`` or ``torchrun``
-(a trailing ``# comment`` is not part of the command), to be run from the repository root with the package installed:
-one command without a launcher and at most one under torchrun. :func:`documented` returns one of them as an argument
-list for ``subprocess``: ``python`` is this interpreter, ``torchrun`` is ``python -m torch.distributed.run
---standalone`` (a free port instead of torchrun's fixed default). Tests append arguments to shorten a run
-(``--steps 3``), never change the ones shown.
+An example's module docstring shows its commands on indented lines that start with ``python`` or ``torchrun`` (a
+trailing ``# comment`` is not part of the command), to be run from the repository root with the package installed: one
+command without a launcher and at most one under torchrun. :func:`documented` returns one of them as an argument list
+for ``subprocess``: ``python`` is this interpreter, ``torchrun`` is ``python -m torch.distributed.run --standalone`` (a
+free port instead of torchrun's fixed default). Tests append arguments to shorten a run (``--steps 3``), never change
+the ones shown.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """An independent computation of the groups a declared layout must produce, for the tests.
 
-It decodes each rank into grid coordinates and groups ranks by the
-coordinates off a mode's axes; the library instead builds groups from
-strides (Megatron's construction). Only the convention is shared: the first
-axis of the order string varies fastest.
+It decodes each rank into grid coordinates and groups ranks by the coordinates off a mode's axes; the library instead
+builds groups from strides (Megatron's construction). Only the convention is shared: the first axis of the order string
+varies fastest.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Helpers for the sequence-parallel tests: seeded data every rank can rebuild, and error bookkeeping.
 
-The oracle in every test is plain single-process torch (slicing, cat and
-autograd on the full tensor), never the library's own code.
+The oracle in every test is plain single-process torch (slicing, cat and autograd on the full tensor), never the
+library's own code.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ import pytest
 import torch.distributed as dist
 from world import WorldError, init_world
 
-# Short group timeouts keep the timeout paths to seconds; the bound is what a
-# loaded 2-core machine may add on top of the timeout.
+# Short group timeouts keep the timeout paths to seconds; the bound is what a loaded 2-core machine may add on top of
+# the timeout.
 GROUP_TIMEOUT = 2.0
 BOUND = 4.0
 KILL_TIMEOUT = 5.0

@@ -1,12 +1,10 @@
 """The collectives' fast path accepts exactly what the full checks accept, on edge inputs.
 
-Each tensor collective tests the common case in one C-level expression and
-sends everything else to its full ``_check_<op>``. For every case below, the
-method must do what the full check alone says: raise the same error type and
-message, with nothing sent; or run, with the result raw torch.distributed gives
-on copies of the same inputs. Both ranks run the same cases in the same order.
-A bad root-only list is left out: only the root can see it, so without debug
-mode its peers would enter the collective (tests/test_bad_input.py has those).
+Each tensor collective tests the common case in one C-level expression and sends everything else to its full
+``_check_<op>``. For every case below, the method must do what the full check alone says: raise the same error type and
+message, with nothing sent; or run, with the result raw torch.distributed gives on copies of the same inputs. Both ranks
+run the same cases in the same order. A bad root-only list is left out: only the root can see it, so without debug mode
+its peers would enter the collective (tests/test_bad_input.py has those).
 """
 
 from __future__ import annotations

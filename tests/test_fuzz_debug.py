@@ -1,9 +1,8 @@
 """Seeded bad-input fuzzing in debug mode: one random bad rank per case, every rank must end the same way.
 
 All cases run in one task on one spawned world of 2 gloo ranks. After each case the ranks meet in a raw
-torch.distributed barrier and run a good collective through the library, compared with raw
-torch.distributed on the same values: the group must still be usable and in step. Run with ``-s`` to see
-the table of case kinds against outcomes.
+torch.distributed barrier and run a good collective through the library, compared with raw torch.distributed on the same
+values: the group must still be usable and in step. Run with ``-s`` to see the table of case kinds against outcomes.
 """
 
 from __future__ import annotations
@@ -16,8 +15,8 @@ from collections import Counter
 from world import init_world
 
 CASES = 64
-# Group "F" runs the cases that must resolve at once (its timeout only bounds a hang), group "U" the ones where a
-# rank never arrives: its short timeout is what a debug check waits for that rank.
+# Group "F" runs the cases that must resolve at once (its timeout only bounds a hang), group "U" the ones where a rank
+# never arrives: its short timeout is what a debug check waits for that rank.
 TIMEOUT = 30.0
 SHORT_TIMEOUT = 1.5  # short, yet long enough that a loaded host does not miss the good call after the case
 BOUND = 6.0  # no case may take longer than this on any rank

@@ -1,9 +1,8 @@
 """benchmarks/gpu_check on a CPU machine: its CPU mode end to end, and its machinery (oracles, roots, lockstep,
 probes, kills).
 
-The check's own cells run here on gloo through the library's real ops; a
-test-only communicator with a wrong ``all_reduce`` must be reported wrong while
-the same check passes the real one.
+The check's own cells run here on gloo through the library's real ops; a test-only communicator with a wrong
+``all_reduce`` must be reported wrong while the same check passes the real one.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """reduce, reduce_scatter, all_gather_object, send and recv through ``collective``, against raw torch.distributed.
 
 One task per world runs every case, on 4 gloo ranks: the whole world declared out of order (``[2, 0, 3, 1]``: global
-rank 2 is group rank 0) and three ranks with rank 0 outside (``[3, 1, 2]``). The oracle is raw torch.distributed on
-the sorted group of the same ranks, with chunks and lists permuted by hand from declared to sorted order. Every root
-of each group is tried, so roots other than group rank 0 and global rank 0 are covered.
+rank 2 is group rank 0) and three ranks with rank 0 outside (``[3, 1, 2]``). The oracle is raw torch.distributed on the
+sorted group of the same ranks, with chunks and lists permuted by hand from declared to sorted order. Every root of each
+group is tried, so roots other than group rank 0 and global rank 0 are covered.
 """
 
 from __future__ import annotations

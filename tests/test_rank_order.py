@@ -1,7 +1,7 @@
 """Declared rank order: on an unsorted group every order-dependent op follows the declaration.
 
-The oracle is raw torch.distributed on the sorted group of the same ranks, with
-the lists and chunks permuted by hand from declared to sorted order.
+The oracle is raw torch.distributed on the sorted group of the same ranks, with the lists and chunks permuted by hand
+from declared to sorted order.
 """
 
 from __future__ import annotations

@@ -1,16 +1,16 @@
 """Every ```python block of README.md and of the guides in docs/ runs, as written, or says it is an excerpt.
 
-The blocks are read from the files when the tests are collected, so the files and the tests cannot drift. The first
-line of a block says how it runs:
+The blocks are read from the files when the tests are collected, so the files and the tests cannot drift. The first line
+of a block says how it runs:
 
-- ``# excerpt`` (anything may follow, e.g. ``# excerpt: inside a trainer; see examples/quickstart.py``): a fragment of
-  a larger program. It is not run, only compiled, so it must at least be valid Python.
-- ``# file: NAME.py``: a whole program. It is written to an empty folder as ``NAME.py`` and run there with
-  ``python NAME.py`` (the repository on ``PYTHONPATH``, as if installed; no launcher variables); it must exit 0.
-- ``# runs on N ranks`` (anything may follow): the body of a function run by ``rlightning_comm.run(fn, N)``. It runs
-  on N gloo ranks through the launcher's own per-rank entry (``launch._rank_main``: torchrun's placement variables,
-  gloo on loopback, the world initialised, a file store), on the suite's reusable spawned ranks (N in 1, 2, 4, 8),
-  and must not raise on any rank. Nothing else is added around it: it imports and defines what it uses.
+- ``# excerpt`` (anything may follow, e.g. ``# excerpt: inside a trainer; see examples/quickstart.py``): a fragment of a
+  larger program. It is not run, only compiled, so it must at least be valid Python.
+- ``# file: NAME.py``: a whole program. It is written to an empty folder as ``NAME.py`` and run there with ``python
+  NAME.py`` (the repository on ``PYTHONPATH``, as if installed; no launcher variables); it must exit 0.
+- ``# runs on N ranks`` (anything may follow): the body of a function run by ``rlightning_comm.run(fn, N)``. It runs on
+  N gloo ranks through the launcher's own per-rank entry (``launch._rank_main``: torchrun's placement variables, gloo on
+  loopback, the world initialised, a file store), on the suite's reusable spawned ranks (N in 1, 2, 4, 8), and must not
+  raise on any rank. Nothing else is added around it: it imports and defines what it uses.
 - Anything else: the block runs as written, once, in a fresh namespace of one process with no distributed world.
 
 A block that fails is reported with its file's own line numbers (the source is padded so that line ``k`` of the

@@ -262,8 +262,8 @@ def _replicas(rank: int, wrong: list, out: dict) -> None:
     out["replicas"] = (dict(report.sent), dict(report.received))
     if not _same(mine["p"], full["p"][5 * rank : 5 * rank + 5]) or not _same(mine["n"], full["n"]):
         wrong.append("replicas")
-    # What this rank holds of what it wants is copied here, not sent: rows [10 * shard, 10 * shard + 10) of p, and
-    # n's first 5 (shard 0) or last 4 (shard 1) elements.
+    # What this rank holds of what it wants is copied here, not sent: rows [10 * shard, 10 * shard + 10) of p, and n's
+    # first 5 (shard 0) or last 4 (shard 1) elements.
     own_p = max(0, min(5 * rank + 5, 10 * shard + 10) - max(5 * rank, 10 * shard)) * 6 * 8
     own_n = (5 if shard == 0 else 4) * 4
     out["replicas_remote"] = 5 * 6 * 8 + 9 * 4 - own_p - own_n
@@ -306,8 +306,8 @@ def test_geometries_are_bit_identical_to_the_sliced_full_tensors(world4) -> None
     reports = world4.run(_geometries, timeout=120)
     for rank, r in enumerate(reports):
         assert r["wrong"] == [], (rank, r["wrong"])
-    # FSDP -> TP: the trainers send exactly what the engines want, and no engine receives a byte it does not keep.
-    # Each engine wants the replicated tensors whole and half of every split one.
+    # FSDP -> TP: the trainers send exactly what the engines want, and no engine receives a byte it does not keep. Each
+    # engine wants the replicated tensors whole and half of every split one.
     replicated = sum(math_prod(SHAPES_A[n][0]) * SHAPES_A[n][1].itemsize for n in ("embed", "norm"))
     wanted_by_engines = 2 * replicated + (reports[0]["fsdp_tp_bytes"] - replicated)
     for step in (0, 1):

@@ -1,9 +1,8 @@
 """RLightning's call sequence, replayed on 4 gloo ranks on 2 simulated nodes, with only its imports changed.
 
 Layout: node 0 runs ranks 0 and 1, node 1 ranks 2 and 3; the trainers are ranks 1
-and 3 (not the lowest rank of their weight-transfer group), each sends to the
-rollout worker on its node. What RLightning does with raw torch.distributed on
-``get_group`` is the oracle for what it gets.
+and 3 (not the lowest rank of their weight-transfer group), each sends to the rollout worker on its node. What
+RLightning does with raw torch.distributed on ``get_group`` is the oracle for what it gets.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """torch.compile(fullgraph=True) of every sequence-parallel op and ulysses_attention on 2 gloo ranks: forward values
 and gradients equal eager (float64), with the default lengths and with explicit uneven ones.
 
-One block holds every op, each on its own input with its own output, and one graph holds the block twice (default
-and uneven lengths), so one compile per backend covers every op while each op's forward and gradient are still
-compared alone (inductor compiles are slow: one in the suite).
+One block holds every op, each on its own input with its own output, and one graph holds the block twice (default and
+uneven lengths), so one compile per backend covers every op while each op's forward and gradient are still compared
+alone (inductor compiles are slow: one in the suite).
 """
 
 from __future__ import annotations

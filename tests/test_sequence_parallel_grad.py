@@ -54,8 +54,8 @@ def _check_seed_composition(chk: Checks, ctx, P: int, r: int, S: int, rank0_only
     chk.close(tag + "loss", loss.detach(), ref_loss.detach())
     zero = rank0_only and r != 0 and P > 1
     chk.close(tag + "input grad", x.grad, torch.zeros_like(X) if zero else ref_grads[0])
-    # Parameters are replicated and each rank saw its own chunk: their gradients are partial. The exact rule
-    # wants them summed over the group; legacy scaling multiplied each by P, so it wants them averaged.
+    # Parameters are replicated and each rank saw its own chunk: their gradients are partial. The exact rule wants them
+    # summed over the group; legacy scaling multiplied each by P, so it wants them averaged.
     summed = _sum_over_group([p.grad for p in ps], ctx.get_group(SP))
     for i, (got, want) in enumerate(zip(summed, ref_grads[1:])):
         chk.close(tag + f"param {i} grad", got / P if legacy else got, want)
@@ -145,8 +145,8 @@ def _gradchecks(chk: Checks, P: int) -> None:
 
     (X,) = data(3, (1, 5, 2))
     q, k, v = (t.requires_grad_() for t in data(4, (1, 3, 4, 1), (1, 3, 4, 1), (1, 3, 4, 1)))
-    # fast_mode checks the Jacobian along random directions instead of element by element: far fewer
-    # collectives, which are slow on a loaded machine with 4 ranks. Element by element up to 2 ranks.
+    # fast_mode checks the Jacobian along random directions instead of element by element: far fewer collectives, which
+    # are slow on a loaded machine with 4 ranks. Element by element up to 2 ranks.
     fast = P > 2
     chk.true(
         "gradcheck scatter->tanh->gather",

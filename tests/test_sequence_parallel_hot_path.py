@@ -120,8 +120,8 @@ def _task_debug(rank: int, size: int, url: str) -> dict:
 
 def test_debug_mode_names_every_ranks_length_before_sending(world2) -> None:
     results = world2.run(_task_debug, timeout=90)
-    # The fingerprint of the wire tensors names each rank's length along the sequence (4 on rank 0, 3 on rank 1),
-    # as a row shape [4, ...] vs [3, ...] or as the rows each rank sends and expects.
+    # The fingerprint of the wire tensors names each rank's length along the sequence (4 on rank 0, 3 on rank 1), as a
+    # row shape [4, ...] vs [3, ...] or as the rows each rank sends and expects.
     named = {
         "all_to_all": (
             "rows of shape [2, 4, 2, 3] on global ranks [0]; float64 rows of shape [2, 3, 2, 3] on global ranks [1]"

@@ -1,8 +1,7 @@
 """Backward takes any gradient layout autograd produces: expanded (``.sum()``), ``.mean()``, sliced, transposed.
 
-For every op (both ``rank0_only`` settings) and ``ulysses_attention``, each
-rank's loss is a different function of the op's output; the oracle is
-single-process autograd of the same total loss on the full tensor.
+For every op (both ``rank0_only`` settings) and ``ulysses_attention``, each rank's loss is a different function of the
+op's output; the oracle is single-process autograd of the same total loss on the full tensor.
 """
 
 from __future__ import annotations

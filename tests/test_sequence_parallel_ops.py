@@ -1,8 +1,8 @@
 """Each sequence-parallel op alone: forward values and float64 gradients against single-process torch on the full
 tensor.
 
-One task per world runs the whole battery (even and uneven lengths, several
-dims, every group form), so the spawned ranks are reused.
+One task per world runs the whole battery (even and uneven lengths, several dims, every group form), so the spawned
+ranks are reused.
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ def _check_regions(
     for rank0_only in (False, True):
         x = X.split(split, dim)[r].clone().requires_grad_()
         y = sp.gather_from_sequence_parallel_region(x, rank0_only, dim=dim, mode=mode, seq_lens=gathered)
-        # Every rank computes its own loss from the output; the contract says which ones count:
-        # rank0_only=False assumes they are the same loss (replicated), rank0_only=True counts the first rank's.
+        # Every rank computes its own loss from the output; the contract says which ones count: rank0_only=False assumes
+        # they are the same loss (replicated), rank0_only=True counts the first rank's.
         (y * (Wf[r] if rank0_only else Wf[0])).sum().backward()
         chk.equal(f"{tag}gather r0={rank0_only} forward", y, X)
         chk.equal(f"{tag}gather r0={rank0_only} grad", x.grad, Wf[0].split(split, dim)[r])

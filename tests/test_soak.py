@@ -1,7 +1,7 @@
 """Soak: thousands of mixed collectives over three modes on 2 gloo ranks, async handles waited out of order.
 
-Every result is compared with its value worked out here in plain torch from the inputs (each rank's input
-is a function of its global rank and the step). Run with ``-s`` to see ops/s.
+Every result is compared with its value worked out here in plain torch from the inputs (each rank's input is a function
+of its global rank and the step). Run with ``-s`` to see ops/s.
 """
 
 from __future__ import annotations

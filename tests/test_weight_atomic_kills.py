@@ -3,10 +3,9 @@
 A connected mode of 5 members: the 4 ranks of a spawned world (rank 0 the trainer, member 0; ranks 1 to 3 engines that
 survive, members 1, 3 and 4) and a victim engine, member 2, a process of its own per round (started up front, each
 waiting for its round). The sync relays (the default over gloo): 0 -> 1 -> 2 -> 3 -> 4, so the victim is a relay with
-two engines downstream of it. Round ``k``
-syncs version ``k + 1`` atomically and the victim dies at its point; the survivors re-form the mode with the next
-victim. The oracle is the test's: the digest of each tensor of the state the trainer sent, from its definition
-(tests/digest_oracle.py).
+two engines downstream of it. Round ``k`` syncs version ``k + 1`` atomically and the victim dies at its point; the
+survivors re-form the mode with the next victim. The oracle is the test's: the digest of each tensor of the state the
+trainer sent, from its definition (tests/digest_oracle.py).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """A relay that dies mid-transfer, in a gloo group with no watch (no connected mode): every member fails within seconds.
 
-The group: the source (group rank 0, world rank 0), the victim (group rank 1, a process of its own, first in the
-chain), and two engines downstream of it (group ranks 2 and 3, world ranks 1 and 2). The group's timeout is long:
-nobody may wait it out.
+The group: the source (group rank 0, world rank 0), the victim (group rank 1, a process of its own, first in the chain),
+and two engines downstream of it (group ranks 2 and 3, world ranks 1 and 2). The group's timeout is long: nobody may
+wait it out.
 """
 
 from __future__ import annotations

@@ -150,10 +150,10 @@ def test_collectives_per_call_are_bounded_by_buckets_not_tensors(world2) -> None
     """24 tensors (3 of at least 256 KiB, 21 small): 3 pieces in place and 1 bucket, plus one exchange of the verdicts.
 
     Over gloo each unit is a send from the source and a receive on the destination; the exchange is a send of the
-    destination's words to group rank 0 and a send of the table back; the destination tells the source with one
-    more message that its receives are posted, and with two receipts (the bucket's, the whole transfer's) that it
-    received. The first call and a call after the manifest changed also broadcast the manifest (2 broadcasts: its
-    size, then its bytes) and share each rank's verdict on it (a second exchange).
+    destination's words to group rank 0 and a send of the table back; the destination tells the source with one more
+    message that its receives are posted, and with two receipts (the bucket's, the whole transfer's) that it received.
+    The first call and a call after the manifest changed also broadcast the manifest (2 broadcasts: its size, then its
+    bytes) and share each rank's verdict on it (a second exchange).
     """
     results = world2.run(_count)
     assert results[1]["final"] == results[0]["final"]
@@ -208,8 +208,7 @@ def _instrumented(rank: int, size: int, url: str) -> dict:
         "ids": torch.arange(7) * rank,
     }
     # Conjugate views on the source into plain destination tensors: a broadcast of the view's bytes refused it, a copy
-    # of
-    # its memory sent the conjugate.
+    # of its memory sent the conjugate.
     small, big = (
         torch.randn(4, generator=gen, dtype=torch.complex64),
         torch.randn(*BIG, generator=gen, dtype=torch.complex64),
@@ -518,8 +517,8 @@ def _source_stages_more(rank: int, size: int, url: str) -> dict:
     ctx.init_weight_transfer_group(src=0, dst_ranks=[1])
     gen = torch.Generator().manual_seed(rank)
     # Buckets of 1 KiB: two small tensors fill the first bucket, the third opens the last one. The large tensor travels
-    # in place here but is staged on the source (transposed there): the source needs the first bucket's receipt
-    # before it can send it, while this rank posted every receive at once.
+    # in place here but is staged on the source (transposed there): the source needs the first bucket's receipt before
+    # it can send it, while this rank posted every receive at once.
     state = {f"small{i}": torch.randn(100, generator=gen) for i in range(3)}
     big = torch.randn(64, 64, generator=gen)
     state["big"] = big.t().contiguous().t() if rank == 0 else big

@@ -1,10 +1,10 @@
 """broadcast_state_dict the way a device backend runs it, and on a group outside torch's world.
 
 A stand-in communicator whose backend is not gloo makes a gloo group take NCCL's path: the handshake all-gathers, the
-manifest and every unit are broadcasts. On CPU that checks the path's logic and that it needs no world (no world
-store, no world group: the group is built from a store of its own, as a cross-world connection builds it); with a GPU,
-the same stand-in on ``cuda:0`` checks that the handshake waits for nothing the caller queued and reads no device
-tensor back with ``tolist``/``item``, and that host tensors are staged through pinned memory.
+manifest and every unit are broadcasts. On CPU that checks the path's logic and that it needs no world (no world store,
+no world group: the group is built from a store of its own, as a cross-world connection builds it); with a GPU, the same
+stand-in on ``cuda:0`` checks that the handshake waits for nothing the caller queued and reads no device tensor back
+with ``tolist``/``item``, and that host tensors are staged through pinned memory.
 """
 
 from __future__ import annotations
@@ -112,8 +112,7 @@ def test_a_group_outside_the_world_and_the_device_backends_path(world4) -> None:
                 rank,
             )
     # The device backends' path, steady state: one all-gather for the handshake, a broadcast per unit (3: "big" in
-    # place,
-    # "big_t" staged, one bucket of the rest), nothing point to point.
+    # place, "big_t" staged, one bucket of the rest), nothing point to point.
     for r in results:
         first, steady = r["BCAST.counts"]
         assert steady == {"allgather": 1, "broadcast": 3}, steady

@@ -95,8 +95,8 @@ def test_a_failure_midway_says_what_each_member_holds(world4) -> None:
 def _sync_group(rank: int, url: str):
     """A 3-member gloo group outside any world (a file store of its own): the trainer, the engine that dies, a survivor.
 
-    The members first meet in the store (the engine process may still be starting torch), then build the group with
-    the timeout the transfer runs under (long: nobody may wait it out).
+    The members first meet in the store (the engine process may still be starting torch), then build the group with the
+    timeout the transfer runs under (long: nobody may wait it out).
     """
     import torch.distributed as dist
 

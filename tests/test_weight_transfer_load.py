@@ -200,8 +200,8 @@ def test_a_fused_engine_loads_the_trainers_names_within_two_buffers(world4) -> N
         for lo, hi in itertools.pairwise([0, *ends]):
             assert sorted(n for c in calls[lo:hi] for n in c) == names  # every name once per sync
         first = calls[: ends[0]]
-        # The engine kept the shards of a fused weight across calls if they came apart; they never did: every layer
-        # came in one call, at every bucket size.
+        # The engine kept the shards of a fused weight across calls if they came apart; they never did: every layer came
+        # in one call, at every bucket size.
         assert r["open_after"] == [[]] * len(calls), r["open_after"]
         for call in calls:
             for i in {n.split(".")[1] for n in call if n.startswith("layers.")}:

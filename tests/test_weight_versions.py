@@ -1,8 +1,8 @@
 """Versioned, verified, all-or-nothing weight syncs on one spawned world of 4 ranks (one task, many cases).
 
-Rank 0 is the trainer (the source), ranks 1 to 3 engines: rank 1 and 2 in place, rank 3 through a ``load`` callable.
-The oracles are the test's own: each tensor's digest computed from its definition (tests/digest_oracle.py) on the
-values each rank holds, and the bytes counted from the tensors' sizes.
+Rank 0 is the trainer (the source), ranks 1 to 3 engines: rank 1 and 2 in place, rank 3 through a ``load`` callable. The
+oracles are the test's own: each tensor's digest computed from its definition (tests/digest_oracle.py) on the values
+each rank holds, and the bytes counted from the tensors' sizes.
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """Reusable worlds of spawned gloo ranks for multi-process tests.
 
-Starting a process and importing torch is the slow part of a multi-rank test,
-so a :class:`World` keeps its ranks alive across tests and hands each of them
-one task at a time. Ranks are forked from a fork server (``forkserver``): a
-process started once per test process that imports torch and the library and
-does nothing else, so every rank starts from that clean single-purpose process
-(never from pytest's, with its threads and state) without importing torch again. Every task gets a fresh file store (no
-ports, nothing
-shared between xdist workers) and every rank destroys its process groups and
+Starting a process and importing torch is the slow part of a multi-rank test, so a :class:`World` keeps its ranks alive
+across tests and hands each of them one task at a time. Ranks are forked from a fork server (``forkserver``): a process
+started once per test process that imports torch and the library and does nothing else, so every rank starts from that
+clean single-purpose process (never from pytest's, with its threads and state) without importing torch again. Every task
+gets a fresh file store (no ports, nothing shared between xdist workers) and every rank destroys its process groups and
 restores its environment afterwards, so tests stay independent. Every wait is
 bounded: a rank that does not report in time fails the test with every
-rank's traceback or fate. After any failure the world is killed and started
-again for the next test.
+rank's traceback or fate. After any failure the world is killed and started again for the next test.
 """
 
 from __future__ import annotations
@@ -28,8 +24,8 @@ from collections.abc import Callable
 from typing import Any
 
 DEFAULT_TIMEOUT = 60.0
-# After one rank fails, peers blocked in a collective it skipped never report:
-# wait this long for them instead of the full timeout.
+# After one rank fails, peers blocked in a collective it skipped never report: wait this long for them instead of the
+# full timeout.
 FAILURE_GRACE = 5.0
 # How long a rank that finished waits for the go-ahead to tear down (the parent sends it once every rank reported).
 CLEANUP_WAIT = 300.0
@@ -93,9 +89,9 @@ def _worker_main(rank: int, size: int, tasks: Any, results: Any) -> None:
             report = (task_id, rank, False, "could not send the result back:\n" + traceback.format_exc())
             results.put(("report", *report))
         if report[2]:
-            # A rank that finished must not tear its groups down while a peer is still opening connections
-            # to them (gloo's connectFullMesh then fails on the peer): wait for the parent's go-ahead. A rank
-            # that failed tears down at once, so peers blocked in a collective it skipped fail fast.
+            # A rank that finished must not tear its groups down while a peer is still opening connections to them
+            # (gloo's connectFullMesh then fails on the peer): wait for the parent's go-ahead. A rank that failed tears
+            # down at once, so peers blocked in a collective it skipped fail fast.
             try:
                 message = tasks.get(timeout=CLEANUP_WAIT)
             except queue.Empty:

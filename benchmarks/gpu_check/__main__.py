@@ -1,8 +1,7 @@
 """``python benchmarks/gpu_check`` (or ``python -m benchmarks.gpu_check`` in the checkout): the GPU check's command.
 
-Run as a folder, this file has no package and its own folder is ``sys.path[0]``:
-the checkout takes that place, so the package's modules (and the rank and pytest
-processes it starts, which get the checkout on ``PYTHONPATH``) import as
+Run as a folder, this file has no package and its own folder is ``sys.path[0]``: the checkout takes that place, so the
+package's modules (and the rank and pytest processes it starts, which get the checkout on ``PYTHONPATH``) import as
 ``benchmarks.gpu_check._*`` whichever way the command was started.
 """
 

@@ -1,8 +1,8 @@
 """The GPU check's cells' configuration and oracles: each rank's inputs, what a reduction of them gives, a byte
 comparison.
 
-The inputs of every rank are a pure function of its global rank, so each rank
-computes on the CPU, in a wide dtype, what every result must be, and compares
+The inputs of every rank are a pure function of its global rank, so each rank computes on the CPU, in a wide dtype, what
+every result must be, and compares
 bytes: small integers (0..4) are exact in every dtype, and so are their sums
 over 4 ranks.
 """

@@ -1,13 +1,12 @@
 """The GPU check's cells: one rank's record of what each call gave, kept even when the rank hangs or dies.
 
-A cell is one call of one configuration (an op, a dtype, sync or async,
-plain, stats or debug mode; or one probe). Its status:
+A cell is one call of one configuration (an op, a dtype, sync or async, plain, stats or debug mode; or one probe). Its
+status:
 
-* ``ok``: it ran and every result equals the oracle (computed on the CPU from
-  every rank's inputs, not by the library);
+* ``ok``: it ran and every result equals the oracle (computed on the CPU from every rank's inputs, not by the library);
 * ``wrong``: it ran and a result differs (the detail shows both);
-* ``refused``: the library's own local check raised ``TypeError`` /
-  ``ValueError`` (a documented refusal, e.g. a reduction NCCL lacks);
+* ``refused``: the library's own local check raised ``TypeError`` / ``ValueError`` (a documented refusal, e.g. a
+  reduction NCCL lacks);
 * ``backend_refused``: the backend's own check refused it (the library says so);
 * ``error``: any other exception (type and message kept);
 * ``differs``: a probe observed something other than what the docs state;
@@ -15,9 +14,8 @@ plain, stats or debug mode; or one probe). Its status:
 * ``n/a``: the configuration does not apply (a send at world size 1);
 * ``skipped``: not run (no time left, or the group fell out of step).
 
-Each rank appends a ``start`` line before a cell and the cell after it to a
-JSON-lines file, flushed at once: a cell that started and never finished is
-where a rank hung or died, which the parent reports.
+Each rank appends a ``start`` line before a cell and the cell after it to a JSON-lines file, flushed at once: a cell
+that started and never finished is where a rank hung or died, which the parent reports.
 """
 
 from __future__ import annotations
@@ -110,9 +108,8 @@ class Recorder:
     def run(self, name: str, fn: Callable[[], Any], min_s: float = 1.0, **fields: Any) -> dict[str, Any]:
         """Run one cell: ``fn()`` returns ``(status, detail)``, or anything else for ok; an exception is classified.
 
-        Skipped without calling ``fn`` when the run stopped or less than
-        ``min_s`` seconds are left. With a lockstep, every rank then learns
-        how the cell ended everywhere; a disagreement stops the run.
+        Skipped without calling ``fn`` when the run stopped or less than ``min_s`` seconds are left. With a lockstep,
+        every rank then learns how the cell ended everywhere; a disagreement stops the run.
         """
         if self.stopped:
             return self.record(name, "skipped", self.stopped, **fields)
@@ -141,13 +138,11 @@ class Lockstep:
     """After each cell, every rank posts how it ended (nothing raised, or the exception type) through a store, and reads
     the others'.
 
-    A cell that raised the same way on every rank (a refusal every rank makes,
-    or that debug mode told every rank) leaves the ranks in step, and so does
-    one that raised something other than a ``RuntimeError`` on some ranks only
-    (a receiver that cannot unpickle what arrived, a check of this script).
-    A ``RuntimeError`` (a failed collective, a timeout, a CUDA error) on some
-    ranks only, or a peer that does not report within ``timeout`` seconds, may
-    leave a collective half-entered: the run stops.
+    A cell that raised the same way on every rank (a refusal every rank makes, or that debug mode told every rank)
+    leaves the ranks in step, and so does one that raised something other than a ``RuntimeError`` on some ranks only (a
+    receiver that cannot unpickle what arrived, a check of this script). A ``RuntimeError`` (a failed collective, a
+    timeout, a CUDA error) on some ranks only, or a peer that does not report within ``timeout`` seconds, may leave a
+    collective half-entered: the run stops.
 
     Args:
         store: A ``torch.distributed.Store`` every rank of the run shares.

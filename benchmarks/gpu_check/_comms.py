@@ -1,9 +1,9 @@
 """The GPU check's test-only communicators (registered when imported; never part of the library).
 
-* ``gpu_check_cuda_gloo``: gloo's transport with NCCL's device rules on a CUDA
-  device, so the NCCL-only Python branches run with several ranks on one GPU.
-* ``gpu_check_wrong_gloo``: gloo with a deliberately wrong ``all_reduce``, which
-  the check's own test makes the matrix report.
+* ``gpu_check_cuda_gloo``: gloo's transport with NCCL's device rules on a CUDA device, so the NCCL-only Python branches
+  run with several ranks on one GPU.
+* ``gpu_check_wrong_gloo``: gloo with a deliberately wrong ``all_reduce``, which the check's own test makes the matrix
+  report.
 """
 
 from __future__ import annotations
@@ -31,12 +31,10 @@ def set_cuda_gloo_device(device: torch.device) -> None:
 class CudaGlooCommunicator(GlooCommunicator):
     """Test only: a gloo group whose communicator stages on a CUDA device and refuses what NCCL refuses.
 
-    gloo runs 4 ranks with CUDA tensors on one GPU, where NCCL refuses two. The
-    library's branches that depend on the communicator's device (weight
-    transfer's broadcast path and GPU buckets, the object collectives' and
-    ``all_reduce_dict``'s staging, stats' CUDA events) then run with
-    cross-rank effects; NCCL's dtype table runs in the local checks (and in
-    debug mode's verdicts).
+    gloo runs 4 ranks with CUDA tensors on one GPU, where NCCL refuses two. The library's branches that depend on the
+    communicator's device (weight transfer's broadcast path and GPU buckets, the object collectives' and
+    ``all_reduce_dict``'s staging, stats' CUDA events) then run with cross-rank effects; NCCL's dtype table runs in the
+    local checks (and in debug mode's verdicts).
     """
 
     supported_dtypes = NcclCommunicator.supported_dtypes

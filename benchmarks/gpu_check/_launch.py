@@ -1,9 +1,8 @@
 """The GPU check's processes: every rank and every command in its own session, bounded, killed by process group.
 
-A rank or a command that hangs is killed with its whole process group (the
-bench's and pytest's own spawned ranks with it) at its deadline, and waited
-for, so nothing of one step holds the GPU during the next. A rank's cells
-survive its death: they are read back from its JSON-lines file.
+A rank or a command that hangs is killed with its whole process group (the bench's and pytest's own spawned ranks with
+it) at its deadline, and waited for, so nothing of one step holds the GPU during the next. A rank's cells survive its
+death: they are read back from its JSON-lines file.
 """
 
 from __future__ import annotations
@@ -48,8 +47,8 @@ def kill_all() -> None:
 def _kill(proc: subprocess.Popen) -> None:
     """SIGKILL ``proc``'s process group (it leads its own session: its own children too), then reap it.
 
-    Also called once ``proc`` has exited, for children it left behind; the
-    group's id cannot be reused while any of them lives.
+    Also called once ``proc`` has exited, for children it left behind; the group's id cannot be reused while any of them
+    lives.
     """
     try:
         os.killpg(proc.pid, signal.SIGKILL)

@@ -1,8 +1,7 @@
 """The GPU check's op matrix: every library op x dtype x sync/async x plain/stats/debug mode, each against an oracle.
 
-Written for any group (world size 1 on NCCL, 2 NCCL ranks, 4 gloo ranks with
-CUDA tensors, gloo on the CPU as a self-test), any root and any device; the
-ops are in :mod:`._ops`, the inputs and oracles in :mod:`._case`.
+Written for any group (world size 1 on NCCL, 2 NCCL ranks, 4 gloo ranks with CUDA tensors, gloo on the CPU as a
+self-test), any root and any device; the ops are in :mod:`._ops`, the inputs and oracles in :mod:`._case`.
 """
 
 from __future__ import annotations
@@ -84,10 +83,9 @@ def run_matrix(
 ) -> None:
     """Every cell of ``ops`` x ``dtypes`` x ``calls`` x ``modes`` on ``mode``'s group.
 
-    For the sequence-parallel ops, SEQUENCE_PARALLEL is first bound to the
-    mode's ranks with the mode's backend (a cell of its own), unless bound
-    already. A cell's name is ``prefix + "op|dtype|call|mode"`` (dtype ``-``
-    for an op without one).
+    For the sequence-parallel ops, SEQUENCE_PARALLEL is first bound to the mode's ranks with the mode's backend (a cell
+    of its own), unless bound already. A cell's name is ``prefix + "op|dtype|call|mode"`` (dtype ``-`` for an op without
+    one).
     """
     ctx = CommContext()
     ops = list(ops or OPS)

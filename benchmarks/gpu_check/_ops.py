@@ -1,9 +1,8 @@
 """The GPU check's ops: every library op as a cell function ``op(case) -> checks``, and the table the matrix runs.
 
-Each op builds its inputs from the case (every rank's are known to every
-rank), calls the library (the facades, a communicator method where no facade
-exists, the sequence-parallel ops, weight transfer), and returns what to
-compare against the oracle. Roots are global ranks.
+Each op builds its inputs from the case (every rank's are known to every rank), calls the library (the facades, a
+communicator method where no facade exists, the sequence-parallel ops, weight transfer), and returns what to compare
+against the oracle. Roots are global ranks.
 """
 
 from __future__ import annotations

@@ -195,9 +195,8 @@ def groups(rec: Recorder, device: torch.device) -> None:
 def refusal_travels(rec: Recorder, mode: str, device: torch.device) -> None:
     """Debug mode: group rank 1 alone passes uint16; every rank must raise, naming it.
 
-    Where the backend cannot move uint16 (NCCL's dtype table) that is rank 1's
-    refusal, a ``ValueError`` on every rank; where it can (gloo), a
-    ``CommMismatchError`` naming both dtypes.
+    Where the backend cannot move uint16 (NCCL's dtype table) that is rank 1's refusal, a ``ValueError`` on every rank;
+    where it can (gloo), a ``CommMismatchError`` naming both dtypes.
     """
     ctx = CommContext()
     comm = ctx.get_communicator(mode)
@@ -226,8 +225,8 @@ def skip_call(rec: Recorder, device: torch.device, store_dir: str, timeout: floa
     """Rank 0 calls an all_reduce that rank 1 skips, on a group of 2 with a ``timeout`` of its own: what the caller
     gets, and after how long.
 
-    Rank 1 holds on (alive, not calling) for up to ``hold_s`` seconds. A
-    death of rank 0 is what the parent sees (its exit and when).
+    Rank 1 holds on (alive, not calling) for up to ``hold_s`` seconds. A death of rank 0 is what the parent sees (its
+    exit and when).
     """
     ctx = CommContext()
     rec.run(f"init_group([0, 1], timeout={timeout:g})", lambda: ctx.init_group([0, 1], "PROBE", timeout=timeout))

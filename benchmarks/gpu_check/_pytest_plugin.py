@@ -1,10 +1,9 @@
 """pytest plugin of the GPU check's CUDA tests step: keep only the tests that need CUDA, and list them as collected.
 
 Selected: every test of the NCCL test files, and every test with a
-``skipif`` whose reason names CUDA, a GPU or NCCL and whose condition is
-false on this machine (so it runs here, and skips without CUDA). The ids go to
-the file named by ``GPU_CHECK_SELECTED`` before any test runs, so the report
-lists them even when pytest is killed.
+``skipif`` whose reason names CUDA, a GPU or NCCL and whose condition is false on this machine (so it runs here, and
+skips without CUDA). The ids go to the file named by ``GPU_CHECK_SELECTED`` before any test runs, so the report lists
+them even when pytest is killed.
 """
 
 from __future__ import annotations

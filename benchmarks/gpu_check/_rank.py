@@ -1,12 +1,10 @@
 """One rank of a GPU check run: ``python -m benchmarks.gpu_check._rank SPEC_JSON RANK`` in the checkout (started by
 :mod:`._launch`).
 
-The spec names the run (see :data:`RUNS`), the backend, the device, the
-world's timeout, the root and what part of the matrix to run. Every outcome
-goes to this rank's JSON-lines file as it happens; a dump of every thread's
-stack goes to the log shortly before the parent would kill a hung rank.
-The process ends with ``os._exit``, so no interpreter teardown (torch's
-atexit hooks on a broken NCCL group) can hang it.
+The spec names the run (see :data:`RUNS`), the backend, the device, the world's timeout, the root and what part of the
+matrix to run. Every outcome goes to this rank's JSON-lines file as it happens; a dump of every thread's stack goes to
+the log shortly before the parent would kill a hung rank. The process ends with ``os._exit``, so no interpreter teardown
+(torch's atexit hooks on a broken NCCL group) can hang it.
 """
 
 from __future__ import annotations

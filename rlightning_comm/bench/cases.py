@@ -1,10 +1,8 @@
 """One benchmark case per op and size: buffers, the library call, the raw torch.distributed call, the check.
 
-Data are small random integers (0..10) in the bench's dtype, seeded by
-(group rank, phase, length), so every rank can compute what every other rank
-sends and every expected result is exact in every dtype. Two phases with
-different data alternate, and outputs are poisoned before each call, so a
-stale or missing result is a wrong result, not a pass.
+Data are small random integers (0..10) in the bench's dtype, seeded by (group rank, phase, length), so every rank can
+compute what every other rank sends and every expected result is exact in every dtype. Two phases with different data
+alternate, and outputs are poisoned before each call, so a stale or missing result is a wrong result, not a pass.
 """
 
 from __future__ import annotations

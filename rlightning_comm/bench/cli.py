@@ -1,13 +1,12 @@
 """``rlightning-comm bench`` / ``python -m rlightning_comm.bench``: arguments, and where the ranks come from.
 
-Under a launcher (``RANK`` and ``WORLD_SIZE`` set, as torchrun sets them)
-this process is one rank of the launcher's world (``env://``). Otherwise it
-spawns ``--nproc`` local ranks that meet through a file store in a temporary
-directory (no port is opened), and waits for them: a rank that fails brings
-the others down after a short grace period instead of leaving them hanging.
+Under a launcher (``RANK`` and ``WORLD_SIZE`` set, as torchrun sets them) this process is one rank of the launcher's
+world (``env://``). Otherwise it spawns ``--nproc`` local ranks that meet through a file store in a temporary directory
+(no port is opened), and waits for them: a rank that fails brings the others down after a short grace period instead of
+leaving them hanging.
 
-Exit status: 0 when every result was right, 1 when any was wrong, 2 on an
-error (bad arguments, a rank that crashed or hung).
+Exit status: 0 when every result was right, 1 when any was wrong, 2 on an error (bad arguments, a rank that crashed or
+hung).
 """
 
 from __future__ import annotations

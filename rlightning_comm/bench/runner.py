@@ -1,18 +1,15 @@
 """The per-rank sweep: every op, every size, the library and raw torch.distributed interleaved, every result checked.
 
-The overhead column is the cold per-call ratio a training loop sees (each
-call alone after a barrier, the two paths interleaved on the same buffers),
-and with ``--repeat N`` the median of N independent measurements with their
-spread, so noise can be told from cost.
+The overhead column is the cold per-call ratio a training loop sees (each call alone after a barrier, the two paths
+interleaved on the same buffers), and with ``--repeat N`` the median of N independent measurements with their spread, so
+noise can be told from cost.
 
 Timing: each call is timed on its own (wall clock; on CUDA the device is
-synchronised before the call and the timer stops after a second
-synchronisation), after a barrier so the ranks start together (the process group's own, which runs no Python of
-either path); inputs are reset and outputs poisoned before the
-barrier, and results are checked after the timer stops. The library's call
-and the raw call alternate within each iteration, swapping which goes first,
-so both see the same machine. A row reports, per path, the median over the
-timed calls on each rank, then the slowest rank's median.
+synchronised before the call and the timer stops after a second synchronisation), after a barrier so the ranks start
+together (the process group's own, which runs no Python of either path); inputs are reset and outputs poisoned before
+the barrier, and results are checked after the timer stops. The library's call and the raw call alternate within each
+iteration, swapping which goes first, so both see the same machine. A row reports, per path, the median over the timed
+calls on each rank, then the slowest rank's median.
 """
 
 from __future__ import annotations

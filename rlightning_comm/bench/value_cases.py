@@ -73,8 +73,8 @@ def torch_objects_available() -> bool:
 class BroadcastObjectList(Case):
     """One ``bytes`` object of ``size`` bytes, from the group's first rank.
 
-    The raw side is ``torch.distributed.broadcast_object_list``, which needs
-    numpy to receive: without numpy the sweep skips this op and says why.
+    The raw side is ``torch.distributed.broadcast_object_list``, which needs numpy to receive: without numpy the sweep
+    skips this op and says why.
     """
 
     def setup(self, size: int, dict_keys: int) -> None:

@@ -1,8 +1,7 @@
 """Local checks of a communicator's arguments, made before any collective starts.
 
-A bad argument raises here, on the rank that passed it, instead of reaching
-the backend (where it could hang the peers or fail obscurely). Each
-collective ``op`` has one ``_check_<op>`` method taking the public method's
+A bad argument raises here, on the rank that passed it, instead of reaching the backend (where it could hang the peers
+or fail obscurely). Each collective ``op`` has one ``_check_<op>`` method taking the public method's
 parameters: it runs every local check the op makes, never communicates and
 changes nothing. Debug mode calls them before its fingerprint exchange.
 """
@@ -35,9 +34,8 @@ def reduce_op_type(op: Any) -> Any:
 def launched_op(op: Any, dtype: torch.dtype) -> Any:
     """The op to launch for ``op`` on ``dtype``: a bool SUM runs as MAX, a logical or.
 
-    torch's NCCL backend does the same; gloo would add the bytes and leave
-    bools that are neither ``True`` nor ``False`` (a byte 2 compares unequal to
-    both).
+    torch's NCCL backend does the same; gloo would add the bytes and leave bools that are neither ``True`` nor ``False``
+    (a byte 2 compares unequal to both).
     """
     op = reduce_op_type(op)
     return ReduceOp.MAX if op is ReduceOp.SUM and dtype is torch.bool else op

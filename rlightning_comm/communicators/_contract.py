@@ -1,11 +1,9 @@
 """The extension points of :class:`Communicator`, checked when a subclass is created and when it is registered.
 
-A subclass that gets one wrong would otherwise fail on its first slow-path
-call with a bare ``TypeError`` (a one-argument ``check_device``), or never
-(an ``on_device`` written as a method takes ``self`` as its first tensor).
-:func:`check_shapes` runs at class creation on what the class itself
-defines; :func:`check_complete` runs at registration on the whole class.
-Both raise one ``TypeError`` that lists every problem.
+A subclass that gets one wrong would otherwise fail on its first slow-path call with a bare ``TypeError`` (a
+one-argument ``check_device``), or never (an ``on_device`` written as a method takes ``self`` as its first tensor).
+:func:`check_shapes` runs at class creation on what the class itself defines; :func:`check_complete` runs at
+registration on the whole class. Both raise one ``TypeError`` that lists every problem.
 """
 
 from __future__ import annotations

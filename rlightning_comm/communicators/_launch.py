@@ -1,29 +1,24 @@
 """The eager launch: the process group called directly, with option objects built once when the communicator is bound.
 
-``torch.distributed.all_reduce(t, group=pg)`` builds an options object, looks
-up the group rank of ``src``, checks the tensor and the membership again,
-consults the coalescing manager and goes through a logging wrapper on every
-call. A communicator knows its group, its ranks and its checks, so on the
-eager path it calls ``pg.allreduce([t], opts)`` with ``opts`` built at bind
-time and ``src``'s group rank read from a dict. What that skips, decided:
+``torch.distributed.all_reduce(t, group=pg)`` builds an options object, looks up the group rank of ``src``, checks the
+tensor and the membership again, consults the coalescing manager and goes through a logging wrapper on every call. A
+communicator knows its group, its ranks and its checks, so on the eager path it calls ``pg.allreduce([t], opts)`` with
+``opts`` built at bind time and ``src``'s group rank read from a dict. What that skips, decided:
 
 * torch's ``_coalescing_manager`` (a private API) is consulted only for its
   state (``group in _compat.COALESCING``, a dict lookup): inside a manager on
-  the communicator's group, ``all_reduce``, ``all_gather`` and
-  ``reduce_scatter`` go to ``torch.distributed``, which records them for the
-  manager's one coalesced call; the other ops are refused.
-* c10d's exception logger: the library translates every backend failure into
-  its own error (naming the mode, the op and the timeout) instead.
-* ``__torch_function__`` dispatch and dynamo: a tensor subclass or an active
-  torch function mode, and tracing under ``torch.compile``, take the
-  ``torch.distributed`` function itself (``compiling() or has_torch_function_unary(t)``
-  at the top of each method), which dynamo rewrites into functional collectives
-  (``broadcast``, which dynamo does not rewrite, calls the functional one itself).
+  the communicator's group, ``all_reduce``, ``all_gather`` and ``reduce_scatter`` go to ``torch.distributed``, which
+  records them for the manager's one coalesced call; the other ops are refused.
+* c10d's exception logger: the library translates every backend failure into its own error (naming the mode, the op and
+  the timeout) instead.
+* ``__torch_function__`` dispatch and dynamo: a tensor subclass or an active torch function mode, and tracing under
+  ``torch.compile``, take the ``torch.distributed`` function itself (``compiling() or has_torch_function_unary(t)`` at
+  the top of each method), which dynamo rewrites into functional collectives (``broadcast``, which dynamo does not
+  rewrite, calls the functional one itself).
 
-What torch's wrappers do that matters is kept: complex tensors go as real
-pairs where torch does it (``all_reduce``, ``broadcast``, ``all_gather``,
-``scatter``, ``all_to_all_single``) and also for ``gather`` (an exact byte
-copy that gloo otherwise refuses), and a blocking call waits for its work.
+What torch's wrappers do that matters is kept: complex tensors go as real pairs where torch does it (``all_reduce``,
+``broadcast``, ``all_gather``, ``scatter``, ``all_to_all_single``) and also for ``gather`` (an exact byte copy that gloo
+otherwise refuses), and a blocking call waits for its work.
 """
 
 from __future__ import annotations
@@ -146,8 +141,7 @@ class DirectLaunch:
         """A blocking launch off the hot path (the object collectives): ``launch()`` returns the backend's work, waited
         here.
 
-        The caller holds the claim. Backend failures become the library's
-        errors naming ``op``.
+        The caller holds the claim. Backend failures become the library's errors naming ``op``.
         """
         try:
             work = launch()

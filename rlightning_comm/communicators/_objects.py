@@ -1,20 +1,16 @@
 """Object broadcast with torch's wire format, without numpy; a safe mode and a size limit for receivers.
 
-torch.distributed.broadcast_object_list needs numpy on the receiving side.
-This sends the same two broadcasts (an int64 tensor of pickle sizes, then
-one uint8 tensor of the concatenated pickles), so peers that call torch's
-version interoperate, and receives the bytes straight into a ``bytearray``.
+torch.distributed.broadcast_object_list needs numpy on the receiving side. This sends the same two broadcasts (an int64
+tensor of pickle sizes, then one uint8 tensor of the concatenated pickles), so peers that call torch's version
+interoperate, and receives the bytes straight into a ``bytearray``.
 
-A receiver takes part in both broadcasts whatever it then decides about the
-bytes, so the sender needs no option and the group stays in step after a
-refusal. Safe mode unpickles with :class:`_PlainUnpickler`, which resolves no
-global except the few that rebuild a plain tensor (and those through checked,
-side-effect-free replacements), so nothing a payload names is ever called; the
-result is then checked to be plain data.
+A receiver takes part in both broadcasts whatever it then decides about the bytes, so the sender needs no option and the
+group stays in step after a refusal. Safe mode unpickles with :class:`_PlainUnpickler`, which resolves no global except
+the few that rebuild a plain tensor (and those through checked, side-effect-free replacements), so nothing a payload
+names is ever called; the result is then checked to be plain data.
 
-torch 2.13 pickles a tensor of some dtypes (float8, uint16/32/64, complex32,
-the bits types) but cannot unpickle it; :func:`dumps` sends such a tensor as
-its bytes and a call that rebuilds it, so it arrives instead of failing on the
+torch 2.13 pickles a tensor of some dtypes (float8, uint16/32/64, complex32, the bits types) but cannot unpickle it;
+:func:`dumps` sends such a tensor as its bytes and a call that rebuilds it, so it arrives instead of failing on the
 receivers only.
 """
 
@@ -42,14 +38,13 @@ def broadcast_objects(
     Args:
         object_list: The objects on the source; a list of the same length elsewhere.
         is_src: Whether this rank sends.
-        broadcast: Broadcasts a tensor in place from the source and returns
-            when it has arrived (so the host reads below never wait on a
-            collective the communicator did not bound).
+        broadcast: Broadcasts a tensor in place from the source and returns when it has arrived (so the host reads below
+            never wait on a collective the communicator did not bound).
         device: Where the payload is staged.
 
     Returns:
-        On a receiver, the ``len(object_list)`` payloads, not unpickled; ``None`` on the source
-        or for an empty list (no collective then).
+        On a receiver, the ``len(object_list)`` payloads, not unpickled; ``None`` on the source or for an empty list (no
+        collective then).
     """
     if not object_list:
         return None
@@ -62,8 +57,8 @@ def broadcast_objects(
     if is_src:
         data = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).to(device)
     else:
-        # Receive into a bytearray (through a tensor view of it on CPU, so no copy at all): bytes(storage)
-        # iterates element by element (8 s for 4 MiB), and a parallel copy into fresh pages is slow on a busy host.
+        # Receive into a bytearray (through a tensor view of it on CPU, so no copy at all): bytes(storage) iterates
+        # element by element (8 s for 4 MiB), and a parallel copy into fresh pages is slow on a busy host.
         lengths = sizes.tolist()  # one device-to-host copy
         buffer = bytearray(sum(lengths))
         host = (
@@ -92,18 +87,17 @@ def all_gather_objects(
 ) -> list[Any]:
     """Every group rank's ``obj``, in group-rank order: torch's ``all_gather_object`` without numpy.
 
-    For the library's own exchanges between trusted ranks: it unpickles what
-    peers send (``Communicator.all_gather_object`` decodes the payloads of
-    :func:`all_gather_payloads` with :func:`decode_gathered` instead).
+    For the library's own exchanges between trusted ranks: it unpickles what peers send
+    (``Communicator.all_gather_object`` decodes the payloads of :func:`all_gather_payloads` with :func:`decode_gathered`
+    instead).
 
     Args:
         obj: This rank's object.
         group: The process group.
         device: Where the payload is staged.
-        gather: ``gather(output, input)`` all-gathers flat tensors and returns
-            when they have arrived (a communicator's own launch); ``None``
-            means the group's own ``all_gather_single`` (which works on a group
-            outside torch's world too).
+        gather: ``gather(output, input)`` all-gathers flat tensors and returns when they have arrived (a communicator's
+            own launch); ``None`` means the group's own ``all_gather_single`` (which works on a group outside torch's
+            world too).
     """
     if gather is None:
         opts = AllgatherOptions()
@@ -232,8 +226,8 @@ def _load(payload: memoryview, what: str, safe: bool, mode: str, op: str) -> Any
 
 
 def _load_storage(data: bytes) -> Any:
-    # torch pickles a storage as a call to torch.storage._load_from_bytes, which
-    # runs torch.load(weights_only=False) on bytes the sender chose.
+    # torch pickles a storage as a call to torch.storage._load_from_bytes, which runs torch.load(weights_only=False) on
+    # bytes the sender chose.
     try:
         storage = torch.load(io.BytesIO(data), weights_only=True)
     except Exception as err:  # noqa: BLE001 - torch.load raises many kinds; each is a refusal

@@ -1,10 +1,9 @@
 """Point-to-point: :meth:`Communicator.send` and :meth:`Communicator.recv`, written for the cold call as the collectives
 are.
 
-``dst`` / ``src`` are global ranks of the group, never this rank. Each pair
-of calls moves the bytes of one tensor (complex as its real pairs); the
-receiver's tensor must have the sender's dtype and number of elements, which
-debug mode checks for each pair (see :mod:`rlightning_comm.debug._p2p`).
+``dst`` / ``src`` are global ranks of the group, never this rank. Each pair of calls moves the bytes of one tensor
+(complex as its real pairs); the receiver's tensor must have the sender's dtype and number of elements, which debug mode
+checks for each pair (see :mod:`rlightning_comm.debug._p2p`).
 """
 
 from __future__ import annotations
@@ -98,9 +97,8 @@ class PointToPoint:
             async_op: Return a work handle instead of waiting (torch's ``irecv``).
 
         Returns:
-            A work handle if ``async_op``, else ``None`` (torch's ``recv``
-            returns the sender's rank, which is ``src`` here); ``None`` on a
-            non-member.
+            A work handle if ``async_op``, else ``None`` (torch's ``recv`` returns the sender's rank, which is ``src``
+            here); ``None`` on a non-member.
         """
         group = self._group
         if group is None:

@@ -1,23 +1,19 @@
 """Packing a dict of numbers and tensors into one buffer for ``all_reduce_dict``, and back.
 
-Three rules keep every rank's buffer laid out alike, whatever order each rank
-built its dict in and whichever device each tensor is on:
+Three rules keep every rank's buffer laid out alike, whatever order each rank built its dict in and whichever device
+each tensor is on:
 
-* **One total key order.** Keys are ordered by :func:`ordered_keys`: ``None``,
-  then real numbers, then strings, then bytes, then tuples of those
-  (lexicographically); within a kind by value. A key outside these kinds (or a
-  NaN) has no order every rank agrees on and is refused.
+* **One total key order.** Keys are ordered by :func:`ordered_keys`: ``None``, then real numbers, then strings, then
+  bytes, then tuples of those (lexicographically); within a kind by value. A key outside these kinds (or a NaN) has no
+  order every rank agrees on and is refused.
 * **Numbers first, then tensors**, each in key order, so the numbers are one
   slice: one host-to-device copy on the way in and one device-to-host copy
-  (``tolist``) on the way out. A tensor on the communicator's device costs no
-  copy; one elsewhere costs one each way.
-* **Exact integers.** With a floating ``dtype`` a dict that holds numbers is
-  reduced in float64 (tensors are cast back to ``dtype``), so an integer count
-  comes back exact while every value and partial result stays within
-  ``2**53`` in magnitude; with an integer ``dtype`` everything is reduced in
-  that dtype. The choice depends only on what every rank must agree on anyway
-  (the dtype, and which keys hold numbers), never on a value's Python type, so
-  ``{"n": 0}`` on one rank and ``{"n": 2.5}`` on another reduce together.
+  (``tolist``) on the way out. A tensor on the communicator's device costs no copy; one elsewhere costs one each way.
+* **Exact integers.** With a floating ``dtype`` a dict that holds numbers is reduced in float64 (tensors are cast back
+  to ``dtype``), so an integer count comes back exact while every value and partial result stays within ``2**53`` in
+  magnitude; with an integer ``dtype`` everything is reduced in that dtype. The choice depends only on what every rank
+  must agree on anyway (the dtype, and which keys hold numbers), never on a value's Python type, so ``{"n": 0}`` on one
+  rank and ``{"n": 2.5}`` on another reduce together.
 """
 
 from __future__ import annotations
@@ -68,8 +64,7 @@ def ordered_keys(dictionary: Mapping[Any, Any], mode: str) -> list[Any]:
     """The keys of ``dictionary`` in the one total order every rank uses.
 
     Raises:
-        TypeError: a key has no place in the order (not None, a real number,
-            str, bytes, or a tuple of those; or a NaN).
+        TypeError: a key has no place in the order (not None, a real number, str, bytes, or a tuple of those; or a NaN).
     """
     keys = list(dictionary)
     if set(map(type, keys)) <= {str}:
@@ -123,8 +118,8 @@ def check(dictionary: Mapping[Any, Any], dtype: Any, mode: str) -> None:
     """Every check :func:`pack` makes, without packing (what ``Communicator._check_all_reduce_dict`` runs).
 
     Raises:
-        TypeError: a key has no place in the total order, a value is neither
-            a real number nor a dense real tensor, or ``dtype`` is not a torch dtype.
+        TypeError: a key has no place in the total order, a value is neither a real number nor a dense real tensor, or
+            ``dtype`` is not a torch dtype.
         ValueError: ``dtype`` is complex.
     """
     check_dtype(dtype, mode)
@@ -148,14 +143,13 @@ def pack(
 ) -> tuple[torch.Tensor | None, Callable[[torch.Tensor], dict[Any, Any]]]:
     """Pack the values of ``dictionary`` into one fresh buffer on ``device`` (layout: see the module docstring).
 
-    Every check of :func:`check` runs before anything is allocated, unless
-    ``checked`` says the caller has just run them.
+    Every check of :func:`check` runs before anything is allocated, unless ``checked`` says the caller has just run
+    them.
 
     Returns:
-        The buffer (``None`` for an empty dict) and a function that turns the
-        reduced buffer into the result dict: numbers as Python floats (ints
-        for an integer ``dtype``), tensors as ``dtype`` tensors of their shape
-        on their own device.
+        The buffer (``None`` for an empty dict) and a function that turns the reduced buffer into the result dict:
+        numbers as Python floats (ints for an integer ``dtype``), tensors as ``dtype`` tensors of their shape on their
+        own device.
 
     Raises:
         TypeError, ValueError: as :func:`check`.

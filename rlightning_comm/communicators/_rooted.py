@@ -1,10 +1,9 @@
 """The rooted tensor collectives of :class:`Communicator`: broadcast, gather, scatter, reduce.
 
-Each is written for the cold call, in its own frame, as the collectives of
-:mod:`._tensor_collectives` (see there): non-member test, one C-level fast
-expression (a plain ``int`` root of the group among its reads), the full
-``_check_<op>`` otherwise, the compiled or ``__torch_function__`` path, and
-the inline launch with the root's options built at bind time.
+Each is written for the cold call, in its own frame, as the collectives of :mod:`._tensor_collectives` (see there):
+non-member test, one C-level fast expression (a plain ``int`` root of the group among its reads), the full
+``_check_<op>`` otherwise, the compiled or ``__torch_function__`` path, and the inline launch with the root's options
+built at bind time.
 """
 
 from __future__ import annotations
@@ -103,8 +102,7 @@ class RootedCollectives:
 
         Args:
             tensor: This rank's contribution.
-            gather_list: On ``dst``, one tensor per rank shaped like ``tensor``;
-                ignored on other ranks.
+            gather_list: On ``dst``, one tensor per rank shaped like ``tensor``; ignored on other ranks.
             dst: Global rank that receives.
             async_op: Return a work handle instead of waiting.
 
@@ -152,8 +150,7 @@ class RootedCollectives:
 
         Args:
             tensor: Output on every rank.
-            scatter_list: On ``src``, one tensor per rank shaped like ``tensor``;
-                ignored on other ranks.
+            scatter_list: On ``src``, one tensor per rank shaped like ``tensor``; ignored on other ranks.
             src: Global rank that sends.
             async_op: Return a work handle instead of waiting.
 
@@ -198,9 +195,8 @@ class RootedCollectives:
         """Reduce ``tensor`` across the group into ``tensor`` on global rank ``dst``.
 
         Args:
-            tensor: Input everywhere, same shape and dtype on every rank; the
-                result on ``dst``. What other ranks' tensors hold afterwards is
-                the backend's business (as in torch): do not read them.
+            tensor: Input everywhere, same shape and dtype on every rank; the result on ``dst``. What other ranks'
+                tensors hold afterwards is the backend's business (as in torch): do not read them.
             dst: Global rank that receives the result.
             op: A ``torch.distributed.ReduceOp`` the backend supports for the dtype.
             async_op: Return a work handle instead of waiting.

@@ -1,30 +1,23 @@
 """The tensor collectives of :class:`Communicator` that every rank feeds alike, each written for the cold call.
 
-The rooted ones (``broadcast``, ``gather``, ``scatter``, ``reduce``) are in
-:mod:`._rooted`, the point-to-point ones (``send``, ``recv``) in :mod:`._p2p`;
-all follow the scheme below.
+The rooted ones (``broadcast``, ``gather``, ``scatter``, ``reduce``) are in :mod:`._rooted`, the point-to-point ones
+(``send``, ``recv``) in :mod:`._p2p`; all follow the scheme below.
 
-Between two collectives a training loop waits on the backend, so every call
-starts cold: each distinct Python frame and each distinct tensor attribute it
-reads costs cache misses (a few microseconds each, against 60 to 100 of a
-whole small gloo call). So each method does its work in its own frame,
-calling out only for the device test and the compile test on the common path:
+Between two collectives a training loop waits on the backend, so every call starts cold: each distinct Python frame and
+each distinct tensor attribute it reads costs cache misses (a few microseconds each, against 60 to 100 of a whole small
+gloo call). So each method does its work in its own frame, calling out only for the device test and the compile test on
+the common path:
 
 1. the non-member test (``None``);
-2. one boolean expression that accepts the common case with C-level reads:
-   dense contiguous tensors of a real dtype on the backend's device
-   (:meth:`Communicator.on_device`), matching dtypes and flat shapes, a
-   plain ``int`` rank of the group. What it does not accept (any other
-   shape, a complex or sparse tensor, a bad argument) goes to the op's full
-   ``_check_<op>`` (:mod:`._checks`), which accepts it or refuses it with the
-   message. The expression accepts a subset of what the full check accepts,
-   never more (``tests/test_fast_path.py`` holds 50 edge inputs to that).
-   ``gather`` and ``scatter`` call their check, whose own fast path covers
-   the root's list;
+2. one boolean expression that accepts the common case with C-level reads: dense contiguous tensors of a real dtype on
+   the backend's device (:meth:`Communicator.on_device`), matching dtypes and flat shapes, a plain ``int`` rank of the
+   group. What it does not accept (any other shape, a complex or sparse tensor, a bad argument) goes to the op's full
+   ``_check_<op>`` (:mod:`._checks`), which accepts it or refuses it with the message. The expression accepts a subset
+   of what the full check accepts, never more (``tests/test_fast_path.py`` holds 50 edge inputs to that). ``gather`` and
+   ``scatter`` call their check, whose own fast path covers the root's list;
 3. the compiled or ``__torch_function__`` path (:mod:`._launch`);
-4. the launch, inline: the one-call claim (:mod:`._threads`), the process
-   group's method with the options built at bind time, the wait, and the
-   failure translation.
+4. the launch, inline: the one-call claim (:mod:`._threads`), the process group's method with the options built at bind
+   time, the wait, and the failure translation.
 """
 
 from __future__ import annotations
@@ -75,11 +68,10 @@ class TensorCollectives:
 
         Raises:
             CommTimeoutError: a peer did not join within the group's timeout (every op).
-            CommError: the backend failed (a peer died, the group broke), or
-                another thread's call is in flight on this communicator (every op).
+            CommError: the backend failed (a peer died, the group broke), or another thread's call is in flight on this
+                communicator (every op).
             TypeError: ``tensor`` is not a tensor.
-            ValueError: non-contiguous tensor, wrong device, or ``op`` unsupported
-                by the backend or the dtype.
+            ValueError: non-contiguous tensor, wrong device, or ``op`` unsupported by the backend or the dtype.
         """
         group = self._group
         if group is None:
@@ -126,9 +118,8 @@ class TensorCollectives:
         """Gather ``input_tensor`` from every rank into ``output_tensor``, concatenated along dim 0.
 
         Args:
-            output_tensor: Shape ``(world_size * n, *rest)`` for an input of
-                shape ``(n, *rest)`` (or ``(world_size, *input.shape)``), same
-                dtype and device as the input.
+            output_tensor: Shape ``(world_size * n, *rest)`` for an input of shape ``(n, *rest)`` (or ``(world_size,
+                *input.shape)``), same dtype and device as the input.
             input_tensor: This rank's contribution.
             async_op: Return a work handle instead of waiting.
 

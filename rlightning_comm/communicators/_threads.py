@@ -1,19 +1,15 @@
 """Any thread may use a communicator, one call at a time; an overlapping call from a second thread is refused.
 
-Two threads issuing collectives on one process group at the same time can
-run them in one order on one rank and in another order on a peer; when the
-shapes agree the collectives pair up wrongly with no error. Waiting for the
-other thread would not help (the order would still differ across ranks), so
-a call that starts while another thread's call is in flight on the same
-process group raises :class:`CommError` naming both threads, before anything
-is sent; the call in flight goes on undisturbed. Calls that follow each other
-are fine from any thread: a pool of threads, a weight-updater thread, a
-gradient hook on autograd's threads.
+Two threads issuing collectives on one process group at the same time can run them in one order on one rank and in
+another order on a peer; when the shapes agree the collectives pair up wrongly with no error. Waiting for the other
+thread would not help (the order would still differ across ranks), so a call that starts while another thread's call is
+in flight on the same process group raises :class:`CommError` naming both threads, before anything is sent; the call in
+flight goes on undisturbed. Calls that follow each other are fine from any thread: a pool of threads, a weight-updater
+thread, a gradient hook on autograd's threads.
 
-The claim belongs to the process group, not to the communicator: every
-communicator made on one group (the mode's, and the one a sequence-parallel op
-makes for the raw ``ProcessGroup`` of that mode) shares one lock, so an
-overlap is refused whichever of them the second call goes through.
+The claim belongs to the process group, not to the communicator: every communicator made on one group (the mode's, and
+the one a sequence-parallel op makes for the raw ``ProcessGroup`` of that mode) shares one lock, so an overlap is
+refused whichever of them the second call goes through.
 
 The claim on the hot path is one non-blocking acquire and one release of a
 re-entrant lock (``threading.RLock``, which knows its owning thread in C)::
@@ -22,9 +18,8 @@ re-entrant lock (``threading.RLock``, which knows its owning thread in C)::
         raise overlap  # another thread holds it
     try: ... launch, wait ... finally: lock.release()
 
-A thread that already holds the claim (``all_reduce_dict`` calling
-``all_reduce``, debug mode's :meth:`_exclusive` around a call) acquires it
-again at once. Under ``torch.compile`` there is no claim: a graph holds no lock.
+A thread that already holds the claim (``all_reduce_dict`` calling ``all_reduce``, debug mode's :meth:`_exclusive`
+around a call) acquires it again at once. Under ``torch.compile`` there is no claim: a graph holds no lock.
 """
 
 from __future__ import annotations

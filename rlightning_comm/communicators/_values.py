@@ -36,33 +36,27 @@ class ValueCollectives:
     ) -> None:
         """Broadcast the picklable objects of ``object_list`` from global rank ``src``, in place.
 
-        Every rank passes a list of the same length; receivers' entries are
-        replaced (all of them, or none when a payload is refused). The bytes on
-        the wire are those of ``torch.distributed.broadcast_object_list``
-        whatever the options, so the options are each receiver's own choice.
+        Every rank passes a list of the same length; receivers' entries are replaced (all of them, or none when a
+        payload is refused). The bytes on the wire are those of ``torch.distributed.broadcast_object_list`` whatever the
+        options, so the options are each receiver's own choice.
 
-        By default receiving unpickles what ``src`` sent, which can run
-        arbitrary code: only use it within a trusted job. With ``safe=True`` a
-        receiver accepts only plain data (None, bool, int, float, str, bytes,
-        and lists, tuples and dicts of those, and tensors) and refuses anything
-        else without running any of it.
+        By default receiving unpickles what ``src`` sent, which can run arbitrary code: only use it within a trusted
+        job. With ``safe=True`` a receiver accepts only plain data (None, bool, int, float, str, bytes, and lists,
+        tuples and dicts of those, and tensors) and refuses anything else without running any of it.
 
         Args:
-            object_list: On ``src`` the objects to send; elsewhere a list of
-                the same length that receives them.
+            object_list: On ``src`` the objects to send; elsewhere a list of the same length that receives them.
             src: Global rank that sends.
-            safe: Accept only plain data; ``None`` means the context-wide
-                default (:meth:`CommContext.set_object_defaults`, off unless set).
-            max_bytes: Refuse a payload larger than this many serialised bytes;
-                ``None`` means the context-wide default (no limit unless set).
+            safe: Accept only plain data; ``None`` means the context-wide default
+                (:meth:`CommContext.set_object_defaults`, off unless set).
+            max_bytes: Refuse a payload larger than this many serialised bytes; ``None`` means the context-wide default
+                (no limit unless set).
 
         Raises:
             TypeError: ``object_list`` is not a list, or ``safe`` not a bool.
-            ValueError: ``src`` is not a rank of the group, or ``max_bytes`` is
-                not a positive int.
-            ObjectRefusedError: (receivers) the payload is not plain data in
-                safe mode or exceeds ``max_bytes``; ``object_list`` is left
-                unchanged and the group stays usable.
+            ValueError: ``src`` is not a rank of the group, or ``max_bytes`` is not a positive int.
+            ObjectRefusedError: (receivers) the payload is not plain data in safe mode or exceeds ``max_bytes``;
+                ``object_list`` is left unchanged and the group stays usable.
         """
         group = self._group
         if group is None:
@@ -89,14 +83,11 @@ class ValueCollectives:
     ) -> None:
         """Gather every rank's picklable ``obj`` into ``object_list``, in group-rank order, on every rank.
 
-        Like ``torch.distributed.all_gather_object`` (``object_list`` has one
-        entry per rank and is filled in place; entry ``i`` is group rank
-        ``i``'s object, this rank's own as a copy), with the receivers'
-        options of :meth:`broadcast_object_list`: by default it unpickles what
-        peers send, which can run arbitrary code; with ``safe=True`` it
-        accepts only plain data from them, and ``max_bytes`` bounds each
-        peer's serialised object. A refusal leaves ``object_list`` unchanged
-        and the group usable (every payload was received in full).
+        Like ``torch.distributed.all_gather_object`` (``object_list`` has one entry per rank and is filled in place;
+        entry ``i`` is group rank ``i``'s object, this rank's own as a copy), with the receivers' options of
+        :meth:`broadcast_object_list`: by default it unpickles what peers send, which can run arbitrary code; with
+        ``safe=True`` it accepts only plain data from them, and ``max_bytes`` bounds each peer's serialised object. A
+        refusal leaves ``object_list`` unchanged and the group usable (every payload was received in full).
 
         Args:
             object_list: A list of ``world_size`` entries, replaced in place.
@@ -137,31 +128,26 @@ class ValueCollectives:
     ) -> dict[Any, Any] | None:
         """Reduce every value of ``dictionary`` across the group with one collective.
 
-        Values may be real numbers (Python or numpy) or dense real tensors of
-        any shape. They are paired across ranks by key, in one total order
-        (``None``, numbers, str, bytes, tuples of those; see
-        :mod:`~rlightning_comm.communicators._packing`), whatever order each
-        rank inserted them in, packed into one buffer, reduced once and
-        unpacked. Every rank must pass the same keys, with a number or a
-        tensor of the same shape under each.
+        Values may be real numbers (Python or numpy) or dense real tensors of any shape. They are paired across ranks by
+        key, in one total order (``None``, numbers, str, bytes, tuples of those; see
+        :mod:`~rlightning_comm.communicators._packing`), whatever order each rank inserted them in, packed into one
+        buffer, reduced once and unpacked. Every rank must pass the same keys, with a number or a tensor of the same
+        shape under each.
 
         Args:
             dictionary: Not modified.
             op: A supported ``ReduceOp``.
-            dtype: The dtype tensors are returned in. With a floating dtype,
-                a dict holding numbers is reduced in float64, so integer
-                counts come back exact within ``2**53``; with an integer
-                dtype everything is reduced in it.
+            dtype: The dtype tensors are returned in. With a floating dtype, a dict holding numbers is reduced in
+                float64, so integer counts come back exact within ``2**53``; with an integer dtype everything is reduced
+                in it.
 
         Returns:
-            A new dict with the same keys: numbers come back as Python floats
-            (ints for an integer ``dtype``), tensors as ``dtype`` tensors of
-            their shape on their device. ``None`` on a non-member.
+            A new dict with the same keys: numbers come back as Python floats (ints for an integer ``dtype``), tensors
+            as ``dtype`` tensors of their shape on their device. ``None`` on a non-member.
 
         Raises:
-            TypeError: not a mapping, a key outside the total order, a value
-                that is neither a real number nor a dense real tensor, or a
-                ``dtype`` that is not a torch dtype.
+            TypeError: not a mapping, a key outside the total order, a value that is neither a real number nor a dense
+                real tensor, or a ``dtype`` that is not a torch dtype.
             ValueError: a complex ``dtype``, or a reduce op the dtype lacks.
         """
         if self._group is None:

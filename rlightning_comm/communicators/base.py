@@ -47,66 +47,52 @@ class Communicator(
 ):
     """Collectives on one process group, bound to one mode by :class:`CommContext`.
 
-    Every method takes and returns what the torch.distributed function of the
-    same name does, except: ``src``/``dst`` must be global ranks of this group
-    (checked); inputs are validated before any collective starts (a bad
-    argument raises locally instead of hanging the peers); on a non-member
-    every collective returns ``None`` and changes nothing; ``all_gather`` takes
-    one output tensor (torch's list form is refused: pass a tensor of shape
-    ``(world_size, *input.shape)``); ``gather``/``scatter`` read their list on
-    the root only (torch refuses one on other ranks; it is ignored here).
+    Every method takes and returns what the torch.distributed function of the same name does, except: ``src``/``dst``
+    must be global ranks of this group (checked); inputs are validated before any collective starts (a bad argument
+    raises locally instead of hanging the peers); on a non-member every collective returns ``None`` and changes nothing;
+    ``all_gather`` takes one output tensor (torch's list form is refused: pass a tensor of shape ``(world_size,
+    *input.shape)``); ``gather``/``scatter`` read their list on the root only (torch refuses one on other ranks; it is
+    ignored here).
 
     Failures: a collective that a peer never joins raises
-    :class:`CommTimeoutError` after the group's ``timeout``; one that fails in
-    the backend (a peer died, the group broke) raises :class:`CommError`; both
-    name the mode and the op and chain the backend's error. An ``async_op``
-    call returns a :class:`~rlightning_comm.failures.WorkHandle` whose
-    ``wait()`` raises the same errors. Tensors must be contiguous: a strided
-    view is refused (``ValueError``) rather than copied, so no op ever reads or
-    writes the memory around a view.
+    :class:`CommTimeoutError` after the group's ``timeout``; one that fails in the backend (a peer died, the group
+    broke) raises :class:`CommError`; both name the mode and the op and chain the backend's error. An ``async_op`` call
+    returns a :class:`~rlightning_comm.failures.WorkHandle` whose ``wait()`` raises the same errors. Tensors must be
+    contiguous: a strided view is refused (``ValueError``) rather than copied, so no op ever reads or writes the memory
+    around a view.
 
     Threads: any thread may call, one call at a time (a pool, a
-    weight-updater thread, a gradient hook on autograd's threads). A call that
-    starts while another thread's call is in flight on the same process group
-    (through this communicator or any other of that group) raises
-    :class:`CommError` naming both threads, before anything is sent (two
-    threads' calls could pair up differently on different ranks).
+    weight-updater thread, a gradient hook on autograd's threads). A call that starts while another thread's call is in
+    flight on the same process group (through this communicator or any other of that group) raises :class:`CommError`
+    naming both threads, before anything is sent (two threads' calls could pair up differently on different ranks).
 
     Subclasses implement what differs between backends, the extension points:
 
     * :attr:`device` (a property): where the backend stages its own buffers;
-    * :meth:`check_device` ``(self, tensor, name) -> None``: refuse a tensor
-      whose device the backend cannot use;
-    * :meth:`on_device` ``(a, b) -> bool`` (a ``@staticmethod``, optional):
-      the fast path's device test, true only where :meth:`check_device` would
-      accept both tensors;
-    * the class attributes :attr:`backend` and :attr:`supported_reduce_ops`
-      (and optionally :attr:`integer_avg_supported`, :attr:`supported_dtypes`,
-      :meth:`setup_process`, :meth:`bind_device`).
+    * :meth:`check_device` ``(self, tensor, name) -> None``: refuse a tensor whose device the backend cannot use;
+    * :meth:`on_device` ``(a, b) -> bool`` (a ``@staticmethod``, optional): the fast path's device test, true only where
+      :meth:`check_device` would accept both tensors;
+    * the class attributes :attr:`backend` and :attr:`supported_reduce_ops` (and optionally
+      :attr:`integer_avg_supported`, :attr:`supported_dtypes`, :meth:`setup_process`, :meth:`bind_device`).
 
-    A subclass that defines one of them with another shape is a ``TypeError``
-    when the class is created; :func:`register_communicator` also refuses a
-    class that still lacks one, listing everything that is missing. Register a
-    subclass to use it as ``init_group(..., backend=name)``.
+    A subclass that defines one of them with another shape is a ``TypeError`` when the class is created;
+    :func:`register_communicator` also refuses a class that still lacks one, listing everything that is missing.
+    Register a subclass to use it as ``init_group(..., backend=name)``.
 
     Args:
         group: The torch process group, or ``None`` on a rank that is not a member.
         ranks: Global ranks of the group, in group-rank order.
         mode: Name of the mode this communicator is bound to (used in messages).
         timeout: The group's timeout in seconds (used in messages), if known.
-        bounded_wait: On NCCL, every blocking call (and every ``WorkHandle.wait``)
-            waits on the host for its work, within the group's timeout, so a
-            peer that never joins raises :class:`CommTimeoutError` instead of
-            torch's watchdog taking the process down; the group must have been
-            created with ``TORCH_NCCL_BLOCKING_WAIT=1`` (the context sets it for
-            ``init_distributed_env(bounded_wait=True)``). No effect on gloo,
-            whose calls always wait so.
-        rank: For a group outside torch.distributed's world (a connected mode, see
-            :meth:`CommContext.connect`): this process's rank in the numbering of
-            ``ranks``, whose ``src``/``dst`` then mean that numbering. ``None`` (a
-            group of the world) reads the world rank. A group outside the world is
-            a backend object that torch.distributed's functions do not know, so
-            its compiled and ``__torch_function__`` paths are refused
+        bounded_wait: On NCCL, every blocking call (and every ``WorkHandle.wait``) waits on the host for its work,
+            within the group's timeout, so a peer that never joins raises :class:`CommTimeoutError` instead of torch's
+            watchdog taking the process down; the group must have been created with ``TORCH_NCCL_BLOCKING_WAIT=1`` (the
+            context sets it for ``init_distributed_env(bounded_wait=True)``). No effect on gloo, whose calls always wait
+            so.
+        rank: For a group outside torch.distributed's world (a connected mode, see :meth:`CommContext.connect`): this
+            process's rank in the numbering of ``ranks``, whose ``src``/``dst`` then mean that numbering. ``None`` (a
+            group of the world) reads the world rank. A group outside the world is a backend object that
+            torch.distributed's functions do not know, so its compiled and ``__torch_function__`` paths are refused
             (:class:`CommError`); the eager path calls the group itself.
     """
 
@@ -157,19 +143,16 @@ class Communicator(
     def setup_process(cls) -> None:
         """Prepare this process before the world is initialised with this backend.
 
-        Called by :meth:`CommContext.init_distributed_env` before
-        ``init_process_group``; the default does nothing.
+        Called by :meth:`CommContext.init_distributed_env` before ``init_process_group``; the default does nothing.
         """
 
     @classmethod
     def bind_device(cls) -> torch.device | None:
         """The accelerator this process's groups of this backend are bound to, or ``None`` (host backends: the default).
 
-        :meth:`CommContext.init_distributed_env` passes it to
-        ``init_process_group(device_id=...)`` (torch then connects eagerly and
-        splits later groups from the world's communicator), and
-        :meth:`CommContext.init_group` calls it before creating a group, so a
-        bad environment is refused before anything is created.
+        :meth:`CommContext.init_distributed_env` passes it to ``init_process_group(device_id=...)`` (torch then connects
+        eagerly and splits later groups from the world's communicator), and :meth:`CommContext.init_group` calls it
+        before creating a group, so a bad environment is refused before anything is created.
         """
         return None
 
@@ -235,8 +218,8 @@ class Communicator(
     def check_device(self, tensor: torch.Tensor, name: str) -> None:
         """Raise ``ValueError`` when this backend cannot use ``tensor``'s device (an extension point).
 
-        Called by the full checks on every tensor argument, after its type
-        and layout are checked and before its dtype is.
+        Called by the full checks on every tensor argument, after its type and layout are checked and before its dtype
+        is.
 
         Args:
             tensor: The tensor an op was given.
@@ -248,14 +231,12 @@ class Communicator(
         """Whether ``a`` and ``b`` are on one device, of a kind :meth:`check_device` accepts: the collectives' fast path
         (an extension point).
 
-        A ``@staticmethod`` of two tensors; an op passes one tensor twice to
-        test one. A few attribute reads, traceable
-        by dynamo (no ``operator.attrgetter``); false sends the call to the
-        full checks, which call :meth:`check_device`. The default is always
+        A ``@staticmethod`` of two tensors; an op passes one tensor twice to test one. A few attribute reads, traceable
+        by dynamo (no ``operator.attrgetter``); false sends the call to the full checks, which call
+        :meth:`check_device`. The default is always
         false: a subclass that does not override it gets the full checks on
-        every call, and so does a subclass that overrides :meth:`check_device`
-        without overriding this (it falls back to the default; see
-        :meth:`__init_subclass__`).
+        every call, and so does a subclass that overrides :meth:`check_device` without overriding this (it falls back to
+        the default; see :meth:`__init_subclass__`).
         """
         return False
 
@@ -263,12 +244,12 @@ class Communicator(
         """Check the extension points the subclass defines; one that changes :meth:`check_device` but not
         :meth:`on_device` gets the always-false default.
 
-        Otherwise an inherited fast-path test (gloo's "both on the CPU") would
-        accept tensors the subclass's stricter :meth:`check_device` refuses.
+        Otherwise an inherited fast-path test (gloo's "both on the CPU") would accept tensors the subclass's stricter
+        :meth:`check_device` refuses.
 
         Raises:
-            TypeError: an extension point has another shape than documented
-                (the message lists each, and what is expected).
+            TypeError: an extension point has another shape than documented (the message lists each, and what is
+                expected).
         """
         super().__init_subclass__(**kwargs)
         check_shapes(cls)

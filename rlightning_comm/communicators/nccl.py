@@ -25,11 +25,10 @@ _OFF = ("0", "false", "no", "off", "n")
 def enable_blocking_wait() -> bool:
     """Make the NCCL process groups this process creates from now on wait on the host (``TORCH_NCCL_BLOCKING_WAIT=1``).
 
-    With it, torch's ``WorkNCCL.wait()`` blocks the calling thread until the
-    work completes, and past the group's timeout aborts the group's
-    communicator and raises in that thread; torch then runs no watchdog thread
-    for the group, so nothing tears the process down. The variable is read
-    when a group is created, so it must be set before the first one.
+    With it, torch's ``WorkNCCL.wait()`` blocks the calling thread until the work completes, and past the group's
+    timeout aborts the group's communicator and raises in that thread; torch then runs no watchdog thread for the group,
+    so nothing tears the process down. The variable is read when a group is created, so it must be set before the first
+    one.
 
     Returns:
         Whether it was on already (set by the user or an earlier call).
@@ -96,11 +95,10 @@ def _unreducible() -> frozenset[torch.dtype]:
 class NcclCommunicator(Communicator):
     """Communicator on an NCCL process group; every tensor must be on a CUDA device.
 
-    The communicator's CUDA device is fixed when it is bound (:meth:`bind_device`:
-    ``cuda:LOCAL_RANK`` when the launcher set ``LOCAL_RANK``, else the binding
-    thread's current device), and everything the communicator allocates or
-    synchronises itself uses it, whichever thread calls: the staging buffers of
-    ``all_reduce_dict`` and the object collectives, the barrier, stats' events.
+    The communicator's CUDA device is fixed when it is bound (:meth:`bind_device`: ``cuda:LOCAL_RANK`` when the launcher
+    set ``LOCAL_RANK``, else the binding thread's current device), and everything the communicator allocates or
+    synchronises itself uses it, whichever thread calls: the staging buffers of ``all_reduce_dict`` and the object
+    collectives, the barrier, stats' events.
     """
 
     backend: ClassVar[str] = "nccl"
@@ -130,13 +128,12 @@ class NcclCommunicator(Communicator):
     def bind_device(cls) -> torch.device:
         """This process's GPU: ``cuda:LOCAL_RANK`` when ``LOCAL_RANK`` is set, else the calling thread's current device.
 
-        A process that sees one GPU only (``CUDA_VISIBLE_DEVICES`` set per
-        process, Ray's ``num_gpus=1``) uses it whatever ``LOCAL_RANK`` says.
+        A process that sees one GPU only (``CUDA_VISIBLE_DEVICES`` set per process, Ray's ``num_gpus=1``) uses it
+        whatever ``LOCAL_RANK`` says.
 
         Raises:
             RuntimeError: CUDA is not available.
-            ValueError: ``LOCAL_RANK`` is not an integer, or with several visible
-                GPUs not one of their indices.
+            ValueError: ``LOCAL_RANK`` is not an integer, or with several visible GPUs not one of their indices.
         """
         if not torch.cuda.is_available():
             raise RuntimeError(

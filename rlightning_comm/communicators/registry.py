@@ -16,17 +16,15 @@ _REGISTRY: dict[str, type[Communicator]] = {}
 def register_communicator(name: str) -> Callable[[_C], _C]:
     """Class decorator that registers a :class:`Communicator` subclass under ``name``.
 
-    ``CommContext().init_group(ranks, mode, backend=name)`` then binds an
-    instance of the class. Registering another class under a taken name is an
-    error; registering the same class again is a no-op.
+    ``CommContext().init_group(ranks, mode, backend=name)`` then binds an instance of the class. Registering another
+    class under a taken name is an error; registering the same class again is a no-op.
 
     Args:
         name: The backend name users pass as ``backend=``.
 
     Raises:
-        TypeError: ``name`` is not a non-empty string, or the decorated object
-            is not a ``Communicator`` subclass, or it lacks an extension point
-            or has one of another shape (the message lists each).
+        TypeError: ``name`` is not a non-empty string, or the decorated object is not a ``Communicator`` subclass, or it
+            lacks an extension point or has one of another shape (the message lists each).
         ValueError: ``name`` is already registered to another class.
     """
     from rlightning_comm.communicators._contract import check_complete

@@ -57,23 +57,19 @@ def initialize_distributed_env(
 class CommContext(ContextLookups, ContextLayouts, ContextConnect, ContextPolicies):
     """The one process-wide registry that binds a :class:`Communicator` to each mode.
 
-    ``CommContext()`` always returns the same object. Initialise the world
-    with :meth:`init_distributed_env` (which binds ``CommMode.GLOBAL``), then
-    create further groups with :meth:`init_group`. Every method that takes a
-    mode accepts a :class:`CommMode`, a :class:`ParallelMode` or a plain string.
+    ``CommContext()`` always returns the same object. Initialise the world with :meth:`init_distributed_env` (which
+    binds ``CommMode.GLOBAL``), then create further groups with :meth:`init_group`. Every method that takes a mode
+    accepts a :class:`CommMode`, a :class:`ParallelMode` or a plain string.
 
-    Lookups (:meth:`get_communicator` and the getters) are lock-free dictionary
-    reads; initialisation and :meth:`destroy` hold a lock, so lookups from
-    other threads see either the old or the new binding, never a partial one.
-    Initialising the world again with the same arguments is a no-op; with
-    different arguments it is a :class:`CommError` until :meth:`destroy` is
-    called. A mode's groups accumulate over :meth:`init_group` calls (one group
-    per call or a partition at once), each rank bound to the one that holds it;
-    this registry is the only place that binds a mode.
+    Lookups (:meth:`get_communicator` and the getters) are lock-free dictionary reads; initialisation and
+    :meth:`destroy` hold a lock, so lookups from other threads see either the old or the new binding, never a partial
+    one. Initialising the world again with the same arguments is a no-op; with different arguments it is a
+    :class:`CommError` until :meth:`destroy` is called. A mode's groups accumulate over :meth:`init_group` calls (one
+    group per call or a partition at once), each rank bound to the one that holds it; this registry is the only place
+    that binds a mode.
 
-    Debug mode (:meth:`set_debug`, or ``RLIGHTNING_COMM_DEBUG=1`` when the world
-    is initialised) makes every collective first compare a fingerprint of the
-    call across its group; see :mod:`rlightning_comm.debug`.
+    Debug mode (:meth:`set_debug`, or ``RLIGHTNING_COMM_DEBUG=1`` when the world is initialised) makes every collective
+    first compare a fingerprint of the call across its group; see :mod:`rlightning_comm.debug`.
     """
 
     _instance: ClassVar[CommContext | None] = None
@@ -125,9 +121,8 @@ class CommContext(ContextLookups, ContextLayouts, ContextConnect, ContextPolicie
     ) -> Communicator:
         """Initialise torch.distributed and bind ``CommMode.GLOBAL`` to the whole world.
 
-        If torch.distributed is already initialised (by the caller), that world
-        is adopted when its size, rank and backend match, and left alone by
-        :meth:`destroy`.
+        If torch.distributed is already initialised (by the caller), that world is adopted when its size, rank and
+        backend match, and left alone by :meth:`destroy`.
 
         Args:
             world_size: Number of processes; read from ``WORLD_SIZE`` with ``env://`` when omitted.
@@ -135,33 +130,28 @@ class CommContext(ContextLookups, ContextLayouts, ContextConnect, ContextPolicie
             backend: A registered communicator name, ``"nccl"`` or ``"gloo"`` or a custom one.
             dist_url: The torch.distributed init method.
             timeout: Default timeout of every collective, in seconds or a ``timedelta``.
-            bounded_wait: On NCCL, make every call of every group this context
-                creates wait on the host for its work, within the group's timeout,
-                and raise :class:`CommTimeoutError` / :class:`CommError` as on gloo,
-                instead of returning at once and leaving a failure to torch's
-                watchdog, which tears the process down. It sets
-                ``TORCH_NCCL_BLOCKING_WAIT=1`` for the process before any group is
-                created (torch then runs no NCCL watchdog thread). The cost: no
-                call returns before its data has arrived. No effect on gloo. See
-                the failure guide, docs/failures.md.
+            bounded_wait: On NCCL, make every call of every group this context creates wait on the host for its work,
+                within the group's timeout, and raise :class:`CommTimeoutError` / :class:`CommError` as on gloo, instead
+                of returning at once and leaving a failure to torch's watchdog, which tears the process down. It sets
+                ``TORCH_NCCL_BLOCKING_WAIT=1`` for the process before any group is created (torch then runs no NCCL
+                watchdog thread). The cost: no call returns before its data has arrived. No effect on gloo. See the
+                failure guide, docs/failures.md.
 
-        With a loopback rendezvous address (``tcp://127.0.0.1:port``, or
-        ``env://`` with such a ``MASTER_ADDR`` outside torchrun) the store
-        listens on loopback only; see :mod:`rlightning_comm.rendezvous`.
+        With a loopback rendezvous address (``tcp://127.0.0.1:port``, or ``env://`` with such a ``MASTER_ADDR`` outside
+        torchrun) the store listens on loopback only; see :mod:`rlightning_comm.rendezvous`.
 
-        In a function run by :func:`rlightning_comm.launch.run` the launcher
-        has initialised the world already: a call that asks for that world
-        (the same backend, timeout and ``bounded_wait``; size and rank left out or the same;
-        ``env://`` or the launcher's own URL) returns its communicator, and
-        any other raises ``CommError`` naming what the launcher set up.
+        In a function run by :func:`rlightning_comm.launch.run` the launcher has initialised the world already: a call
+        that asks for that world (the same backend, timeout and ``bounded_wait``; size and rank left out or the same;
+        ``env://`` or the launcher's own URL) returns its communicator, and any other raises ``CommError`` naming what
+        the launcher set up.
 
         Returns:
             The communicator bound to ``CommMode.GLOBAL``.
 
         Raises:
             KeyError: ``backend`` is not registered.
-            ValueError: a bad or missing value (validated before torch.distributed is touched), or
-                ``bounded_wait=True`` while ``TORCH_NCCL_BLOCKING_WAIT`` turns blocking wait off.
+            ValueError: a bad or missing value (validated before torch.distributed is touched), or ``bounded_wait=True``
+                while ``TORCH_NCCL_BLOCKING_WAIT`` turns blocking wait off.
             CommError: already initialised with different arguments.
         """
         with self._lock:
@@ -251,38 +241,35 @@ class CommContext(ContextLookups, ContextLayouts, ContextConnect, ContextPolicie
     ) -> Communicator:
         """Create process group(s) for ``mode`` and bind this rank to the one that holds it.
 
-        Every rank of the world makes every call, with the same arguments, as
-        torch requires for group creation. Two forms, which can be mixed:
+        Every rank of the world makes every call, with the same arguments, as torch requires for group creation. Two
+        forms, which can be mixed:
 
         - a partition in one call: ``init_group([[0, 1], [2, 3]], mode)``;
-        - one group per call, repeated on every rank (the seed's form):
-          ``init_group([0, 1], mode)`` then ``init_group([2, 3], mode)``.
+        - one group per call, repeated on every rank (the seed's form): ``init_group([0, 1], mode)`` then
+          ``init_group([2, 3], mode)``.
 
-        A call whose group does not hold this rank takes part in creating it
-        and leaves this rank's binding alone; a rank in no group of ``mode``
-        is a non-member (its collectives return ``None``). Group rank ``i`` is
-        the ``i``-th rank as declared: ``init_group([3, 0, 1], mode)`` makes
-        global rank 3 group rank 0. Declaring a group again (same ranks, same
-        order) is a no-op.
+        A call whose group does not hold this rank takes part in creating it and leaves this rank's binding alone; a
+        rank in no group of ``mode`` is a non-member (its collectives return ``None``). Group rank ``i`` is the ``i``-th
+        rank as declared: ``init_group([3, 0, 1], mode)`` makes global rank 3 group rank 0. Declaring a group again
+        (same ranks, same order) is a no-op.
 
         Args:
             ranks: One list of global ranks, or a list of disjoint lists.
             mode: The mode to bind (not ``GLOBAL``, which the world binds).
             backend: A registered communicator name; ``None`` means the world's.
-            use_cpu: Use gloo (CPU) whatever ``backend`` and the world's backend say (as the seed does); a
-                registered backend built on gloo is kept.
+            use_cpu: Use gloo (CPU) whatever ``backend`` and the world's backend say (as the seed does); a registered
+                backend built on gloo is kept.
             timeout: Timeout of this group's collectives; ``None`` means the world's.
 
         Returns:
-            The communicator bound to ``mode`` on this rank after this call (a
-            non-member one if this rank is in none of the mode's groups yet).
+            The communicator bound to ``mode`` on this rank after this call (a non-member one if this rank is in none of
+            the mode's groups yet).
 
         Raises:
             ValueError: bad ranks, backend or timeout (before any group is created).
-            CommError: not initialised; a rank declared in two different groups
-                of ``mode``, or another backend or timeout than the mode's groups
-                so far; an unsorted group on a torch without declared order
-                (all before any group is created).
+            CommError: not initialised; a rank declared in two different groups of ``mode``, or another backend or
+                timeout than the mode's groups so far; an unsorted group on a torch without declared order (all before
+                any group is created).
         """
         name = mode_name(mode)
         with self._lock:
@@ -365,12 +352,10 @@ class CommContext(ContextLookups, ContextLayouts, ContextConnect, ContextPolicie
     def destroy(self) -> None:
         """Destroy every group this context created (and the world if it created it), and unbind every mode.
 
-        The context can be initialised again afterwards, with debug mode,
-        stats recording and the object defaults back to off. Safe to call when nothing is
-        initialised, and after a peer died or a collective failed: it sends
-        nothing to the peers (but tells a connected mode's members that this
-        process leaves), never raises for a group it cannot tear down (it
-        warns) and always unbinds every mode.
+        The context can be initialised again afterwards, with debug mode, stats recording and the object defaults back
+        to off. Safe to call when nothing is initialised, and after a peer died or a collective failed: it sends nothing
+        to the peers (but tells a connected mode's members that this process leaves), never raises for a group it cannot
+        tear down (it warns) and always unbinds every mode.
         """
         with self._lock:
             try:
@@ -403,8 +388,8 @@ class CommContext(ContextLookups, ContextLayouts, ContextConnect, ContextPolicie
         """Return the communicator bound to ``mode`` on this rank.
 
         Raises:
-            ModeNotBoundError: nothing is bound to ``mode`` (a ``KeyError`` and a
-                ``CommError``); the message lists the bound modes.
+            ModeNotBoundError: nothing is bound to ``mode`` (a ``KeyError`` and a ``CommError``); the message lists the
+                bound modes.
         """
         try:
             return self._comms[mode]

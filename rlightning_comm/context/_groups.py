@@ -22,8 +22,8 @@ def check_order_supported(groups: Partition, mode: str) -> None:
     """Refuse an unsorted group where this torch cannot number it in declared order.
 
     Raises:
-        CommError: a group of ``groups`` is not in ascending order and torch's
-            ``new_group`` has no ``sort_ranks`` argument.
+        CommError: a group of ``groups`` is not in ascending order and torch's ``new_group`` has no ``sort_ranks``
+            argument.
     """
     if _KEEPS_ORDER:
         return
@@ -42,9 +42,8 @@ def check_order_supported(groups: Partition, mode: str) -> None:
 def new_group(part: tuple[int, ...], backend: str, timeout: float, mode: str) -> dist.ProcessGroup:
     """``dist.new_group`` of ``part`` in its declared order; every rank of the world calls it.
 
-    On a world bound to a device (an NCCL world: ``device_id``), torch splits
-    the world's communicator for every new group, members and non-members
-    alike; the members of a gloo group take part here (see
+    On a world bound to a device (an NCCL world: ``device_id``), torch splits the world's communicator for every new
+    group, members and non-members alike; the members of a gloo group take part here (see
     :func:`rlightning_comm._compat.join_world_split`).
 
     Raises:

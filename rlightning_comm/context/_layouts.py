@@ -1,8 +1,8 @@
 """CommContext's declarative group layouts: parallel modes, node groups, the weight-transfer group.
 
-Each method validates (every mode, before any group exists), then creates its
-groups through :meth:`CommContext.init_group`, the one place that binds; the
-layouts themselves are pure functions in :mod:`rlightning_comm.topology`.
+Each method validates (every mode, before any group exists), then creates its groups through
+:meth:`CommContext.init_group`, the one place that binds; the layouts themselves are pure functions in
+:mod:`rlightning_comm.topology`.
 """
 
 from __future__ import annotations
@@ -91,8 +91,7 @@ class ContextLayouts:
         order: the first axis of ``config.order`` varies fastest).
 
         Args:
-            config: The declared layout; ``TRAIN_DATA_PARALLEL`` is bound too
-                when ``config.bind_train_data_parallel``.
+            config: The declared layout; ``TRAIN_DATA_PARALLEL`` is bound too when ``config.bind_train_data_parallel``.
             backend, use_cpu, timeout: As for :meth:`init_group`, for every mode.
 
         Returns:
@@ -121,9 +120,8 @@ class ContextLayouts:
         """Bind ``INTRA_NODE`` (the ranks on this node) and ``INTER_NODE`` (the ranks with this local rank on every
         node).
 
-        Every rank's placement is exchanged over ``GLOBAL`` first (one
-        object all-gather), so a bad or uneven placement raises the same
-        ``ValueError`` on every rank before any group is created.
+        Every rank's placement is exchanged over ``GLOBAL`` first (one object all-gather), so a bad or uneven placement
+        raises the same ``ValueError`` on every rank before any group is created.
 
         Args:
             node_rank: This node's index; ``None`` reads ``GROUP_RANK`` (torchrun) or ``NODE_RANK``.
@@ -135,8 +133,8 @@ class ContextLayouts:
             ``{"INTRA_NODE": ..., "INTER_NODE": ...}``: this rank's communicators.
 
         Raises:
-            ValueError: a placement is missing or not an int on some rank, or
-                the nodes are uneven (see :func:`rlightning_comm.topology.node_partitions`).
+            ValueError: a placement is missing or not an int on some rank, or the nodes are uneven (see
+                :func:`rlightning_comm.topology.node_partitions`).
             CommError: not initialised, or a mode is already bound to other ranks.
         """
         self._require_world()
@@ -159,12 +157,10 @@ class ContextLayouts:
     ) -> Communicator:
         """Declare a ``WEIGHT_TRANSFER`` group ``[src] + dst_ranks``; ranks in no such group are non-members.
 
-        The source is group rank 0 and the destinations follow in the order
-        given (as the seed's ``get_ranks_in_group(WEIGHT_TRANSFER)[0]`` expects).
-        Every rank makes every call; call it once per source to declare several
-        disjoint groups (one trainer and its rollout workers each). On a member,
-        the source is remembered as :meth:`get_transfer_source` (the default
-        ``src`` of :func:`rlightning_comm.broadcast_state_dict`).
+        The source is group rank 0 and the destinations follow in the order given (as the seed's
+        ``get_ranks_in_group(WEIGHT_TRANSFER)[0]`` expects). Every rank makes every call; call it once per source to
+        declare several disjoint groups (one trainer and its rollout workers each). On a member, the source is
+        remembered as :meth:`get_transfer_source` (the default ``src`` of :func:`rlightning_comm.broadcast_state_dict`).
 
         Args:
             src: Global rank that sends weights (for example trainer rank 0).

@@ -34,9 +34,9 @@ class ContextLookups:
         """The weight version this process committed on ``mode`` as a destination of a versioned weight sync.
 
         ``None`` before the first versioned sync on ``mode``, after an unversioned one, and after a non-atomic one
-        failed midway (its weights then hold no one version). The record is kept per mode name: it outlives a
-        connected mode's generations (a re-formed mode keeps it) and goes with :meth:`destroy`. A process that was
-        never a destination on ``mode`` has none, whatever it sent.
+        failed midway (its weights then hold no one version). The record is kept per mode name: it outlives a connected
+        mode's generations (a re-formed mode keeps it) and goes with :meth:`destroy`. A process that was never a
+        destination on ``mode`` has none, whatever it sent.
         """
         return self._weight_versions.get(mode_name(mode))
 

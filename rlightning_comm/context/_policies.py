@@ -27,19 +27,14 @@ class ContextPolicies:
     def set_debug(self, enabled: bool = True) -> None:
         """Switch debug mode on or off for every bound communicator and those bound later.
 
-        On, every collective first runs its local checks, then exchanges a
-        fingerprint of the call (op, shapes, dtypes, reduce op, src/dst,
-        dictionary keys, split sizes, a per-group sequence number, and this
-        rank's refusal if its checks failed) through the world's store.
-        Before anything is sent, every rank of the group raises the refusing
-        rank's error (naming it) when one rank's arguments were refused,
-        :class:`CommMismatchError` when the ranks disagree, or (on the ranks
-        that came) :class:`CommTimeoutError` naming the ranks that did not
-        arrive within the group's timeout; the group stays usable and in step
-        in all three cases. Off (the default), communicators
-        run no extra code at all. Every rank must switch at the same point of
-        its sequence of collectives. ``RLIGHTNING_COMM_DEBUG=1`` switches it on
-        when the world is initialised. :meth:`destroy` switches it off.
+        On, every collective first runs its local checks, then exchanges a fingerprint of the call (op, shapes, dtypes,
+        reduce op, src/dst, dictionary keys, split sizes, a per-group sequence number, and this rank's refusal if its
+        checks failed) through the world's store. Before anything is sent, every rank of the group raises the refusing
+        rank's error (naming it) when one rank's arguments were refused, :class:`CommMismatchError` when the ranks
+        disagree, or (on the ranks that came) :class:`CommTimeoutError` naming the ranks that did not arrive within the
+        group's timeout; the group stays usable and in step in all three cases. Off (the default), communicators run no
+        extra code at all. Every rank must switch at the same point of its sequence of collectives.
+        ``RLIGHTNING_COMM_DEBUG=1`` switches it on when the world is initialised. :meth:`destroy` switches it off.
 
         Raises:
             TypeError: ``enabled`` is not a bool.
@@ -64,11 +59,9 @@ class ContextPolicies:
         out.
 
         Args:
-            safe: Receivers accept only plain data (None, bool, int, float,
-                str, bytes, lists, tuples and dicts of those, tensors) and
-                refuse anything else without running it.
-            max_bytes: Receivers refuse payloads over this many serialised
-                bytes; ``None`` means no limit.
+            safe: Receivers accept only plain data (None, bool, int, float, str, bytes, lists, tuples and dicts of
+                those, tensors) and refuse anything else without running it.
+            max_bytes: Receivers refuse payloads over this many serialised bytes; ``None`` means no limit.
 
         :meth:`destroy` restores ``safe=False, max_bytes=None``.
 
@@ -86,9 +79,8 @@ class ContextPolicies:
     def enable_stats(self) -> None:
         """Record count, bytes, time and bandwidth of every collective, per mode and op.
 
-        Off by default; while off nothing wraps the communicators. Modes bound
-        later are recorded too. See :mod:`rlightning_comm.stats` for what is
-        measured and how (async and CUDA work included).
+        Off by default; while off nothing wraps the communicators. Modes bound later are recorded too. See
+        :mod:`rlightning_comm.stats` for what is measured and how (async and CUDA work included).
         """
         _stats.enable(self._comms.values())
 

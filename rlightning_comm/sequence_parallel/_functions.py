@@ -1,9 +1,8 @@
 """The private autograd Functions behind the public ops.
 
-Each backward applies the dual op through that op's own Function, so the
-backward is itself differentiable (double backward works) and every rule is
-written once. ``grad_scale`` is 1 except under ``legacy_grad_scale=True``.
-Arguments after the tensor are never differentiated.
+Each backward applies the dual op through that op's own Function, so the backward is itself differentiable (double
+backward works) and every rule is written once. ``grad_scale`` is 1 except under ``legacy_grad_scale=True``. Arguments
+after the tensor are never differentiated.
 """
 
 from __future__ import annotations
@@ -64,8 +63,8 @@ def apply_all_to_all(
     """:class:`_AllToAll` of ``xs``, or the plain collective when there is no graph to record (a backward without
     ``create_graph``, inputs that need no gradient).
 
-    The plain call skips the Function's overhead, and it keeps dynamo off its path for a Function that records
-    nothing, which inlines ``forward`` and, counting ``*xs`` as one parameter, drops ``ctx`` for exactly two tensors.
+    The plain call skips the Function's overhead, and it keeps dynamo off its path for a Function that records nothing,
+    which inlines ``forward`` and, counting ``*xs`` as one parameter, drops ``ctx`` for exactly two tensors.
     """
     if torch.is_grad_enabled() and any(x.requires_grad for x in xs):
         return _AllToAll.apply(group, send_dim, send_sizes, recv_dim, recv_sizes, *xs)

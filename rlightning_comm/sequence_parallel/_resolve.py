@@ -1,20 +1,16 @@
 """Turn what the caller names as a group into a :class:`Group` (eager) or a :class:`TracedGroup` (under torch.compile),
 and the local input checks every op shares.
 
-A :class:`Group` issues its collectives through the group's
-:class:`Communicator` methods, so debug mode and stats see them; a raw
-``ProcessGroup`` gets a communicator of its backend's registered class, made
-once per group. A :class:`TracedGroup` holds only the group's name and two
-ints (nothing that breaks a graph when an autograd ctx keeps it:
-pytorch#129942) and uses the functional collectives.
+A :class:`Group` issues its collectives through the group's :class:`Communicator` methods, so debug mode and stats see
+them; a raw ``ProcessGroup`` gets a communicator of its backend's registered class, made once per group. A
+:class:`TracedGroup` holds only the group's name and two ints (nothing that breaks a graph when an autograd ctx keeps
+it: pytorch#129942) and uses the functional collectives.
 
-Under torch.compile the resolution is traced, as the collective facades' mode
-lookup is: dynamo reads the context's binding of the mode and the
-communicator's group name, size and rank, and guards on each value it read. A
-binding that changes (``destroy()`` and a new declaration, the same group name
-with this rank elsewhere, or the name now another mode's) fails a guard and
-the function is traced again; an unbound mode raises while tracing. Nothing of
-this runs in the compiled steady state but the guards.
+Under torch.compile the resolution is traced, as the collective facades' mode lookup is: dynamo reads the context's
+binding of the mode and the communicator's group name, size and rank, and guards on each value it read. A binding that
+changes (``destroy()`` and a new declaration, the same group name with this rank elsewhere, or the name now another
+mode's) fails a guard and the function is traced again; an unbound mode raises while tracing. Nothing of this runs in
+the compiled steady state but the guards.
 """
 
 from __future__ import annotations
@@ -51,8 +47,8 @@ class Group:
     def assume_lengths(self, name: str, dim: int, length: int) -> None:
         """Note that ``name`` was not given, so every rank's length along ``dim`` was taken as this rank's ``length``.
 
-        A debug-mode mismatch of the collective that follows then says so,
-        when the ranks' shapes show their lengths differ.
+        A debug-mode mismatch of the collective that follows then says so, when the ranks' shapes show their lengths
+        differ.
         """
         self._assumed = (name, dim, length)
 
@@ -179,8 +175,8 @@ def _traced(group: Any) -> TracedGroup:
     """Resolve under torch.compile, reading only values dynamo guards: a new binding retraces (see the module
     docstring)."""
     if isinstance(group, dist.ProcessGroup):
-        # dynamo bakes pg.rank() and pg.size() without a guard (only the group's name is guarded), so a group
-        # the context binds is read through its communicator; any other group is the caller's to keep.
+        # dynamo bakes pg.rank() and pg.size() without a guard (only the group's name is guarded), so a group the
+        # context binds is read through its communicator; any other group is the caller's to keep.
         comm = _bound_to(group)
         if comm is None:
             return TracedGroup(group.group_name, group.size(), group.rank())

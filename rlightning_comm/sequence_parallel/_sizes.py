@@ -1,7 +1,7 @@
 """How a sequence is split across ranks: the torch.tensor_split rule, equal local lengths, or caller-given lengths.
 
-Nothing here communicates: the default rules need no exchange, so the ops
-stay one collective each way with no host sync.
+Nothing here communicates: the default rules need no exchange, so the ops stay one collective each way with no host
+sync.
 """
 
 from __future__ import annotations
@@ -16,9 +16,8 @@ import torch
 def sequence_split_sizes(length: int, world_size: int) -> list[int]:
     """Lengths of the chunks ``torch.tensor_split`` makes: the first ``length % world_size`` ranks get one more.
 
-    This is the default split of the scatter-type ops. Their default
-    counterparts on the gather side assume equal lengths, so after an uneven
-    default split pass this list as ``seq_lens=`` to the gather.
+    This is the default split of the scatter-type ops. Their default counterparts on the gather side assume equal
+    lengths, so after an uneven default split pass this list as ``seq_lens=`` to the gather.
 
     Raises:
         ValueError: ``length`` is negative or ``world_size`` is not positive.
@@ -68,8 +67,8 @@ def local_sizes(input_: torch.Tensor, dim: int, group: Any, sizes: Any, name: st
     """Every rank's length along ``dim``: ``sizes`` checked against this rank's length, or this rank's length for every
     rank when ``None``.
 
-    ``None`` is the equal-lengths rule: every rank holds as many positions as
-    this one (nothing is exchanged; debug mode checks it across ranks).
+    ``None`` is the equal-lengths rule: every rank holds as many positions as this one (nothing is exchanged; debug mode
+    checks it across ranks).
     """
     if sizes is None:
         group.assume_lengths(name, dim, input_.shape[dim])
@@ -86,9 +85,8 @@ def local_sizes(input_: torch.Tensor, dim: int, group: Any, sizes: Any, name: st
 def forgotten_lengths_hint(wire: list[list[int]], rank: int, name: str, dim: int, length: int) -> str | None:
     """The hint for a mismatch the equal-lengths rule made: ``name`` was not given and the ranks' lengths differ.
 
-    ``wire`` holds every rank's shape of the tensor sent (group rank order),
-    ``length`` this rank's length along ``dim``. ``None`` unless the shapes
-    differ in exactly one dim, the one that holds this rank's length.
+    ``wire`` holds every rank's shape of the tensor sent (group rank order), ``length`` this rank's length along
+    ``dim``. ``None`` unless the shapes differ in exactly one dim, the one that holds this rank's length.
     """
     mine = wire[rank]
     if any(len(w) != len(mine) for w in wire):

@@ -70,27 +70,24 @@ def ulysses_attention(
 ) -> torch.Tensor:
     """Attention over the full sequence on sequence-sharded inputs (DeepSpeed Ulysses).
 
-    ``query``, ``key`` and ``value`` go together through one all-to-all (as
-    :func:`all_to_all` does for one tensor; one tensor passed in two roles goes once) from ``[batch, seq/P, heads,
-    head_dim]`` (sequence-sharded, rank r holding chunk r of the sequence) to
-    ``[batch, seq, heads/P, head_dim]`` (head-sharded); then ``attn_fn`` runs on
-    the full sequence for this rank's heads, and one more all-to-all brings the
-    result back to sequence-sharded. Gradients are exact with no assumption
-    (each all-to-all's backward is its inverse), so the result and its
-    gradients equal attention on the whole sequence on one rank.
+    ``query``, ``key`` and ``value`` go together through one all-to-all (as :func:`all_to_all` does for one tensor; one
+    tensor passed in two roles goes once) from ``[batch, seq/P, heads, head_dim]`` (sequence-sharded, rank r holding
+    chunk r of the sequence) to ``[batch, seq, heads/P, head_dim]`` (head-sharded); then ``attn_fn`` runs on the full
+    sequence for this rank's heads, and one more all-to-all brings the result back to sequence-sharded. Gradients are
+    exact with no assumption (each all-to-all's backward is its inverse), so the result and its gradients equal
+    attention on the whole sequence on one rank.
 
-    The function keeps no state between calls: models with different head
-    counts, groups or attention functions can share a process.
+    The function keeps no state between calls: models with different head counts, groups or attention functions can
+    share a process.
 
     Args:
         query: ``[batch, seq/P, heads, head_dim]``.
         key: ``[batch, seq/P, kv_heads, head_dim]`` (``kv_heads`` may be fewer, for grouped-query attention).
         value: ``[batch, seq/P, kv_heads, head_dim_v]``.
-        attn_fn: ``attn_fn(q, k, v, **attn_kwargs)`` on head-sharded
-            ``[batch, seq, heads/P, head_dim]`` tensors, returning
-            ``[batch, seq, heads/P, head_dim_v]``. Default: :func:`sdpa_bshd`
-            (``F.scaled_dot_product_attention`` in that layout). Masks and
-            similar arguments must cover the full sequence and this rank's heads.
+        attn_fn: ``attn_fn(q, k, v, **attn_kwargs)`` on head-sharded ``[batch, seq, heads/P, head_dim]`` tensors,
+            returning ``[batch, seq, heads/P, head_dim_v]``. Default: :func:`sdpa_bshd`
+            (``F.scaled_dot_product_attention`` in that layout). Masks and similar arguments must cover the full
+            sequence and this rank's heads.
         mode: The group: a :class:`CommMode` or its string, a :class:`Communicator` or a ``ProcessGroup``.
         seq_lens: Every rank's local sequence length; ``None``: every rank's is this rank's.
         **attn_kwargs: Passed to ``attn_fn`` (e.g. ``is_causal=True``).
@@ -99,8 +96,8 @@ def ulysses_attention(
         ``[batch, seq/P, heads, head_dim_v]``, sequence-sharded like ``query``.
 
     Raises:
-        ValueError: not 4-dim, head counts not divisible by the group size, or
-            query/key/value disagree on batch or local length.
+        ValueError: not 4-dim, head counts not divisible by the group size, or query/key/value disagree on batch or
+            local length.
     """
     fn = sdpa_bshd if attn_fn is None else attn_fn
     if not callable(fn):
@@ -111,9 +108,9 @@ def ulysses_attention(
     if g.world_size == 1:
         return fn(query, key, value, **attn_kwargs)
     ws = g.world_size
-    # A tensor in two roles (self-attention's q, q, q; a shared key and value) travels once and its output serves
-    # every role, so autograd adds up its gradients (and dynamo, which refuses one tensor twice in an
-    # autograd.Function's inputs, compiles it).
+    # A tensor in two roles (self-attention's q, q, q; a shared key and value) travels once and its output serves every
+    # role, so autograd adds up its gradients (and dynamo, which refuses one tensor twice in an autograd.Function's
+    # inputs, compiles it).
     sent, roles = _distinct((query, key, value))
     even = [[t.shape[_HEADS] // ws] * ws for t in sent]
     if (

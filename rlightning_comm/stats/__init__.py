@@ -1,41 +1,31 @@
 """Opt-in per-mode communication statistics: count, bytes, time and bandwidth of every collective.
 
-Use it through the context: ``ctx.enable_stats()``, then ``ctx.stats()`` (plain
-data), ``ctx.stats_table()`` (a readable table to log), ``ctx.reset_stats()``
-and ``ctx.disable_stats()``.
+Use it through the context: ``ctx.enable_stats()``, then ``ctx.stats()`` (plain data), ``ctx.stats_table()`` (a readable
+table to log), ``ctx.reset_stats()`` and ``ctx.disable_stats()``.
 
-Zero cost when off: enabling stores a recording wrapper as an *instance*
-attribute of each bound communicator, over each method of :data:`TRACKED_OPS`
-(so a subclass's override is what gets wrapped); communicators bound while
-stats are on are wrapped as they are bound; disabling deletes the instance
-attributes, so the communicator's methods are its class's own functions again
-and nothing of this module is left on the hot path. Stats compose with debug
+Zero cost when off: enabling stores a recording wrapper as an *instance* attribute of each bound communicator, over each
+method of :data:`TRACKED_OPS` (so a subclass's override is what gets wrapped); communicators bound while stats are on
+are wrapped as they are bound; disabling deletes the instance attributes, so the communicator's methods are its class's
+own functions again and nothing of this module is left on the hot path. Stats compose with debug
 mode (which shadows the same methods): each wrapper remembers what it wrapped
-and disabling puts exactly that back; when debug mode is switched, the context
-puts the stats wrappers back on top.
+and disabling puts exactly that back; when debug mode is switched, the context puts the stats wrappers back on top.
 
 What is recorded, per mode and op:
 
-* ``bytes`` is the op's size ``S`` in the nccl-tests convention (see
-  :mod:`rlightning_comm.bandwidth`), the same on every rank; ``all_reduce_dict``
-  counts the packed buffer it reduces (its inner ``all_reduce`` is not counted
-  as a call of its own); ``broadcast_object_list`` and ``barrier`` record 0
-  bytes (the pickled size is not known without pickling twice).
-* Time on CPU tensors is wall time around the call. An async call
-  (``async_op=True``) is timed from its launch to its completion, taken from a
-  callback on the work's future, not to the return of the launch; until it
-  completes it counts as ``in_flight``. An async ``send`` / ``recv`` is timed
-  to the return of its handle's ``wait()`` instead (gloo's point-to-point work
-  may not be waited twice), and counts as in flight until then. Failed calls
-  (a bad argument) are not recorded.
-* On CUDA tensors time comes from CUDA events recorded on the current stream
-  of the tensor's device (for dicts and objects, the communicator's bound
-  device; never the calling thread's current device) before and after the call (for async calls the second event is
-  recorded from
-  the work future's callback, on a stream ordered after the collective). No
-  event is waited on when an op runs: events are resolved when stats are read
-  (``stats()``/``stats_table()`` wait for outstanding ones), and already
-  completed ones are folded in now and then so the backlog stays small.
+* ``bytes`` is the op's size ``S`` in the nccl-tests convention (see :mod:`rlightning_comm.bandwidth`), the same on
+  every rank; ``all_reduce_dict`` counts the packed buffer it reduces (its inner ``all_reduce`` is not counted as a call
+  of its own); ``broadcast_object_list`` and ``barrier`` record 0 bytes (the pickled size is not known without pickling
+  twice).
+* Time on CPU tensors is wall time around the call. An async call (``async_op=True``) is timed from its launch to its
+  completion, taken from a callback on the work's future, not to the return of the launch; until it completes it counts
+  as ``in_flight``. An async ``send`` / ``recv`` is timed to the return of its handle's ``wait()`` instead (gloo's
+  point-to-point work may not be waited twice), and counts as in flight until then. Failed calls (a bad argument) are
+  not recorded.
+* On CUDA tensors time comes from CUDA events recorded on the current stream of the tensor's device (for dicts and
+  objects, the communicator's bound device; never the calling thread's current device) before and after the call (for
+  async calls the second event is recorded from the work future's callback, on a stream ordered after the collective).
+  No event is waited on when an op runs: events are resolved when stats are read (``stats()``/``stats_table()`` wait for
+  outstanding ones), and already completed ones are folded in now and then so the backlog stays small.
 """
 
 from __future__ import annotations
@@ -82,8 +72,7 @@ def snapshot() -> dict[str, dict[str, dict[str, Any]]]:
     """Per mode, per op: ``count``, ``bytes``, ``total_time_s``, ``max_time_s``, ``mean_time_s``,
     ``algbw_gbps``, ``busbw_gbps`` (bus factor of the op's group size), ``group_size``, ``in_flight``.
 
-    Completed async work and CUDA events are folded in first (this waits for
-    outstanding CUDA events).
+    Completed async work and CUDA events are folded in first (this waits for outstanding CUDA events).
     """
     return _RECORDER.snapshot()
 

@@ -23,9 +23,8 @@ TRACKED_OPS = COLLECTIVES
 """The communicator methods that stats record: every collective."""
 
 _NOT_OURS = object()
-# gloo's send and recv works may be waited once only (a second waiter waits for a second message): no watcher thread
-# for them; they are timed to the return of the caller's wait() instead (on CUDA the end event then follows the
-# transfer).
+# gloo's send and recv works may be waited once only (a second waiter waits for a second message): no watcher thread for
+# them; they are timed to the return of the caller's wait() instead (on CUDA the end event then follows the transfer).
 _TIMED_AT_WAIT = frozenset({"send", "recv"})
 _FOLD_EVERY = 1024  # outstanding CUDA records before completed ones are folded in
 _perf_counter = time.perf_counter
@@ -91,9 +90,8 @@ class _Recorder:
     def attach(self, comm: Communicator) -> None:
         """Put a recording wrapper on top of each tracked method of ``comm`` (idempotent).
 
-        A wrapper wraps whatever the attribute resolves to now (the class's
-        method, or another instance-level wrapper such as debug mode's) and
-        remembers it, so :meth:`detach_all` puts back exactly what was there.
+        A wrapper wraps whatever the attribute resolves to now (the class's method, or another instance-level wrapper
+        such as debug mode's) and remembers it, so :meth:`detach_all` puts back exactly what was there.
         """
         if not self.enabled or not comm.is_member:
             return

@@ -1,11 +1,9 @@
 """One member's part of a sync, once the members agreed on the plan: its route, its data phase and what settles it.
 
-The route (:func:`relay_routes`) is a star, or a chain when the units move
-point to point and two or more destinations can forward. The data phase is
-a :class:`~._pipeline.Pipeline` over this member's tensors (the staging
-ones on an atomic destination) or a :class:`~._loader.LoadPipeline` handing
-buckets to a ``load`` callable; digests (``verify``) are fed as the bytes
-pass; :class:`~._commit.Sync` runs it and settles verification and commit.
+The route (:func:`relay_routes`) is a star, or a chain when the units move point to point and two or more destinations
+can forward. The data phase is a :class:`~._pipeline.Pipeline` over this member's tensors (the staging ones on an atomic
+destination) or a :class:`~._loader.LoadPipeline` handing buckets to a ``load`` callable; digests (``verify``) are fed
+as the bytes pass; :class:`~._commit.Sync` runs it and settles verification and commit.
 """
 
 from __future__ import annotations
@@ -27,9 +25,9 @@ from rlightning_comm.weights._versions import SyncOptions
 def relay_routes(comm: Any, fanout: str | None, sends: bool, src: int, leaves: set[int]) -> dict[int, Any] | None:
     """The relay's routes (group ranks), the same on every member; ``None`` for a star.
 
-    A chain when the units move point to point and the members asked for one (or left it to the default), with at
-    least two destinations that forward (``leaves``, the group ranks of ``load`` callables outside an atomic sync,
-    receive straight from the source).
+    A chain when the units move point to point and the members asked for one (or left it to the default), with at least
+    two destinations that forward (``leaves``, the group ranks of ``load`` callables outside an atomic sync, receive
+    straight from the source).
     """
     if not sends or fanout == "star" or comm.world_size - 1 - len(leaves) < 2:
         return None

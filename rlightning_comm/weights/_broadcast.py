@@ -1,13 +1,10 @@
 """Broadcast a model's weights from one rank to the others at the wire's speed, loading them in place or through a
 ``load`` callable.
 
-A call first agrees on what moves (:mod:`._weight_handshake`: every rank's
-verdict on its own arguments and tensors, in one small exchange), then moves
-it (:mod:`._weight_plan` cuts the tensors into units, :mod:`._weight_transport`
-moves them, :mod:`._weight_pipeline` reads and writes tensors in place,
-:mod:`._weight_loader` hands a destination's buckets to its ``load``
-callable). A problem anywhere raises the same error on every member, before
-any weight moves.
+A call first agrees on what moves (:mod:`._weight_handshake`: every rank's verdict on its own arguments and tensors, in
+one small exchange), then moves it (:mod:`._weight_plan` cuts the tensors into units, :mod:`._weight_transport` moves
+them, :mod:`._weight_pipeline` reads and writes tensors in place, :mod:`._weight_loader` hands a destination's buckets
+to its ``load`` callable). A problem anywhere raises the same error on every member, before any weight moves.
 """
 
 from __future__ import annotations
@@ -86,127 +83,91 @@ def broadcast_state_dict(
     """Copy every tensor of ``state_dict`` from rank ``src`` into the same-named tensors of every other rank of
     ``comm_mode``.
 
-    Every member of the group calls this, the source with the weights to
-    send, each destination with tensors of the same names, dtypes and shapes
-    to overwrite in place (a module's parameters and buffers, through its
-    ``state_dict()``), or with a ``load`` callable. Destinations end
-    bit-identical to the source's logical values, whatever the dtypes, strides,
-    storage sharing or conjugate and negative views. The source's tensors are
-    only read; non-members return ``None`` at once.
+    Every member of the group calls this, the source with the weights to send, each destination with tensors of the same
+    names, dtypes and shapes to overwrite in place (a module's parameters and buffers, through its ``state_dict()``), or
+    with a ``load`` callable. Destinations end bit-identical to the source's logical values, whatever the dtypes,
+    strides, storage sharing or conjugate and negative views. The source's tensors are only read; non-members return
+    ``None`` at once.
 
-    Before any weight moves, every rank's arguments and tensors are checked,
-    and checked against the source's manifest (names, dtypes, shapes): a bad
-    argument, a mismatch, or a tensor a rank cannot use (nested, meta, on a
-    device it cannot reach; on a destination an expanded or zero-stride view,
-    or tensors sharing memory that the source does not hold as one tied tensor)
-    on any member raises the same error on every member, nothing is
-    transferred, and the group stays usable. Then pieces of at least
-    ``min(bucket_bytes, 256 KiB)`` travel in place, each on its own with no
-    copy (where contiguous on the communicator's device), and smaller ones
-    coalesced into buckets of at most ``bucket_bytes``, packing and unpacking
-    overlapped with the transfers. Over gloo the source sends each of them to
-    each destination (point to point); other backends broadcast them. Each
-    rank stages at most two buckets. Tensors the source holds more than once
-    (tied weights) travel once. With two or more destinations that can
-    forward (``fanout="chain"``, the default point to point), the source
-    sends each piece once, to the first destination, and each destination
-    forwards it to the next while it receives the following one.
+    Before any weight moves, every rank's arguments and tensors are checked, and checked against the source's manifest
+    (names, dtypes, shapes): a bad argument, a mismatch, or a tensor a rank cannot use (nested, meta, on a device it
+    cannot reach; on a destination an expanded or zero-stride view, or tensors sharing memory that the source does not
+    hold as one tied tensor) on any member raises the same error on every member, nothing is transferred, and the group
+    stays usable. Then pieces of at least ``min(bucket_bytes, 256 KiB)`` travel in place, each on its own with no copy
+    (where contiguous on the communicator's device), and smaller ones coalesced into buckets of at most
+    ``bucket_bytes``, packing and unpacking overlapped with the transfers. Over gloo the source sends each of them to
+    each destination (point to point); other backends broadcast them. Each rank stages at most two buckets. Tensors the
+    source holds more than once (tied weights) travel once. With two or more destinations that can forward
+    (``fanout="chain"``, the default point to point), the source sends each piece once, to the first destination, and
+    each destination forwards it to the next while it receives the following one.
 
-    With ``version``, a destination records the version it committed
-    (:meth:`CommContext.get_weight_version`), and a sync is refused on every
-    member before any byte moves when a destination has committed this
-    version or a later one, or when the source itself holds another version
-    (an engine seeding a newcomer sends the version it holds). With
-    ``verify``, every member computes each tensor's digest as its bytes pass
-    and the destinations' are compared with the source's in one more small
+    With ``version``, a destination records the version it committed (:meth:`CommContext.get_weight_version`), and a
+    sync is refused on every member before any byte moves when a destination has committed this version or a later one,
+    or when the source itself holds another version (an engine seeding a newcomer sends the version it holds). With
+    ``verify``, every member computes each tensor's digest as its bytes pass and the destinations' are compared with the
+    source's in one more small
     round: a mismatch raises :class:`CommMismatchError` on every member,
-    naming the tensors. With ``atomic``, the destinations receive into
-    staging, verify, and write their live tensors (or call ``load`` once,
-    with every tensor) only once the source has recorded "commit" in the
-    mode's store: a death, a timeout or a mismatch before that point leaves
-    every destination's live tensors as they were ("version 7 not
-    committed; live weights are version 6"), and after it every surviving
-    destination commits.
+    naming the tensors. With ``atomic``, the destinations receive into staging, verify, and write their live tensors (or
+    call ``load`` once, with every tensor) only once the source has recorded "commit" in the mode's store: a death, a
+    timeout or a mismatch before that point leaves every destination's live tensors as they were ("version 7 not
+    committed; live weights are version 6"), and after it every surviving destination commits.
 
-    A ``load`` callable (a destination only) has the shape of vLLM's
-    ``model.load_weights(weights)``: ``load(named_tensors)``, where
-    ``named_tensors`` is a list of ``(name, tensor)`` pairs, each tensor
-    contiguous with the source's dtype and shape, on the communicator's
-    device. The destination learns the names from the source's manifest,
-    receives into at most two buffers, and calls ``load`` once per buffer, from
-    the thread that runs the transfer (this call, or ``wait()``, or the next
-    call on the mode, which completes an unwaited transfer first). Every name
-    comes exactly once over the calls (a tied tensor once per name, the same
-    view, in one call with the tensor it is tied to; a tensor of no elements
-    too). **Every layer comes whole in one call**: a tensor's layer is its name
-    up to the first all-digit component (``model.layers.3`` for
-    ``model.layers.3.mlp.up_proj.weight``), else its module (the name without
-    its last component; a name without a dot is a layer of its own). The
-    tensors travel layer by layer (in the order of each layer's first tensor
-    in the source's state dict), a buffer holds whole layers of at most
-    ``bucket_bytes`` together, and a layer larger than that comes alone in a
-    buffer of its own size: a destination holds at most two buffers of
-    ``max(bucket_bytes, its largest layer)``. The tensors are views of the
-    buffer, valid until ``load`` returns: a ``load`` may keep them while the
-    call lasts (vLLM's layer-by-layer reload, which keeps a layer's tensors
-    until all of them have arrived, thus sees only valid ones), and must copy
-    what it keeps longer (vLLM keeps the tensors of a layer it finishes only at
-    the end of its reload, such as a vocabulary it pads:
-    ``rlightning_comm.integrations.vllm`` copies those). With a ``load``
-    destination in the group, buckets never span two runs of whole layers (for
-    every member: about one more transfer per bucket's worth of layers). If
-    ``load`` raises, the transfer still completes (the later buckets are
-    received and dropped, so the peers are unaffected) and
-    its exception is raised afterwards, unchanged (on Python 3.11+ with a
-    note naming the bucket).
+    A ``load`` callable (a destination only) has the shape of vLLM's ``model.load_weights(weights)``:
+    ``load(named_tensors)``, where ``named_tensors`` is a list of ``(name, tensor)`` pairs, each tensor contiguous with
+    the source's dtype and shape, on the communicator's device. The destination learns the names from the source's
+    manifest, receives into at most two buffers, and calls ``load`` once per buffer, from the thread that runs the
+    transfer (this call, or ``wait()``, or the next call on the mode, which completes an unwaited transfer first). Every
+    name comes exactly once over the calls (a tied tensor once per name, the same view, in one call with the tensor it
+    is tied to; a tensor of no elements too). **Every layer comes whole in one call**: a tensor's layer is its name up
+    to the first all-digit component (``model.layers.3`` for ``model.layers.3.mlp.up_proj.weight``), else its module
+    (the name without its last component; a name without a dot is a layer of its own). The tensors travel layer by layer
+    (in the order of each layer's first tensor in the source's state dict), a buffer holds whole layers of at most
+    ``bucket_bytes`` together, and a layer larger than that comes alone in a buffer of its own size: a destination holds
+    at most two buffers of ``max(bucket_bytes, its largest layer)``. The tensors are views of the buffer, valid until
+    ``load`` returns: a ``load`` may keep them while the call lasts (vLLM's layer-by-layer reload, which keeps a layer's
+    tensors until all of them have arrived, thus sees only valid ones), and must copy what it keeps longer (vLLM keeps
+    the tensors of a layer it finishes only at the end of its reload, such as a vocabulary it pads:
+    ``rlightning_comm.integrations.vllm`` copies those). With a ``load`` destination in the group, buckets never span
+    two runs of whole layers (for every member: about one more transfer per bucket's worth of layers). If ``load``
+    raises, the transfer still completes (the later buckets are received and dropped, so the peers are unaffected) and
+    its exception is raised afterwards, unchanged (on Python 3.11+ with a note naming the bucket).
 
-    A transfer that fails midway (a peer died or hung) raises
-    :class:`CommError` / :class:`CommTimeoutError` whose message says what is
+    A transfer that fails midway (a peer died or hung) raises :class:`CommError` / :class:`CommTimeoutError` whose
+    message says what is
     left: on a destination whether its tensors were partly written (with a
-    ``load`` callable, how many buckets it had been given), on the source
-    which destinations may hold partial weights.
+    ``load`` callable, how many buckets it had been given), on the source which destinations may hold partial weights.
 
     Args:
-        state_dict: A mapping of names to tensors, an ``nn.Module``, a list of
-            ``(name, tensor)`` pairs, or (on a destination) a ``load``
-            callable. Tensors may live on the host or a CUDA device (or the
-            communicator's device); those off the communicator's device are
-            staged through its buckets.
+        state_dict: A mapping of names to tensors, an ``nn.Module``, a list of ``(name, tensor)`` pairs, or (on a
+            destination) a ``load`` callable. Tensors may live on the host or a CUDA device (or the communicator's
+            device); those off the communicator's device are staged through its buckets.
         comm_mode: The mode to broadcast over.
-        src: Rank that sends, in the mode's numbering (a global rank on a
-            mode of the world); ``None`` means the source declared to
-            :meth:`CommContext.init_weight_transfer_group` for this mode.
-            Every rank must name the same one.
+        src: Rank that sends, in the mode's numbering (a global rank on a mode of the world); ``None`` means the source
+            declared to :meth:`CommContext.init_weight_transfer_group` for this mode. Every rank must name the same one.
         bucket_bytes: Largest bucket, in bytes; the source's value is used.
-        async_op: Return once every transfer that needs no wait is launched
-            (all in-place pieces up to the third bucket, the first two buckets),
-            with a :class:`StateDictTransfer` whose ``wait()`` does the rest.
-            Until ``wait()`` returns, the source may not modify its tensors
-            and a destination may neither read nor write them. What may run
-            meanwhile depends on how the units move. Over gloo point to point
-            (host tensors, no stats or debug mode): collectives on any mode,
-            this one too (in the same order on every rank). When the units
-            are broadcasts (NCCL; gloo with stats or debug mode on): no
-            collective on this mode before ``wait()``, since each rank may have
-            launched a different number of units; on gloo other modes are
-            fine; on NCCL, which needs one global order of NCCL calls across
-            all groups, call ``wait()`` before a collective on any other NCCL
-            group, and issue NCCL calls from one thread. The next call on this
-            mode completes an unwaited transfer first.
-        version: The version these weights are, or ``None`` (an unversioned
-            sync, which clears the destinations' record). Every member passes
-            the same.
+        async_op: Return once every transfer that needs no wait is launched (all in-place pieces up to the third bucket,
+            the first two buckets), with a :class:`StateDictTransfer` whose ``wait()`` does the rest. Until ``wait()``
+            returns, the source may not modify its tensors and a destination may neither read nor write them. What may
+            run meanwhile depends on how the units move. Over gloo point to point (host tensors, no stats or debug
+            mode): collectives on any mode, this one too (in the same order on every rank). When the units are
+            broadcasts (NCCL; gloo with stats or debug mode on): no collective on this mode before ``wait()``, since
+            each rank may have launched a different number of units; on gloo other modes are fine; on NCCL, which needs
+            one global order of NCCL calls across all groups, call ``wait()`` before a collective on any other NCCL
+            group, and issue NCCL calls from one thread. The next call on this mode completes an unwaited transfer
+            first.
+        version: The version these weights are, or ``None`` (an unversioned sync, which clears the destinations'
+            record). Every member passes the same.
         verify: Check each tensor's digest on every destination against the source's.
-        atomic: All or nothing: stage, verify, then commit through the mode's store (implies ``verify``). Staging
-            holds one more copy of the destination's weights (of the source's manifest, with a ``load`` callable),
-            kept between atomic syncs on the mode.
+        atomic: All or nothing: stage, verify, then commit through the mode's store (implies ``verify``). Staging holds
+            one more copy of the destination's weights (of the source's manifest, with a ``load`` callable), kept
+            between atomic syncs on the mode.
         staging_device: Where an atomic destination stages: ``None`` for each tensor's own device, ``"cpu"`` for the
             host (a GPU engine short of memory).
-        record_as: The mode whose version record a destination updates (``None``: ``comm_mode``); a newcomer
-            seeded over a mode of its own records the fleet's mode.
-        fanout: ``"chain"`` (relay), ``"star"`` (the source sends to every destination), or ``None``: a chain when
-            the units move point to point and two or more destinations can forward (a ``load`` callable outside
-            an atomic sync cannot: the source sends to it directly). Every member passes the same.
+        record_as: The mode whose version record a destination updates (``None``: ``comm_mode``); a newcomer seeded over
+            a mode of its own records the fleet's mode.
+        fanout: ``"chain"`` (relay), ``"star"`` (the source sends to every destination), or ``None``: a chain when the
+            units move point to point and two or more destinations can forward (a ``load`` callable outside an atomic
+            sync cannot: the source sends to it directly). Every member passes the same.
 
     Returns:
         The :class:`WeightSyncReport` (bytes sent and received per peer, version, digests); with ``async_op`` a
@@ -214,8 +175,8 @@ def broadcast_state_dict(
 
     Raises:
         TypeError, ValueError: a bad argument (``src``, ``bucket_bytes``,
-            ``state_dict``, ``version``, ...), a mismatch or an unusable tensor on any member,
-            raised on every member before anything moves.
+            ``state_dict``, ``version``, ...), a mismatch or an unusable tensor on any member, raised on every member
+            before anything moves.
         CommMismatchError: a stale version (before anything moves), or digests that differ after the transfer.
         ModeNotBoundError: ``comm_mode`` is not bound on this rank.
         CommTimeoutError, CommError: a transfer (a send, receive or broadcast) failed, or a peer never joined.

@@ -1,21 +1,15 @@
 """After a weight sync's data phase: verification, and the all-or-nothing commit through the mode's store.
 
-:class:`Sync` is one sync on one member: the data phase (a
-:class:`~._transport.Transfer`), then, with ``verify`` or ``atomic``, one
-round of two words per member (a fingerprint of its digests) and, only when
-they differ, a second round that names the tensors. With ``atomic`` the
-destinations received into staging; the source then records the decision in
-the mode's store (a key set once with ``compare_set``, under the name of the
-mode's group, which a connected mode makes unique to its generation: an old
-generation's members cannot touch a new one's decision). ``commit`` once
-every destination staged and verified; a member that fails before it (a
-lost peer, a timeout) records ``abort`` instead, and whichever comes first
-holds for everyone. A destination writes its live tensors (or calls
-``load``) only after it read ``commit``; anything before that point leaves
-them as they were. After it, every surviving destination commits.
+:class:`Sync` is one sync on one member: the data phase (a :class:`~._transport.Transfer`), then, with ``verify`` or
+``atomic``, one round of two words per member (a fingerprint of its digests) and, only when they differ, a second round
+that names the tensors. With ``atomic`` the destinations received into staging; the source then records the decision in
+the mode's store (a key set once with ``compare_set``, under the name of the mode's group, which a connected mode makes
+unique to its generation: an old generation's members cannot touch a new one's decision). ``commit`` once every
+destination staged and verified; a member that fails before it (a lost peer, a timeout) records ``abort`` instead, and
+whichever comes first holds for everyone. A destination writes its live tensors (or calls ``load``) only after it read
+``commit``; anything before that point leaves them as they were. After it, every surviving destination commits.
 
-A transfer kind calls :class:`Sync` with its own data phase; nothing here
-knows how the bytes moved.
+A transfer kind calls :class:`Sync` with its own data phase; nothing here knows how the bytes moved.
 """
 
 from __future__ import annotations
@@ -62,8 +56,8 @@ def staging(
     """Tensors to receive an atomic sync into, one per manifest entry (an alias is its target's very tensor).
 
     Each like its live tensor (contiguous) on ``device``, or on the live tensor's own device; with no live tensors (a
-    ``load`` callable) from the manifest, on ``device`` or the communicator's ``default``. Kept for the next atomic
-    sync on ``comm`` with the same tensors (fresh pages cost more to fault in than the copy into them), freed with it.
+    ``load`` callable) from the manifest, on ``device`` or the communicator's ``default``. Kept for the next atomic sync
+    on ``comm`` with the same tensors (fresh pages cost more to fault in than the copy into them), freed with it.
     """
     key = (plan.manifest, device, default, None if live is None else tuple(t.device for t in live))
     kept = _staged.get(comm)
@@ -140,8 +134,8 @@ class Sync:
         src: The source's rank in the mode.
         sent, received: The bytes of tensor data this member sends and receives, per peer rank.
         digests: ``None``, or the :class:`~._digest.Digests` the data phase feeds.
-        live: On an atomic destination: ``(live tensors, staged tensors)`` in the plan's order, or
-            ``(load callable, [(name, staged tensor)])``.
+        live: On an atomic destination: ``(live tensors, staged tensors)`` in the plan's order, or ``(load callable,
+            [(name, staged tensor)])``.
         plan_cached: Whether the plan of an earlier call was reused.
         exchange: ``exchange(words) -> rows`` and ``texts(text) -> texts``: the mode's small rounds.
         what: The call's name, for messages.

@@ -1,36 +1,29 @@
 """Per-tensor digests of a weight sync: a position-weighted sum of bytes mod 2**64, computed with torch ops as the
 bytes pass (on the tensors' own device), never in a second pass over the model.
 
-The definition (the tests compute it independently from this text). A
-tensor of global shape ``(..., n)`` and element size ``k`` is a matrix of
-byte rows: row ``f`` (its row-major index over the leading dimensions; a
-0-d tensor is one row) holds ``L = n * k`` bytes, each read as a signed
-8-bit integer ``x[f, p]``. Each row is cut into segments of ``C = 65536``
-bytes, ``S = ceil(L / C)`` of them; segment ``s`` of row ``f`` is the
-virtual row ``v = f * S + s``. With ``mix`` the splitmix64 finaliser on 64
-bits (``z ^= z >> 30; z *= 0xBF58476D1CE4E5B9; z ^= z >> 27; z *= 0x94D049BB133111EB; z ^= z >> 31``)
-and ``G = 0x9E3779B97F4A7C15``, for ``j`` in ``0..7``:
+The definition (the tests compute it independently from this text). A tensor of global shape ``(..., n)`` and element
+size ``k`` is a matrix of byte rows: row ``f`` (its row-major index over the leading dimensions; a 0-d tensor is one
+row) holds ``L = n * k`` bytes, each read as a signed 8-bit integer ``x[f, p]``. Each row is cut into segments of ``C =
+65536`` bytes, ``S = ceil(L / C)`` of them; segment ``s`` of row ``f`` is the virtual row ``v = f * S + s``. With
+``mix`` the splitmix64 finaliser on 64 bits (``z ^= z >> 30; z *= 0xBF58476D1CE4E5B9; z ^= z >> 27; z *=
+0x94D049BB133111EB; z ^= z >> 31``) and ``G = 0x9E3779B97F4A7C15``, for ``j`` in ``0..7``:
 
-* byte weights ``w(b, j) = ((mix((b * 8 + j) * G + 1) >> 56) | (j == 0)) - 128``, for ``b`` in ``0..C-1``
-  (an 8-bit integer; odd for ``j == 0``);
+* byte weights ``w(b, j) = ((mix((b * 8 + j) * G + 1) >> 56) | (j == 0)) - 128``, for ``b`` in ``0..C-1`` (an 8-bit
+  integer; odd for ``j == 0``);
 * row weights ``h(v, j) = mix((v * 8 + j) * G + 2) | (j == 0)`` (odd for ``j == 0``);
-* ``digest = sum over f, s, j of h(f * S + s, j) * sum over b of x[f, s * C + b] * w(b, j)``, mod 2**64
-  (an unsigned int; every product and sum in two's complement, so the order does not matter).
+* ``digest = sum over f, s, j of h(f * S + s, j) * sum over b of x[f, s * C + b] * w(b, j)``, mod 2**64 (an unsigned
+  int; every product and sum in two's complement, so the order does not matter).
 
-It is a sum over bytes, each weighted by its global position, so any block
-of the tensor contributes its own part and the parts add up: the digest
-does not depend on the bucketing, on how a tensor is cut into pieces, nor on
-which member sent which piece. The inner sums are one ``int8`` matrix
-product per block (``torch._int_mm``, exact in ``int32``), a pass at about
-memory speed on the host and on a GPU; no host copy of a device tensor.
-:class:`Digests` computes them on a thread of its own (torch releases the
-GIL in its kernels), overlapped with the transfer where a core is free.
+It is a sum over bytes, each weighted by its global position, so any block of the tensor contributes its own part and
+the parts add up: the digest does not depend on the bucketing, on how a tensor is cut into pieces, nor on which member
+sent which piece. The inner sums are one ``int8`` matrix product per block (``torch._int_mm``, exact in ``int32``), a
+pass at about memory speed on the host and on a GPU; no host copy of a device tensor. :class:`Digests` computes them on
+a thread of its own (torch releases the GIL in its kernels), overlapped with the transfer where a core is free.
 
-What it detects: any change of one byte, always (its weight is odd for
-``j == 0``); random corruption and bytes from the wrong place or the wrong
-tensor (misplaced offsets, swapped pieces, a stale bucket) except with a
-probability of about ``2**-64`` for a random change. What it does not: it is
-not a cryptographic hash; someone who wants to forge a collision can.
+What it detects: any change of one byte, always (its weight is odd for ``j == 0``); random corruption and bytes from the
+wrong place or the wrong tensor (misplaced offsets, swapped pieces, a stale bucket) except with a probability of about
+``2**-64`` for a random change. What it does not: it is not a cryptographic hash; someone who wants to forge a collision
+can.
 """
 
 from __future__ import annotations

@@ -1,29 +1,21 @@
 """The handshake of :func:`broadcast_state_dict`: every member ends with the same plan, or raises the same error.
 
-One exchange of a few integers per rank: each rank's verdict on its own
-arguments and tensors (:mod:`._weight_inputs`), the source it names, a hash
-of its tensors' names, dtypes and shapes, the plan it kept from its last
-call, whether stats or debug mode instruments its broadcasts, whether it
-passed a ``load`` callable, the call's version, verification and commit
-words (:mod:`._versions`, whose refusals are raised here on every member) and
-its fanout. When every rank holds the plan of the source's
-current manifest (the steady state of a training loop), that is all;
-otherwise (and whenever a destination holds tensors that share memory in a way
-its kept plan does not cover) the source broadcasts its manifest (JSON, two
-small broadcasts), every rank builds the plan and checks its tensors against
-it, and a second round of one word each shares those verdicts. A problem on
-any rank is then exchanged as text (two more rounds), so every member raises
-the same error before any weight moves, and the group stays in step.
+One exchange of a few integers per rank: each rank's verdict on its own arguments and tensors (:mod:`._weight_inputs`),
+the source it names, a hash of its tensors' names, dtypes and shapes, the plan it kept from its last call, whether stats
+or debug mode instruments its broadcasts, whether it passed a ``load`` callable, the call's version, verification and
+commit words (:mod:`._versions`, whose refusals are raised here on every member) and its fanout. When every rank holds
+the plan of the source's current manifest (the steady state of a training loop), that is all; otherwise (and whenever a
+destination holds tensors that share memory in a way its kept plan does not cover) the source broadcasts its manifest
+(JSON, two small broadcasts), every rank builds the plan and checks its tensors against it, and a second round of one
+word each shares those verdicts. A problem on any rank is then exchanged as text (two more rounds), so every member
+raises the same error before any weight moves, and the group stays in step.
 
-Everything here calls the mode's own process group directly (not the
-communicator's methods, which stats or debug mode may wrap), so it works on a
-group outside torch's world and uses no store.
-Over gloo with host tensors a round is two hops of point-to-point messages
-through group rank 0, run in the calling threads; a gloo all-gather hands its
-work to a worker thread and runs a ring, which took about twice as long on 3
-ranks here. Other backends all-gather; on CUDA on a stream of the handshake's
-own, read back through pinned memory, so the host waits for the handshake's
-few bytes only and never for the work the caller queued on its stream.
+Everything here calls the mode's own process group directly (not the communicator's methods, which stats or debug mode
+may wrap), so it works on a group outside torch's world and uses no store. Over gloo with host tensors a round is two
+hops of point-to-point messages through group rank 0, run in the calling threads; a gloo all-gather hands its work to a
+worker thread and runs a ring, which took about twice as long on 3 ranks here. Other backends all-gather; on CUDA on a
+stream of the handshake's own, read back through pinned memory, so the host waits for the handshake's few bytes only and
+never for the work the caller queued on its stream.
 """
 
 from __future__ import annotations
@@ -82,11 +74,9 @@ class Kept:
 def kept(comm: Any) -> Kept:
     """What ``comm`` kept from its last transfer.
 
-    An attribute of the communicator, not an entry of a weak-keyed dict: the
-    unfinished transfer it holds refers to the communicator, and a value that
-    refers to its own weak key keeps both alive forever (a generation of a
-    connected mode never went, nor its buffers). As an attribute they form a
-    cycle that goes with the communicator.
+    An attribute of the communicator, not an entry of a weak-keyed dict: the unfinished transfer it holds refers to the
+    communicator, and a value that refers to its own weak key keeps both alive forever (a generation of a connected mode
+    never went, nor its buffers). As an attribute they form a cycle that goes with the communicator.
     """
     memory = comm.__dict__.get("_weights_kept")
     if memory is None:
@@ -110,8 +100,8 @@ def _hash(obj: Any) -> tuple[int, int]:
 def _on_device(comm: Any, memory: Kept, run: Any) -> torch.Tensor:
     """``run(device)``, a collective that returns a tensor on ``comm``'s device, and that tensor on the host.
 
-    On CUDA on the handshake's own stream: the collective then waits for
-    nothing the caller queued, and the host waits for its result only.
+    On CUDA on the handshake's own stream: the collective then waits for nothing the caller queued, and the host waits
+    for its result only.
     """
     device = comm.device
     if device.type == "cpu":

@@ -1,9 +1,8 @@
 """What one rank can tell about its own weight-transfer arguments before anything is exchanged.
 
-Every check here returns the problem it finds (an exception type and a
-message) instead of raising it: the handshake shares each rank's verdict with
-every member, so a problem anywhere raises the same error everywhere before
-any weight moves.
+Every check here returns the problem it finds (an exception type and a message) instead of raising it: the handshake
+shares each rank's verdict with every member, so a problem anywhere raises the same error everywhere before any weight
+moves.
 """
 
 from __future__ import annotations
@@ -94,11 +93,9 @@ def describe(
     """One pass over this rank's tensors: what it cannot do with one of them, its manifest, and (on a destination) their
     spans of memory.
 
-    A problem is a layout, a device, or on a destination memory that cannot be
-    written (an expanded or zero-stride view). The manifest holds names,
-    dtypes and shapes, and on the source which entries are the very same
-    tensor as an earlier one (:func:`same_view`; only tensors at an address
-    seen before are compared in full), sent once.
+    A problem is a layout, a device, or on a destination memory that cannot be written (an expanded or zero-stride
+    view). The manifest holds names, dtypes and shapes, and on the source which entries are the very same tensor as an
+    earlier one (:func:`same_view`; only tensors at an address seen before are compared in full), sent once.
     """
     first_at: dict[int, int] = {}
     entries: list[Entry] = []
@@ -180,9 +177,8 @@ def overlapping(spans: list[Span]) -> list[tuple[str, str, bool]]:
     """On a destination: ``(name, name, same view)`` of every two tensors whose memory overlaps (``spans`` from
     :func:`describe`).
 
-    Spans of memory are sorted and swept once (the common case, no two spans
-    meeting, ends there); tensors whose spans meet but which are not the same
-    view are compared byte by byte.
+    Spans of memory are sorted and swept once (the common case, no two spans meeting, ends there); tensors whose spans
+    meet but which are not the same view are compared byte by byte.
     """
     spans.sort(key=_by_place)
     device, reach = None, 0

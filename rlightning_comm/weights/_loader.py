@@ -1,13 +1,10 @@
 """The data phase of :func:`broadcast_state_dict` on a destination that passed a ``load`` callable.
 
-The destination has no tensors of the source's layout (an inference engine
-with fused or resharded weights): it learns names, dtypes and shapes from
-the source's manifest, receives the plan's units into two buffers in
-rotation, and calls ``load(named_tensors)`` once per delivery
-(:func:`._weight_plan.deliveries`: whole layers of at most one bucket, or a
-layer larger than a bucket alone) with views of the buffer, valid only
-during the call. While ``load`` runs on one buffer the next delivery is
-received into the other. The source sends exactly what it sends to any
+The destination has no tensors of the source's layout (an inference engine with fused or resharded weights): it learns
+names, dtypes and shapes from the source's manifest, receives the plan's units into two buffers in rotation, and calls
+``load(named_tensors)`` once per delivery (:func:`._weight_plan.deliveries`: whole layers of at most one bucket, or a
+layer larger than a bucket alone) with views of the buffer, valid only during the call. While ``load`` runs on one
+buffer the next delivery is received into the other. The source sends exactly what it sends to any
 destination: the two kinds of destination mix freely.
 """
 

@@ -1,18 +1,13 @@
 """The data phase of :func:`reshard_state_dict` on one member: copies within it, pieces in place, buckets staged.
 
-Over gloo on host tensors every message is point to point. The buckets move
-chunk by chunk through two staging buffers (chunk ``j`` through buffer
-``j % 2``: the next chunk is filled and launched before the current one is
-waited for); the pieces that travel in place are launched after the first
-chunk, on a tag of their own. A destination sends
-each source a receipt (one small message) once everything from it has
-arrived, and, for a bucket whose staging buffer the source reuses later, once
-that bucket has; a source waits for the receipt before waiting for its sends:
-gloo does not fail a send whose receiver died, while a receive from
-a dead peer fails at once. A member that fails lets its sends to the live
-members finish (a receive cut mid-message waits out the group's timeout; at
-most a second) and closes the group's connections, so every member's next wait
-fails within milliseconds. Other backends (NCCL) move each phase as one grouped
+Over gloo on host tensors every message is point to point. The buckets move chunk by chunk through two staging buffers
+(chunk ``j`` through buffer ``j % 2``: the next chunk is filled and launched before the current one is waited for); the
+pieces that travel in place are launched after the first chunk, on a tag of their own. A destination sends each source a
+receipt (one small message) once everything from it has arrived, and, for a bucket whose staging buffer the source
+reuses later, once that bucket has; a source waits for the receipt before waiting for its sends: gloo does not fail a
+send whose receiver died, while a receive from a dead peer fails at once. A member that fails lets its sends to the live
+members finish (a receive cut mid-message waits out the group's timeout; at most a second) and closes the group's
+connections, so every member's next wait fails within milliseconds. Other backends (NCCL) move each phase as one grouped
 ``batch_isend_irecv`` on the mode's group.
 """
 
@@ -178,9 +173,9 @@ class Mover:
             if p.dst == me:
                 self._touched.add(p.name)  # written as its bytes arrive
                 incoming.append(self._recv(self._bytes(self._dst_view(p)), p.src, _DIRECT_TAG))
-        # Chunk j moves through buffer j % 2: chunk j + 1 is filled and launched before chunk j is waited for. The
-        # first chunk goes before the pieces in place: its buckets (small tensors, strided blocks) would otherwise wait
-        # for this member to write every large piece.
+        # Chunk j moves through buffer j % 2: chunk j + 1 is filled and launched before chunk j is waited for. The first
+        # chunk goes before the pieces in place: its buckets (small tensors, strided blocks) would otherwise wait for
+        # this member to write every large piece.
         pending = (s.chunks[0], self._launch_chunk(s.chunks[0], 0)) if s.chunks else None
         for p in s.direct:
             if p.src == me:

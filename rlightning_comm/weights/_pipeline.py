@@ -1,18 +1,14 @@
 """The data phase of :func:`broadcast_state_dict` for tensors loaded in place: the pipeline that runs a plan.
 
-The plan (:mod:`._weight_plan`) is a pure function of the source's manifest
-and bucket size, so every rank issues the same transfers in the same order
-(:mod:`._weight_transport` says how each moves). A unit of one piece is moved
-in place (no copy) wherever the piece is contiguous on the communicator's
-device and holds its values as they read (no lazy conjugate or negation:
-those are staged, read and written through their logical values). Two bucket
-buffers per rank rotate: packing (or unpacking) one bucket overlaps the
-transfer of the other, and in-place transfers run meanwhile.
+The plan (:mod:`._weight_plan`) is a pure function of the source's manifest and bucket size, so every rank issues the
+same transfers in the same order (:mod:`._weight_transport` says how each moves). A unit of one piece is moved in place
+(no copy) wherever the piece is contiguous on the communicator's device and holds its values as they read (no lazy
+conjugate or negation: those are staged, read and written through their logical values). Two bucket buffers per rank
+rotate: packing (or unpacking) one bucket overlaps the transfer of the other, and in-place transfers run meanwhile.
 
-Staging on a device (NCCL) with tensors on the host goes through a pinned
-host buffer per staging buffer: one host-to-device copy per bucket on the
-source, one device-to-host copy per bucket on a destination (then the host
-pieces are copied out on the host), instead of one synchronous copy per piece.
+Staging on a device (NCCL) with tensors on the host goes through a pinned host buffer per staging buffer: one
+host-to-device copy per bucket on the source, one device-to-host copy per bucket on a destination (then the host pieces
+are copied out on the host), instead of one synchronous copy per piece.
 """
 
 from __future__ import annotations
@@ -40,13 +36,11 @@ def _typed(buffer: torch.Tensor, piece: Piece, like: torch.Tensor) -> torch.Tens
 def _copy_pieces(buffer: torch.Tensor, views: list[tuple[Piece, torch.Tensor]], pack: bool) -> None:
     """Copy each piece's view into ``buffer`` (``pack``) or out of it.
 
-    Between plain host bytes a single-threaded ``memmove`` on the pieces'
-    addresses, with no tensor made per piece: torch's ``copy_`` would split a
-    large copy over its intra-op threads, which on a host whose cores are all
-    busy (the ranks of one machine, each with its own thread pool) costs
-    several times a plain copy, and making two views per piece cost as much as
-    copying a small one. Anything else (strided, conjugate or negative views,
-    other devices) through ``copy_``, which reads and writes logical values.
+    Between plain host bytes a single-threaded ``memmove`` on the pieces' addresses, with no tensor made per piece:
+    torch's ``copy_`` would split a large copy over its intra-op threads, which on a host whose cores are all busy (the
+    ranks of one machine, each with its own thread pool) costs several times a plain copy, and making two views per
+    piece cost as much as copying a small one. Anything else (strided, conjugate or negative views, other devices)
+    through ``copy_``, which reads and writes logical values.
     """
     base = buffer.data_ptr() if buffer.is_cpu else None
     for piece, view in views:
@@ -66,8 +60,7 @@ class Pipeline(Transfer):
     Args:
         comm, plan, src, is_source, slots, sends: as for :class:`Transfer`.
         tensors: This rank's tensors, in the plan's order.
-        mirrors: Two pinned host buffers kept across calls, for host tensors
-            when the staging buffers live on a device.
+        mirrors: Two pinned host buffers kept across calls, for host tensors when the staging buffers live on a device.
     """
 
     def __init__(
@@ -113,8 +106,8 @@ class Pipeline(Transfer):
     def _in_place(self, unit: Unit) -> torch.Tensor | None:
         """The piece's own memory when it can be moved without a copy here (plain, on the communicator's device).
 
-        A send moves bytes whatever the dtype, so over gloo the piece goes as it
-        is; a broadcast gets its bytes (``uint8``), which any backend takes.
+        A send moves bytes whatever the dtype, so over gloo the piece goes as it is; a broadcast gets its bytes
+        (``uint8``), which any backend takes.
         """
         if not unit.direct:
             return None

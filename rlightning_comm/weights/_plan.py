@@ -1,23 +1,18 @@
 """What one weight transfer moves: the plan every member builds from the source's manifest.
 
-A tensor is cut along its leading dimensions into pieces of at most one
-bucket. A piece of at least ``min(bucket_bytes, DIRECT_BYTES)`` is a unit of
-its own, moved straight from and into the tensor where it is contiguous; the
-smaller pieces of whole tensors are coalesced into buckets. A tensor cut in
-several pieces has every piece in a unit of its own, one after the other, so
-a destination that receives into buffers (a ``load`` callable) finds it whole
-in one place. Tensors the source holds more than once (tied weights) travel
-once.
+A tensor is cut along its leading dimensions into pieces of at most one bucket. A piece of at least ``min(bucket_bytes,
+DIRECT_BYTES)`` is a unit of its own, moved straight from and into the tensor where it is contiguous; the smaller pieces
+of whole tensors are coalesced into buckets. A tensor cut in several pieces has every piece in a unit of its own, one
+after the other, so a destination that receives into buffers (a ``load`` callable) finds it whole in one place. Tensors
+the source holds more than once (tied weights) travel once.
 
-When a destination passed a ``load`` callable the plan is *layered*: tensors
-travel layer by layer (:func:`layer_of`), each layer's together in the order
-its first tensor has in the manifest, cut into segments (runs of whole layers
-of at most one bucket, a larger layer alone), and a bucket never holds pieces
-of two segments. For a ``load`` destination the units are grouped into
+When a destination passed a ``load`` callable the plan is *layered*: tensors travel layer by layer (:func:`layer_of`),
+each layer's together in the order its first tensor has in the manifest, cut into segments (runs of whole layers of at
+most one bucket, a larger layer alone), and a bucket never holds pieces of two segments. For a ``load`` destination the
+units are grouped into
 deliveries: runs of whole segments that fill one buffer of at most one bucket
-(a layer larger than a bucket alone, in a buffer of its own size), each handed
-to ``load`` whole. An engine that reloads layer by layer (vLLM keeps the tensors
-of a layer until all of them have arrived) thus gets every layer in one call.
+(a layer larger than a bucket alone, in a buffer of its own size), each handed to ``load`` whole. An engine that reloads
+layer by layer (vLLM keeps the tensors of a layer until all of them have arrived) thus gets every layer in one call.
 """
 
 from __future__ import annotations
@@ -192,8 +187,8 @@ def deliveries(plan: Plan) -> tuple[Delivery, ...]:
     """The plan's units grouped for a ``load`` destination: buffers of whole layers (whole tensors, if the plan is not
     layered) of at most one bucket, a layer larger than that alone.
 
-    The aliases of tied tensors go with the delivery of their first tensor,
-    tensors of no elements with their layer's (or the first one).
+    The aliases of tied tensors go with the delivery of their first tensor, tensors of no elements with their layer's
+    (or the first one).
     """
     units = plan.units
     layers = _segments(plan.manifest, plan.bucket_bytes)[1] if plan.layered else list(range(len(plan.manifest)))

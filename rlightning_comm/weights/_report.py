@@ -21,13 +21,13 @@ class WeightSyncReport:
         received: Bytes of tensor data this member received, per peer, the same way.
         version: The version the call carried (``None``: an unversioned sync). On a destination it is the version its
             weights are at now, recorded for :meth:`CommContext.get_weight_version`.
-        digests: With ``verify=True`` (or ``atomic=True``), each tensor's digest, an unsigned 64-bit int: a sum of
-            its bytes, each weighted by its position in the global tensor (:func:`tensor_digest` computes it for a
-            tensor at hand). It does not depend on the bucketing nor on the member that sent a byte: after a sync
-            every member that holds the same bytes reports the same digest. :func:`broadcast_state_dict` reports
-            every tensor; :func:`reshard_state_dict` reports each name this member wants, over its wanted slices of
-            it (the slices' parts add up: the digest of the whole tensor is the sum, mod 2**64, of its slices').
-            An integrity check against corruption and mix-ups, not a cryptographic hash. Empty otherwise.
+        digests: With ``verify=True`` (or ``atomic=True``), each tensor's digest, an unsigned 64-bit int: a sum of its
+            bytes, each weighted by its position in the global tensor (:func:`tensor_digest` computes it for a tensor at
+            hand). It does not depend on the bucketing nor on the member that sent a byte: after a sync every member
+            that holds the same bytes reports the same digest. :func:`broadcast_state_dict` reports every tensor;
+            :func:`reshard_state_dict` reports each name this member wants, over its wanted slices of it (the slices'
+            parts add up: the digest of the whole tensor is the sum, mod 2**64, of its slices'). An integrity check
+            against corruption and mix-ups, not a cryptographic hash. Empty otherwise.
         plan_cached: Whether the plan of an earlier call on the mode was reused (its metadata unchanged: the members
             exchanged only a fingerprint of it) rather than agreed anew.
     """

@@ -1,16 +1,13 @@
 """Weight sync without the gather: every member sends the blocks it holds straight into the blocks others want.
 
-A call agrees on a plan, then moves bytes. The agreement is one exchange of a
-few words per member (its verdict on its own arguments, a hash of its
-metadata, the key of the plan it kept); when every member kept the plan of the
-current metadata (the steady state of a training loop) that is all.
-Otherwise every member's metadata travels (two more rounds), and every member
-computes the same plan from it (:mod:`._schedule`), refusing the same way on
-every member what cannot be served. Nothing is written before both.
+A call agrees on a plan, then moves bytes. The agreement is one exchange of a few words per member (its verdict on its
+own arguments, a hash of its metadata, the key of the plan it kept); when every member kept the plan of the current
+metadata (the steady state of a training loop) that is all. Otherwise every member's metadata travels (two more rounds),
+and every member computes the same plan from it (:mod:`._schedule`), refusing the same way on every member what cannot
+be served. Nothing is written before both.
 
-The bytes then move (:mod:`._mover`): over gloo point to point with receipts, so
-that a lost member fails every survivor at once; on other backends in grouped
-``batch_isend_irecv`` calls.
+The bytes then move (:mod:`._mover`): over gloo point to point with receipts, so that a lost member fails every survivor
+at once; on other backends in grouped ``batch_isend_irecv`` calls.
 """
 
 from __future__ import annotations
@@ -52,70 +49,50 @@ def reshard_state_dict(
 ) -> WeightSyncReport | None:
     """Write every block each member wants with the bytes of the members that hold it, with no gather.
 
-    Every member of ``comm_mode`` calls this. Each says what it can send
-    (``held``) and what it needs (``wanted``), as blocks of named global
-    tensors; a member may hold and want at once, or neither. The members agree
-    on one plan, and each source sends each destination only the intersection
-    of what it holds and what that destination wants: no member materialises
-    a tensor it does not itself want, and no gather runs anywhere.
+    Every member of ``comm_mode`` calls this. Each says what it can send (``held``) and what it needs (``wanted``), as
+    blocks of named global tensors; a member may hold and want at once, or neither. The members agree on one plan, and
+    each source sends each destination only the intersection of what it holds and what that destination wants: no member
+    materialises a tensor it does not itself want, and no gather runs anywhere.
 
     Guarantees:
 
-    * Every wanted element is written exactly once, with the bytes of one
-      holder; an element held by several members (data-parallel replicas) is
-      sent by exactly one of them, the load spread across them (a member that
-      holds what it wants copies it itself).
-    * Before any byte moves, every member checks its own arguments and the
-      plan checks everyone's: an element wanted and held by no member (named,
-      with its region), members that disagree on a name's dtype or global
-      shape, a slice out of bounds, two wanted slices of one member that
-      overlap, a bad argument. Any of these raises the same error on every
-      member, no destination is touched, and the mode stays usable.
-    * The plan is kept: a repeat call whose metadata (names, dtypes, shapes,
-      blocks, strides) is unchanged on every member exchanges one fingerprint
-      of a few words, then moves bytes.
-    * A piece contiguous on both sides (at least ``min(bucket_bytes, 256
-      KiB)``) moves in place; the rest goes through at most two staging
-      buffers per member of at most ``bucket_bytes`` each.
-    * A member lost midway raises :class:`CommError` (:class:`PeerLostError`
-      on a connected mode) on every survivor within seconds, not at the
-      group's timeout; each destination's error names the tensors it may have
-      partly written, each source the destinations it was sending to.
+    * Every wanted element is written exactly once, with the bytes of one holder; an element held by several members
+      (data-parallel replicas) is sent by exactly one of them, the load spread across them (a member that holds what it
+      wants copies it itself).
+    * Before any byte moves, every member checks its own arguments and the plan checks everyone's: an element wanted and
+      held by no member (named, with its region), members that disagree on a name's dtype or global shape, a slice out
+      of bounds, two wanted slices of one member that overlap, a bad argument. Any of these raises the same error on
+      every member, no destination is touched, and the mode stays usable.
+    * The plan is kept: a repeat call whose metadata (names, dtypes, shapes, blocks, strides) is unchanged on every
+      member exchanges one fingerprint of a few words, then moves bytes.
+    * A piece contiguous on both sides (at least ``min(bucket_bytes, 256 KiB)``) moves in place; the rest goes through
+      at most two staging buffers per member of at most ``bucket_bytes`` each.
+    * A member lost midway raises :class:`CommError` (:class:`PeerLostError` on a connected mode) on every survivor
+      within seconds, not at the group's timeout; each destination's error names the tensors it may have partly written,
+      each source the destinations it was sending to.
 
-    Versions, verification and atomic updates work as for
-    :func:`broadcast_state_dict`, with every member that wants something as a
-    destination and every member that holds something as a source: with
-    ``version``, a destination records the version it committed
-    (:meth:`CommContext.get_weight_version`) and the call is refused on every
-    member before any byte moves when a destination has committed this
-    version or a later one (or a holder that wants nothing holds another
-    version). With ``verify``, each piece's digest is computed by its sender
-    as it is packed and by its destination as it is unpacked, and every
-    destination's total is checked against what the holders sent it: a
-    mismatch raises :class:`CommMismatchError` on every member naming the
-    tensors. With ``atomic``, the destinations receive into staging, verify,
-    and write their live slices only once every member staged and verified
-    (a two-phase commit through the mode's store): a death or a mismatch
-    before that point leaves every live slice as it was ("version 7 not
+    Versions, verification and atomic updates work as for :func:`broadcast_state_dict`, with every member that wants
+    something as a destination and every member that holds something as a source: with ``version``, a destination
+    records the version it committed (:meth:`CommContext.get_weight_version`) and the call is refused on every member
+    before any byte moves when a destination has committed this version or a later one (or a holder that wants nothing
+    holds another version). With ``verify``, each piece's digest is computed by its sender as it is packed and by its
+    destination as it is unpacked, and every destination's total is checked against what the holders sent it: a mismatch
+    raises :class:`CommMismatchError` on every member naming the tensors. With ``atomic``, the destinations receive into
+    staging, verify, and write their live slices only once every member staged and verified (a two-phase commit through
+    the mode's store): a death or a mismatch before that point leaves every live slice as it was ("version 7 not
     committed; live weights are version 6").
 
     Args:
-        held: What this member can send: a mapping of names to a tensor (the
-            whole tensor), a ``DTensor`` (its local shard, where its placements
-            put it: FSDP2's parameters, tensor-parallel ``Shard``/``Replicate``,
-            uneven shards), a :class:`TensorSlice`, or a sequence of those;
-            ``None`` for nothing. Only read.
-        wanted: What this member needs: a mapping of names to
-            :class:`TensorSlice` (or a sequence of them; a plain tensor or a
-            ``DTensor`` is taken as above), each written in place through its
-            tensor, which may be any strided view; ``None`` for nothing.
-        comm_mode: A mode whose members are the holders and wanters: of the
-            world, or a connected mode.
-        bucket_bytes: Largest staging buffer, in bytes; the value of the
-            member of group rank 0 is used.
-        version: The version these weights are, or ``None`` (an unversioned
-            sync, which clears the destinations' record). Every member passes
-            the same.
+        held: What this member can send: a mapping of names to a tensor (the whole tensor), a ``DTensor`` (its local
+            shard, where its placements put it: FSDP2's parameters, tensor-parallel ``Shard``/``Replicate``, uneven
+            shards), a :class:`TensorSlice`, or a sequence of those; ``None`` for nothing. Only read.
+        wanted: What this member needs: a mapping of names to :class:`TensorSlice` (or a sequence of them; a plain
+            tensor or a ``DTensor`` is taken as above), each written in place through its tensor, which may be any
+            strided view; ``None`` for nothing.
+        comm_mode: A mode whose members are the holders and wanters: of the world, or a connected mode.
+        bucket_bytes: Largest staging buffer, in bytes; the value of the member of group rank 0 is used.
+        version: The version these weights are, or ``None`` (an unversioned sync, which clears the destinations'
+            record). Every member passes the same.
         verify: Check every wanted slice's digest against the bytes the holders sent.
         atomic: All or nothing (implies ``verify``): stage, verify, then commit through the mode's store. Staging holds
             one more copy of this member's wanted slices, allocated for the call.
@@ -123,11 +100,9 @@ def reshard_state_dict(
             supported here).
 
     Returns:
-        A :class:`WeightSyncReport` (bytes sent and received per peer, whether
-        the plan was reused, the version; with ``verify``, the digest of each
-        name this member wants, over its wanted slices of it: members that
-        want the same slices report the same digests); ``None`` on a rank that
-        is not a member of ``comm_mode``.
+        A :class:`WeightSyncReport` (bytes sent and received per peer, whether the plan was reused, the version; with
+        ``verify``, the digest of each name this member wants, over its wanted slices of it: members that want the same
+        slices report the same digests); ``None`` on a rank that is not a member of ``comm_mode``.
 
     Raises:
         TypeError, ValueError: a bad argument or a plan that cannot be served,
@@ -136,9 +111,8 @@ def reshard_state_dict(
         CommMismatchError: a stale version (before anything moves), or digests that differ after the transfer.
         CommError, CommTimeoutError, PeerLostError: a transfer failed midway.
 
-    Tensors live on the communicator's device: the host for gloo, the
-    member's GPU for NCCL. Until the call returns, a source may not modify its
-    tensors, nor a destination read or write its slices.
+    Tensors live on the communicator's device: the host for gloo, the member's GPU for NCCL. Until the call returns, a
+    source may not modify its tensors, nor a destination read or write its slices.
     """
     comm = CommContext().get_communicator(comm_mode)
     options = SyncOptions(version, verify, atomic, staging_device, None, comm.mode)

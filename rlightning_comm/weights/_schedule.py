@@ -1,18 +1,14 @@
 """The static schedule of :func:`reshard_state_dict`: who sends which block of which tensor to whom, in what order.
 
-Every member computes it from every member's metadata (names, dtypes, global
-shapes, blocks held and wanted, their strides), so every member holds the same
-schedule without a further word. Each wanted block is covered by the
-intersections of the blocks held: where several members hold an element
-(data-parallel replicas) exactly one of them sends it, the one that has sent
-the least so far (a member that wants what it holds copies it itself). A
-piece contiguous on both sides of at least ``min(bucket_bytes, 256 KiB)`` is a
-unit of its own, moved without staging; the rest is packed per pair of
-members into buckets of at most ``bucket_bytes``; a piece contiguous on one side
-only travels alone, in place on that side. The buckets of all pairs are cut,
-in one global order, into chunks in which what each member stages fits one
-buffer of ``bucket_bytes``: a member runs its chunks in that order, filling one
-staging buffer while the other's chunk moves.
+Every member computes it from every member's metadata (names, dtypes, global shapes, blocks held and wanted, their
+strides), so every member holds the same schedule without a further word. Each wanted block is covered by the
+intersections of the blocks held: where several members hold an element (data-parallel replicas) exactly one of them
+sends it, the one that has sent the least so far (a member that wants what it holds copies it itself). A piece
+contiguous on both sides of at least ``min(bucket_bytes, 256 KiB)`` is a unit of its own, moved without staging; the
+rest is packed per pair of members into buckets of at most ``bucket_bytes``; a piece contiguous on one side only travels
+alone, in place on that side. The buckets of all pairs are cut, in one global order, into chunks in which what each
+member stages fits one buffer of ``bucket_bytes``: a member runs its chunks in that order, filling one staging buffer
+while the other's chunk moves.
 """
 
 from __future__ import annotations
@@ -214,8 +210,8 @@ def check_and_plan(metas: Sequence[Sequence[Any]], bucket_bytes: int, ranks: Seq
     """The global plan: every piece, the direct ones in order, and the chunks of buckets.
 
     Raises:
-        ValueError: members disagree on a name's dtype or global shape, or a wanted element is held by no member
-            (the same message on every member: the metadata is the same).
+        ValueError: members disagree on a name's dtype or global shape, or a wanted element is held by no member (the
+            same message on every member: the metadata is the same).
     """
     members = len(metas)
     by_name: dict[str, list[tuple[int, Any]]] = {}

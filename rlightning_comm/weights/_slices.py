@@ -1,8 +1,7 @@
 """Blocks of global tensors: :class:`TensorSlice`, and what one member holds and wants, read from its arguments.
 
-Every check here returns the problem it finds (an exception type and a
-message) instead of raising it: :func:`reshard_state_dict` shares each
-member's verdict, so a problem anywhere raises the same error on every member
+Every check here returns the problem it finds (an exception type and a message) instead of raising it:
+:func:`reshard_state_dict` shares each member's verdict, so a problem anywhere raises the same error on every member
 before any byte moves.
 """
 
@@ -25,10 +24,9 @@ class TensorSlice:
     """A block of a global tensor: ``tensor`` holds the elements at ``offsets`` (one per dimension) of a tensor of
     ``global_shape``, over a region of ``tensor.shape``.
 
-    ``tensor`` may be any strided view (the q rows of a fused ``qkv_proj``
-    weight, a column block of a row-parallel weight): a destination's slice is
-    written in place through it. :mod:`rlightning_comm.weights.layouts` builds
-    the slices of common engine layouts.
+    ``tensor`` may be any strided view (the q rows of a fused ``qkv_proj`` weight, a column block of a row-parallel
+    weight): a destination's slice is written in place through it. :mod:`rlightning_comm.weights.layouts` builds the
+    slices of common engine layouts.
 
     Args:
         tensor: The block's elements.

@@ -1,15 +1,12 @@
 """Verification of a :func:`reshard_state_dict`: digests of pieces, tallied by who sent them and who received them.
 
-A wanted slice may be assembled from pieces of several holders, so there is
-no one source to compare with. The digest (:mod:`._digest`) is a sum over
-global positions, so each piece contributes a part that does not depend on
-who sent it or how it was bucketed: a sender adds the part of every piece it
-sends to its tally for that destination, a destination the part of every
-piece it received (a copy within a member counts on both sides). Then one
-round of words: each member's received total and its sent total per
-destination, each folded over names with a weight per name. A destination
-whose received total is not the sum of what the members sent it got other
-bytes than were sent; only then a second round of texts names its tensors.
+A wanted slice may be assembled from pieces of several holders, so there is no one source to compare with. The digest
+(:mod:`._digest`) is a sum over global positions, so each piece contributes a part that does not depend on who sent it
+or how it was bucketed: a sender adds the part of every piece it sends to its tally for that destination, a destination
+the part of every piece it received (a copy within a member counts on both sides). Then one round of words: each
+member's received total and its sent total per destination, each folded over names with a weight per name. A destination
+whose received total is not the sum of what the members sent it got other bytes than were sent; only then a second round
+of texts names its tensors.
 """
 
 from __future__ import annotations

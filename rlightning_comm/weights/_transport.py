@@ -1,58 +1,42 @@
 """How one rank moves the units of a weight-transfer plan, and what it says when a transfer fails midway.
 
-How a unit moves depends on the backend. Over gloo the source sends it to
-each destination point to point (``ProcessGroup.send`` / ``recv``, one tag
-for the whole transfer, matched in order per pair): a gloo broadcast hands
-every call to a worker thread and costs about 0.3 ms of CPU per call on each
-rank, which dominated the transfer of a model of many tensors, while a send
-starts in the calling thread. A 3-rank broadcast of a model of 121 tensors
-took 0.5x the speed of one broadcast of the same bytes as broadcasts, about
-0.8x as sends (``benchmarks/bench_weight_transfer.py``). Any other backend
-broadcasts each unit (NCCL's broadcast is pipelined on the device), and so
-does gloo when stats or debug mode instruments the communicator's
-``broadcast`` on any member (the handshake tells every rank): then every unit
-is counted and fingerprinted like any broadcast.
+How a unit moves depends on the backend. Over gloo the source sends it to each destination point to point
+(``ProcessGroup.send`` / ``recv``, one tag for the whole transfer, matched in order per pair): a gloo broadcast hands
+every call to a worker thread and costs about 0.3 ms of CPU per call on each rank, which dominated the transfer of a
+model of many tensors, while a send starts in the calling thread. A 3-rank broadcast of a model of 121 tensors took 0.5x
+the speed of one broadcast of the same bytes as broadcasts, about 0.8x as sends
+(``benchmarks/bench_weight_transfer.py``). Any other backend broadcasts each unit (NCCL's broadcast is pipelined on the
+device), and so does gloo when stats or debug mode instruments the communicator's ``broadcast`` on any member (the
+handshake tells every rank): then every unit is counted and fingerprinted like any broadcast.
 
-Over gloo each destination also tells the source, with one small message,
-once it has posted every receive it can without waiting, and a blocking
-transfer's source sends nothing before every destination has. gloo writes a
-message from the sender's calling thread when the receive is already
-posted, and otherwise from its event-loop thread once told of it, a hand-off
-per message: with the receives posted first the same sends took 4 to 8%
-less CPU and about 5% less time here (BENCHMARKS.md). Each rank then waits
-for its last unit first: a pair's messages complete in order, so the
-waiting thread wakes once rather than once per unit.
+Over gloo each destination also tells the source, with one small message, once it has posted every receive it can
+without waiting, and a blocking transfer's source sends nothing before every destination has. gloo writes a message from
+the sender's calling thread when the receive is already posted, and otherwise from its event-loop thread once told of
+it, a hand-off per message: with the receives posted first the same sends took 4 to 8% less CPU and about 5% less time
+here (BENCHMARKS.md). Each rank then waits for its last unit first: a pair's messages complete in order, so the waiting
+thread wakes once rather than once per unit.
 
-Over gloo the source never waits for a send before the destination has said
-it received it: each destination sends a receipt (one small message) when a
-bucket's receive completes and once the whole transfer has arrived, and the
-source waits for the receipts before the sends (which have then completed).
-gloo does not fail a send whose receiver died after posting the receive:
-each such send waits out the group's timeout, one after the other, while a
-receive from a dead peer fails at once. So a destination's death fails the
-source's transfer within milliseconds, for two small messages per
-destination per transfer and one per bucket (an in-place piece the source
-itself had to stage, a strided or device tensor there, has no receipt: its
-sends are waited as they are). The source then closes the group's
-connections (:func:`~rlightning_comm.failures.close_gloo_group`), so the
-other destinations' receives fail within milliseconds as well.
+Over gloo the source never waits for a send before the destination has said it received it: each destination sends a
+receipt (one small message) when a bucket's receive completes and once the whole transfer has arrived, and the source
+waits for the receipts before the sends (which have then completed). gloo does not fail a send whose receiver died after
+posting the receive: each such send waits out the group's timeout, one after the other, while a receive from a dead peer
+fails at once. So a destination's death fails the source's transfer within milliseconds, for two small messages per
+destination per transfer and one per bucket (an in-place piece the source itself had to stage, a strided or device
+tensor there, has no receipt: its sends are waited as they are). The source then closes the group's connections
+(:func:`~rlightning_comm.failures.close_gloo_group`), so the other destinations' receives fail within milliseconds as
+well.
 
-In a relay (:func:`chain`) the source sends each unit once, to the first
-destination, and each destination forwards it to the next once it has
-arrived (a bucket from its staging buffer while it unpacks it, an in-place
-piece from the tensor itself). Every hop is a source-destination pair as
+In a relay (:func:`chain`) the source sends each unit once, to the first destination, and each destination forwards it
+to the next once it has arrived (a bucket from its staging buffer while it unpacks it, an in-place piece from the tensor
+itself). Every hop is a source-destination pair as
 above: the "posted" message, a receipt per bucket before the sender reuses
-its buffer, one for the whole transfer; a relay waits for a bucket's
-forward before it frees the buffer, and takes its units in order (a relay
-forwards unit k only once its successor has taken unit k - 2). Any member
-of a chain that fails closes the group's connections, so everything
-downstream and upstream of it fails at once too.
+its buffer, one for the whole transfer; a relay waits for a bucket's forward before it frees the buffer, and takes its
+units in order (a relay forwards unit k only once its successor has taken unit k - 2). Any member of a chain that fails
+closes the group's connections, so everything downstream and upstream of it fails at once too.
 
-A transfer that fails midway raises the failure (``CommError`` or
-``CommTimeoutError``) with what this rank knows about the weights it left:
-on a destination whether its tensors were partly written (and how many
-buckets a ``load`` callable had been given), on the source which
-destinations may hold partial weights.
+A transfer that fails midway raises the failure (``CommError`` or ``CommTimeoutError``) with what this rank knows about
+the weights it left: on a destination whether its tensors were partly written (and how many buckets a ``load`` callable
+had been given), on the source which destinations may hold partial weights.
 """
 
 from __future__ import annotations
@@ -92,23 +76,21 @@ def chain(world_size: int, src: int, leaves: set[int]) -> dict[int, tuple[int | 
 class Transfer:
     """Moves the units of a :class:`Plan` on one rank; what a destination does with them is the subclass's.
 
-    :meth:`start` launches what needs no wait, :meth:`finish` the rest; a
-    failure in either raises the backend's error with this rank's account of
-    the weights it left (see the module docstring), and ends the transfer.
+    :meth:`start` launches what needs no wait, :meth:`finish` the rest; a failure in either raises the backend's error
+    with this rank's account of the weights it left (see the module docstring), and ends the transfer.
 
     Args:
-        comm: The communicator: its ``broadcast``, or its process group's
-            ``send``/``recv`` (``sends``), carries every unit.
+        comm: The communicator: its ``broadcast``, or its process group's ``send``/``recv`` (``sends``), carries every
+            unit.
         plan: The transfer's plan (the same on every rank).
         src: Rank of the source, in the mode's numbering.
         is_source: Whether this rank sends.
-        slots: The two staging buffers, kept across calls (fresh pages cost
-            more to fault in than the copy into them); grown when too small,
-            dropped after a failure (a receive still posted may write them).
-        sends: Move the units point to point (gloo on host memory, the same on
-            every member) rather than by the communicator's ``broadcast``.
-        route: With ``sends``, where this rank receives from and sends to (group ranks: the predecessor or
-            ``None`` on the source, and the successors); ``None``: a star, the source sending to every destination.
+        slots: The two staging buffers, kept across calls (fresh pages cost more to fault in than the copy into them);
+            grown when too small, dropped after a failure (a receive still posted may write them).
+        sends: Move the units point to point (gloo on host memory, the same on every member) rather than by the
+            communicator's ``broadcast``.
+        route: With ``sends``, where this rank receives from and sends to (group ranks: the predecessor or ``None`` on
+            the source, and the successors); ``None``: a star, the source sending to every destination.
     """
 
     def __init__(
@@ -305,9 +287,8 @@ class Transfer:
         """Wait for every pending unit, calling ``complete(entry)`` on each in order; then the "posted" messages and
         receipts.
 
-        On the source over gloo every destination's receipt of the whole
-        transfer comes first (every send has completed then); elsewhere the
-        last unit does.
+        On the source over gloo every destination's receipt of the whole transfer comes first (every send has completed
+        then); elsewhere the last unit does.
         """
         if self._sends and self._from is None:
             self._wait(self._tokens())
@@ -320,8 +301,8 @@ class Transfer:
             for _ in range(owed[-1] + 1 if owed else 0):
                 complete(self._pending.popleft())
         if self._pending and not self._relay and not (self._sends and self._from is None):
-            # Then wait for the last unit first: a pair's messages complete in order, so the others are done by then
-            # and this thread wakes once, not once per unit (gloo's point-to-point work must be waited exactly once).
+            # Then wait for the last unit first: a pair's messages complete in order, so the others are done by then and
+            # this thread wakes once, not once per unit (gloo's point-to-point work must be waited exactly once).
             works, *rest = self._pending[-1]
             self._pending[-1] = ([], *rest)
             self._wait(works)

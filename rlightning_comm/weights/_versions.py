@@ -1,14 +1,11 @@
 """Weight versions: what a sync carries, what each destination committed, and the refusal of a stale sync.
 
-A weight-sync call takes its options (:class:`SyncOptions`) through one
-round a transfer already makes: :meth:`SyncOptions.words` are appended to
-this member's words of the transfer's handshake, and :meth:`SyncOptions.check`
-reads every member's words back, identically on every member, and raises
-the same error on each before any byte moves. A transfer kind calls these
-two and :func:`commit` on its destinations; nothing here sends anything.
+A weight-sync call takes its options (:class:`SyncOptions`) through one round a transfer already makes:
+:meth:`SyncOptions.words` are appended to this member's words of the transfer's handshake, and :meth:`SyncOptions.check`
+reads every member's words back, identically on every member, and raises the same error on each before any byte moves. A
+transfer kind calls these two and :func:`commit` on its destinations; nothing here sends anything.
 
-The record of committed versions is the context's
-(:meth:`CommContext.get_weight_version`), per mode name: it outlives a
+The record of committed versions is the context's (:meth:`CommContext.get_weight_version`), per mode name: it outlives a
 connected mode's generations and goes with :meth:`CommContext.destroy`.
 """
 
@@ -98,9 +95,9 @@ class SyncOptions:
         """Raise the same error on every member when the members' words (``rows``, in ``ranks``' order) refuse the
         sync.
 
-        ``src``'s random word names the sync's decision. The destinations (default: every member but ``src``) must
-        not have committed this version or a later one; the sources (default: ``src``), unless also destinations,
-        must hold this version or none.
+        ``src``'s random word names the sync's decision. The destinations (default: every member but ``src``) must not
+        have committed this version or a later one; the sources (default: ``src``), unless also destinations, must hold
+        this version or none.
 
         Raises:
             ValueError: the members ask for different versions or flags.

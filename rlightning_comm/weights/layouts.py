@@ -1,12 +1,10 @@
 """The blocks of common tensor-parallel engine layouts, as :class:`TensorSlice` for ``reshard_state_dict``.
 
-Each helper takes the engine's own local parameter (or a view of it) and
-the rank's place in its tensor-parallel group, and says which block of which
-global tensor it is, so no caller writes index arithmetic. The layouts are
-those of vLLM's and SGLang's linear layers: column-parallel (output rows
-split), row-parallel (input columns split), merged column-parallel (gate and
-up in one), and the fused q/k/v projection, whose K/V heads are replicated
-when the model has fewer K/V heads than tensor-parallel ranks.
+Each helper takes the engine's own local parameter (or a view of it) and the rank's place in its tensor-parallel group,
+and says which block of which global tensor it is, so no caller writes index arithmetic. The layouts are those of vLLM's
+and SGLang's linear layers: column-parallel (output rows split), row-parallel (input columns split), merged
+column-parallel (gate and up in one), and the fused q/k/v projection, whose K/V heads are replicated when the model has
+fewer K/V heads than tensor-parallel ranks.
 """
 
 from __future__ import annotations
@@ -127,11 +125,9 @@ def qkv(
     """The q, k and v tensors a fused ``qkv_proj`` parameter (weight or bias) holds on rank ``rank`` of
     ``world_size``, as vLLM's ``QKVParallelLinear`` lays them out.
 
-    Each rank holds ``num_heads / world_size`` query heads. With at least as
-    many K/V heads as ranks each holds ``num_kv_heads / world_size`` of them;
-    with fewer, each K/V head is replicated on ``world_size / num_kv_heads``
-    consecutive ranks (rank ``r`` holds head ``r // (world_size / num_kv_heads)``), and
-    every replica is written.
+    Each rank holds ``num_heads / world_size`` query heads. With at least as many K/V heads as ranks each holds
+    ``num_kv_heads / world_size`` of them; with fewer, each K/V head is replicated on ``world_size / num_kv_heads``
+    consecutive ranks (rank ``r`` holds head ``r // (world_size / num_kv_heads)``), and every replica is written.
 
     Args:
         tensor: The local fused parameter: its rows are this rank's q rows, then its k rows, then its v rows.
