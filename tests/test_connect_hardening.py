@@ -84,6 +84,58 @@ def _dies_in_build(out, rank: int, world_size: int, address: str) -> None:
     CommContext().connect(MODE, rank=rank, world_size=world_size, address=address, timeout=60)
 
 
+def _sees_the_closing_first(out, rank: int, world_size: int, address: str, where: str) -> None:
+    """:func:`_connect_and_report` on a member that learns of rank 0's closing before it reads the verdict: its read
+    of the verdict (``where="verdict"``) finds none until rank 0's watch said it closed the generation, or (``"watch"``)
+    it found the generation undecided but reaches rank 0's watch only once rank 0 closed it. The verdict decides."""
+    from rlightning_comm.connect import _connection, _generation
+
+    closed = threading.Event()
+    lose = _generation.Connection.lose
+
+    def lose_and_tell(self, member, what):
+        lose(self, member, what)
+        if member == 0 and what.startswith("closed this generation"):
+            closed.set()
+
+    class StaleOnce:  # the verdict's first check answers as if it came a moment before the verdict was posted
+        def __init__(self, store):
+            self.store, self.stale = store, True
+
+        def check(self, keys):
+            if self.stale:
+                self.stale = False
+                if not closed.wait(30):
+                    raise TimeoutError("rank 0 did not close the generation within 30 s")
+                return False
+            return self.store.check(keys)
+
+        def get(self, key):
+            return self.store.get(key)
+
+    find, join, await_verdict = _connection.find_generation, _connection.Watch.join, _connection.await_verdict
+    if where == "verdict":
+        _generation.Connection.lose = lose_and_tell
+        _connection.await_verdict = lambda store, *args: await_verdict(StaleOnce(store), *args)
+    else:
+
+        def find_undecided(*args):
+            return find(*args)[0], False  # read a moment before rank 0 posted its verdict
+
+        def join_closed(address, *args):
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # until rank 0's watch refuses connections: it closed the generation
+                try:
+                    socket.create_connection(address, timeout=1).close()
+                except ConnectionRefusedError:
+                    return join(address, *args)
+                time.sleep(0.05)
+            raise TimeoutError("rank 0 did not close its watch within 30 s")
+
+        _connection.find_generation, _connection.Watch.join = find_undecided, join_closed
+    _connect_and_report(out, rank, world_size, address)
+
+
 def _live_member(out, rank: int, address: str, role: str) -> None:
     """A member of a formed generation: connects, then (``"call"``) blocks in a barrier, or (``"idle"``) sleeps 3 s
     between calls and then calls; reports the PeerLostError with the time it was raised."""
@@ -318,6 +370,26 @@ def test_every_claimant_and_the_late_rank_1_get_the_mismatch(procs):
         messages[name] = message
     assert "rank 2 is claimed 2 times" in messages["rank0"] and "no process claimed ranks [1]" in messages["rank0"]
     assert len(set(messages.values())) == 1, messages  # one error, on every member
+
+
+def test_a_verdict_posted_before_rank_0_closes_is_what_every_member_raises(procs):
+    """The same forming as above, with rank 0's closing of the generation (after its verdict) reaching claimant-b
+    before its read of the verdict, and the late rank 1 reaching rank 0's watch only after it closed: each still
+    raises the verdict's CommMismatchError, not PeerLostError or an unreachable watch."""
+    procs.start("rank0", _connect_and_report, 0, 3, "")
+    _, address = procs.next("rank0", "address")
+    store = _store(address)
+    procs.start("claimant-a", _connect_and_report, 2, 3, address)
+    procs.start("claimant-b", _sees_the_closing_first, 2, 3, address, "verdict")
+    _wait_arrivals(store, 0, 3)
+    procs.start("rank1", _sees_the_closing_first, 1, 3, address, "watch")
+    messages = {}
+    for name in ("rank0", "claimant-a", "claimant-b", "rank1"):
+        _, _, (kind, message, _, _) = procs.next(name, "outcome")
+        assert kind == "CommMismatchError", (name, message)
+        messages[name] = message
+    assert "rank 2 is claimed 2 times" in messages["rank0"], messages
+    assert len(set(messages.values())) == 1, messages
 
 
 def test_arrivals_after_the_group_formed_are_told_who_differs(procs):
