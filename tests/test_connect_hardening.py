@@ -34,6 +34,7 @@ from rlightning_comm import (
     PeerLostError,
     broadcast_state_dict,
 )
+from rlightning_comm.connect import _generation
 
 MODE = "WEIGHT_SYNC"
 LIVENESS = (
@@ -251,6 +252,47 @@ def test_generations_free_their_communicators_and_buffers():
     ctx.destroy()
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+def test_rank_0_closing_its_watch_tells_every_member_it_closed():
+    """Rank 0's watch tells every member it closes before its thread closes a socket: the first member's answer (it
+    closes its end) must not make rank 0's thread cut the others off, which they would take for rank 0's death."""
+    from rlightning_comm.connect._liveness import Watch
+
+    for _ in range(20):
+        told: dict[int, tuple] = {}
+        arrived = threading.Event()
+
+        def on_lost(rank, member, what, told=told, arrived=arrived):
+            told[rank] = (member, what)
+            if len(told) == 3:
+                arrived.set()
+
+        listener = socket.create_server(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        host = Watch.host(listener, "s", lambda m, w: None, 30.0, "test")
+        members = [
+            Watch.join(
+                ("127.0.0.1", port),
+                r,
+                os.urandom(16).hex(),
+                "s",
+                time.monotonic() + 10,
+                lambda m, w, r=r: on_lost(r, m, w),
+                30.0,
+                "test",
+            )
+            for r in (1, 2, 3)
+        ]
+        deadline = time.monotonic() + 10
+        while len(host.candidates()) < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        host.close()
+        assert arrived.wait(10), told
+        for watch in members:
+            watch.close()
+        assert all(member == 0 and what.startswith("closed this generation") for member, what in told.values()), told
 
 
 def test_connect_holds_no_lock_of_the_context_while_it_waits():
@@ -483,6 +525,62 @@ def test_a_member_that_leaves_is_named_by_the_others(procs):
         _, _, (kind, message, member, when), _ = procs.next(name, "lost")
         assert (kind, member) == ("PeerLostError", 2) and "left the mode" in message, message
         assert when - left < SLACK
+
+
+def _calls_then_rank_0_leaves(out, rank: int, address: str, rounds: int, numel: int) -> None:
+    """Per generation: every member all-reduces ``numel`` floats and then calls a barrier; rank 0 leaves the generation
+    the moment its barrier returns (it calls ``connect`` again, which closes it: the others are told at once), while
+    the others may still be completing theirs. Reports each round's outcome on the members; rank 0 leaves last with
+    ``destroy()``."""
+    ctx = CommContext()
+    if rank == 0:
+        address = ctx.listen("127.0.0.1:0")
+        out.send(("address", address))
+    expected = torch.full((numel,), 6.0)  # 1 + 2 + 3, summed here
+    for _ in range(rounds):
+        comm = ctx.connect(MODE, rank=rank, world_size=3, address=address, timeout=60)
+        tensor = torch.full((numel,), float(rank + 1))
+        try:
+            comm.all_reduce(tensor)
+            comm.barrier()
+        except CommError as err:
+            out.send(("round", rank, _error(err)))
+            time.sleep(60)
+        out.send(("round", rank, ("ok", ctx.get_generation(MODE), torch.equal(tensor, expected), time.monotonic())))
+    ctx.destroy()
+    out.send(("left", rank, time.monotonic()))
+    time.sleep(60)
+
+
+def test_rank_0_leaving_right_after_a_call_lets_the_members_complete_it(procs):
+    """Rank 0 leaves right after its barrier returns; a member's barrier, or the large all-reduce before it, may still
+    be completing (its last bytes on their way, or between two other members): the call completes with the right
+    result, and the next call is refused. A call the leaver never joined fails within the grace."""
+    rounds, numel = 4, 8 << 20  # 32 MiB: the last ring steps between members 1 and 2 outlast rank 0's part
+    procs.start("rank0", _calls_then_rank_0_leaves, 0, "", rounds, numel)
+    _, address = procs.next("rank0", "address")
+    for rank in (1, 2):
+        procs.start(f"rank{rank}", _calls_then_rank_0_leaves, rank, address, rounds, numel)
+    for g in range(rounds):
+        for name in ("rank0", "rank1", "rank2"):
+            _, _, (kind, generation, right, _) = procs.next(name, "round")
+            assert (kind, generation, right) == ("ok", g, True), (name, kind, generation, right)
+    _, _, left = procs.next("rank0", "left")
+    for name in ("rank1", "rank2"):
+        procs.next(name, "left")
+    # Rank 0 leaves while the others wait in a call it never joins: they learn it within the grace, not the timeout.
+    procs.close()
+    procs.start("rank0", _live_member, 0, "", "leaver")
+    _, address = procs.next("rank0", "address")
+    for rank in (1, 2):
+        procs.start(f"rank{rank}", _live_member, rank, address, "call")
+    for name in ("rank0", "rank1", "rank2"):
+        procs.next(name, "formed")
+    _, _, left = procs.next("rank0", "left")
+    for name in ("rank1", "rank2"):
+        _, _, (kind, message, member, when), _ = procs.next(name, "lost")
+        assert (kind, member) == ("PeerLostError", 0) and "closed this generation" in message, message
+        assert when - left < _generation._ORDERLY_GRACE + SLACK, when - left
 
 
 def _broadcaster(out, rank: int, address: str, timeout: float) -> None:
