@@ -528,10 +528,10 @@ def test_a_member_that_leaves_is_named_by_the_others(procs):
 
 
 def _calls_then_rank_0_leaves(out, rank: int, address: str, rounds: int, numel: int) -> None:
-    """Per generation: every member all-reduces ``numel`` floats and then calls a barrier; rank 0 leaves the generation
-    the moment its barrier returns (it calls ``connect`` again, which closes it: the others are told at once), while
-    the others may still be completing theirs. Reports each round's outcome on the members; rank 0 leaves last with
-    ``destroy()``."""
+    """Per generation: every member all-reduces ``numel`` floats; rank 0 leaves the generation the moment its call
+    returns (it calls ``connect`` again, which closes it: the others are told at once), while the others may still be
+    completing theirs (the ring's last steps between members 1 and 2). Reports each round's outcome; every member then
+    leaves with ``destroy()``."""
     ctx = CommContext()
     if rank == 0:
         address = ctx.listen("127.0.0.1:0")
@@ -542,7 +542,6 @@ def _calls_then_rank_0_leaves(out, rank: int, address: str, rounds: int, numel: 
         tensor = torch.full((numel,), float(rank + 1))
         try:
             comm.all_reduce(tensor)
-            comm.barrier()
         except CommError as err:
             out.send(("round", rank, _error(err)))
             time.sleep(60)
@@ -553,9 +552,9 @@ def _calls_then_rank_0_leaves(out, rank: int, address: str, rounds: int, numel: 
 
 
 def test_rank_0_leaving_right_after_a_call_lets_the_members_complete_it(procs):
-    """Rank 0 leaves right after its barrier returns; a member's barrier, or the large all-reduce before it, may still
-    be completing (its last bytes on their way, or between two other members): the call completes with the right
-    result, and the next call is refused. A call the leaver never joined fails within the grace."""
+    """Rank 0 leaves right after its large all-reduce returns, while the others' may still be completing (the ring's
+    last steps between members 1 and 2, rank 0's last bytes on their way): the call completes with the right result.
+    A call the leaver never joined fails within the grace."""
     rounds, numel = 4, 8 << 20  # 32 MiB: the last ring steps between members 1 and 2 outlast rank 0's part
     procs.start("rank0", _calls_then_rank_0_leaves, 0, "", rounds, numel)
     _, address = procs.next("rank0", "address")
