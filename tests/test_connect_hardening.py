@@ -87,7 +87,8 @@ def _dies_in_build(out, rank: int, world_size: int, address: str) -> None:
 
 def _sees_the_closing_first(out, rank: int, world_size: int, address: str, where: str) -> None:
     """:func:`_connect_and_report` on a member that learns of rank 0's closing before it reads the verdict: its read
-    of the verdict (``where="verdict"``) finds none until rank 0's watch said it closed the generation, or (``"watch"``)
+    of the verdict (``where="verdict"``) finds none until its watch told it of a loss (rank 0 closed the generation,
+    or another member that read the verdict left first), or (``"watch"``)
     it found the generation undecided but reaches rank 0's watch only once rank 0 closed it. The verdict decides."""
     from rlightning_comm.connect import _connection, _generation
 
@@ -96,7 +97,7 @@ def _sees_the_closing_first(out, rank: int, world_size: int, address: str, where
 
     def lose_and_tell(self, member, what):
         lose(self, member, what)
-        if member == 0 and what.startswith("closed this generation"):
+        if member is not None:  # rank 0's closing, or a counted member that raised the verdict's error and left first
             closed.set()
 
     class StaleOnce:  # the verdict's first check answers as if it came a moment before the verdict was posted
@@ -107,7 +108,7 @@ def _sees_the_closing_first(out, rank: int, world_size: int, address: str, where
             if self.stale:
                 self.stale = False
                 if not closed.wait(30):
-                    raise TimeoutError("rank 0 did not close the generation within 30 s")
+                    raise TimeoutError("no member left and rank 0 did not close the generation within 30 s")
                 return False
             return self.store.check(keys)
 
