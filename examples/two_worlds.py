@@ -108,7 +108,9 @@ def trainer(rank: int, folder: str, steps: int, report) -> None:
                 report.send(("re-formed", "trainer", ctx.get_generation(MODE)))
         report.send(("synced", "trainer", step, _digest(state)))
     if rank == 0:
-        ctx.get_communicator(MODE).barrier()  # leave together: a member that leaves early is a loss to the others
+        # Leave together: a member that leaves while another still waits for it is a loss to the others. Whoever
+        # returns from the barrier first may leave at once: the others' barrier in flight still completes.
+        ctx.get_communicator(MODE).barrier()
     ctx.destroy()
 
 

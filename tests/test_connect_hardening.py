@@ -34,6 +34,7 @@ from rlightning_comm import (
     PeerLostError,
     broadcast_state_dict,
 )
+from rlightning_comm.connect import _generation
 
 MODE = "WEIGHT_SYNC"
 LIVENESS = (
@@ -82,6 +83,59 @@ def _dies_in_build(out, rank: int, world_size: int, address: str) -> None:
 
     _connection.build_group = build_group
     CommContext().connect(MODE, rank=rank, world_size=world_size, address=address, timeout=60)
+
+
+def _sees_the_closing_first(out, rank: int, world_size: int, address: str, where: str) -> None:
+    """:func:`_connect_and_report` on a member that learns of rank 0's closing before it reads the verdict: its read
+    of the verdict (``where="verdict"``) finds none until its watch told it of a loss (rank 0 closed the generation,
+    or another member that read the verdict left first), or (``"watch"``)
+    it found the generation undecided but reaches rank 0's watch only once rank 0 closed it. The verdict decides."""
+    from rlightning_comm.connect import _connection, _generation
+
+    closed = threading.Event()
+    lose = _generation.Connection.lose
+
+    def lose_and_tell(self, member, what):
+        lose(self, member, what)
+        if member is not None:  # rank 0's closing, or a counted member that raised the verdict's error and left first
+            closed.set()
+
+    class StaleOnce:  # the verdict's first check answers as if it came a moment before the verdict was posted
+        def __init__(self, store):
+            self.store, self.stale = store, True
+
+        def check(self, keys):
+            if self.stale:
+                self.stale = False
+                if not closed.wait(30):
+                    raise TimeoutError("no member left and rank 0 did not close the generation within 30 s")
+                return False
+            return self.store.check(keys)
+
+        def get(self, key):
+            return self.store.get(key)
+
+    find, join, await_verdict = _connection.find_generation, _connection.Watch.join, _connection.await_verdict
+    if where == "verdict":
+        _generation.Connection.lose = lose_and_tell
+        _connection.await_verdict = lambda store, *args: await_verdict(StaleOnce(store), *args)
+    else:
+
+        def find_undecided(*args):
+            return find(*args)[0], False  # read a moment before rank 0 posted its verdict
+
+        def join_closed(address, *args):
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # until rank 0's watch refuses connections: it closed the generation
+                try:
+                    socket.create_connection(address, timeout=1).close()
+                except ConnectionRefusedError:
+                    return join(address, *args)
+                time.sleep(0.05)
+            raise TimeoutError("rank 0 did not close its watch within 30 s")
+
+        _connection.find_generation, _connection.Watch.join = find_undecided, join_closed
+    _connect_and_report(out, rank, world_size, address)
 
 
 def _live_member(out, rank: int, address: str, role: str) -> None:
@@ -199,6 +253,47 @@ def test_generations_free_their_communicators_and_buffers():
     ctx.destroy()
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+def test_rank_0_closing_its_watch_tells_every_member_it_closed():
+    """Rank 0's watch tells every member it closes before its thread closes a socket: the first member's answer (it
+    closes its end) must not make rank 0's thread cut the others off, which they would take for rank 0's death."""
+    from rlightning_comm.connect._liveness import Watch
+
+    for _ in range(20):
+        told: dict[int, tuple] = {}
+        arrived = threading.Event()
+
+        def on_lost(rank, member, what, told=told, arrived=arrived):
+            told[rank] = (member, what)
+            if len(told) == 3:
+                arrived.set()
+
+        listener = socket.create_server(("127.0.0.1", 0))
+        port = listener.getsockname()[1]
+        host = Watch.host(listener, "s", lambda m, w: None, 30.0, "test")
+        members = [
+            Watch.join(
+                ("127.0.0.1", port),
+                r,
+                os.urandom(16).hex(),
+                "s",
+                time.monotonic() + 10,
+                lambda m, w, r=r: on_lost(r, m, w),
+                30.0,
+                "test",
+            )
+            for r in (1, 2, 3)
+        ]
+        deadline = time.monotonic() + 10
+        while len(host.candidates()) < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        host.close()
+        assert arrived.wait(10), told
+        for watch in members:
+            watch.close()
+        assert all(member == 0 and what.startswith("closed this generation") for member, what in told.values()), told
 
 
 def test_connect_holds_no_lock_of_the_context_while_it_waits():
@@ -320,6 +415,26 @@ def test_every_claimant_and_the_late_rank_1_get_the_mismatch(procs):
     assert len(set(messages.values())) == 1, messages  # one error, on every member
 
 
+def test_a_verdict_posted_before_rank_0_closes_is_what_every_member_raises(procs):
+    """The same forming as above, with rank 0's closing of the generation (after its verdict) reaching claimant-b
+    before its read of the verdict, and the late rank 1 reaching rank 0's watch only after it closed: each still
+    raises the verdict's CommMismatchError, not PeerLostError or an unreachable watch."""
+    procs.start("rank0", _connect_and_report, 0, 3, "")
+    _, address = procs.next("rank0", "address")
+    store = _store(address)
+    procs.start("claimant-a", _connect_and_report, 2, 3, address)
+    procs.start("claimant-b", _sees_the_closing_first, 2, 3, address, "verdict")
+    _wait_arrivals(store, 0, 3)
+    procs.start("rank1", _sees_the_closing_first, 1, 3, address, "watch")
+    messages = {}
+    for name in ("rank0", "claimant-a", "claimant-b", "rank1"):
+        _, _, (kind, message, _, _) = procs.next(name, "outcome")
+        assert kind == "CommMismatchError", (name, message)
+        messages[name] = message
+    assert "rank 2 is claimed 2 times" in messages["rank0"], messages
+    assert len(set(messages.values())) == 1, messages
+
+
 def test_arrivals_after_the_group_formed_are_told_who_differs(procs):
     procs.start("rank0", _connect_and_report, 0, 3, "")
     _, address = procs.next("rank0", "address")
@@ -411,6 +526,61 @@ def test_a_member_that_leaves_is_named_by_the_others(procs):
         _, _, (kind, message, member, when), _ = procs.next(name, "lost")
         assert (kind, member) == ("PeerLostError", 2) and "left the mode" in message, message
         assert when - left < SLACK
+
+
+def _calls_then_rank_0_leaves(out, rank: int, address: str, rounds: int, numel: int) -> None:
+    """Per generation: every member all-reduces ``numel`` floats; rank 0 leaves the generation the moment its call
+    returns (it calls ``connect`` again, which closes it: the others are told at once), while the others may still be
+    completing theirs (the ring's last steps between members 1 and 2). Reports each round's outcome; every member then
+    leaves with ``destroy()``."""
+    ctx = CommContext()
+    if rank == 0:
+        address = ctx.listen("127.0.0.1:0")
+        out.send(("address", address))
+    expected = torch.full((numel,), 6.0)  # 1 + 2 + 3, summed here
+    for _ in range(rounds):
+        comm = ctx.connect(MODE, rank=rank, world_size=3, address=address, timeout=60)
+        tensor = torch.full((numel,), float(rank + 1))
+        try:
+            comm.all_reduce(tensor)
+        except CommError as err:
+            out.send(("round", rank, _error(err)))
+            time.sleep(60)
+        out.send(("round", rank, ("ok", ctx.get_generation(MODE), torch.equal(tensor, expected), time.monotonic())))
+    ctx.destroy()
+    out.send(("left", rank, time.monotonic()))
+    time.sleep(60)
+
+
+def test_rank_0_leaving_right_after_a_call_lets_the_members_complete_it(procs):
+    """Rank 0 leaves right after its large all-reduce returns, while the others' may still be completing (the ring's
+    last steps between members 1 and 2, rank 0's last bytes on their way): the call completes with the right result.
+    A call the leaver never joined fails within the grace."""
+    rounds, numel = 4, 8 << 20  # 32 MiB: the last ring steps between members 1 and 2 outlast rank 0's part
+    procs.start("rank0", _calls_then_rank_0_leaves, 0, "", rounds, numel)
+    _, address = procs.next("rank0", "address")
+    for rank in (1, 2):
+        procs.start(f"rank{rank}", _calls_then_rank_0_leaves, rank, address, rounds, numel)
+    for g in range(rounds):
+        for name in ("rank0", "rank1", "rank2"):
+            _, _, (kind, generation, right, _) = procs.next(name, "round")
+            assert (kind, generation, right) == ("ok", g, True), (name, kind, generation, right)
+    _, _, left = procs.next("rank0", "left")
+    for name in ("rank1", "rank2"):
+        procs.next(name, "left")
+    # Rank 0 leaves while the others wait in a call it never joins: they learn it within the grace, not the timeout.
+    procs.close()
+    procs.start("rank0", _live_member, 0, "", "leaver")
+    _, address = procs.next("rank0", "address")
+    for rank in (1, 2):
+        procs.start(f"rank{rank}", _live_member, rank, address, "call")
+    for name in ("rank0", "rank1", "rank2"):
+        procs.next(name, "formed")
+    _, _, left = procs.next("rank0", "left")
+    for name in ("rank1", "rank2"):
+        _, _, (kind, message, member, when), _ = procs.next(name, "lost")
+        assert (kind, member) == ("PeerLostError", 0) and "closed this generation" in message, message
+        assert when - left < _generation._ORDERLY_GRACE + SLACK, when - left
 
 
 def _broadcaster(out, rank: int, address: str, timeout: float) -> None:

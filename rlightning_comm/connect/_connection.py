@@ -7,7 +7,6 @@ and :meth:`CommContext.destroy` delegate to; each generation is a
 
 from __future__ import annotations
 
-import json
 import secrets
 import socket
 import threading
@@ -34,6 +33,7 @@ from rlightning_comm.connect._forming import (
     open_generation,
     parse_address,
     post,
+    post_verdict,
     raise_error,
 )
 from rlightning_comm.connect._generation import DESTROY, Connection
@@ -283,10 +283,10 @@ class Connections:
                 self._where(conn),
             )
         except PeerLostError as err:
-            store.set(f"{key}/verdict", json.dumps(lost_verdict(opening, str(err), err.member)))
+            post_verdict(store, key, lost_verdict(opening, str(err), err.member))
             raise
         conn.watch.admit(set(verdict["admitted"]))
-        store.set(f"{key}/verdict", json.dumps(verdict))
+        post_verdict(store, key, verdict)
         conn.generation = verdict["generation"]
         raise_error(verdict, mode)
         return dist.PrefixStore(f"{_PREFIX}/{mode}", client), opening, verdict
@@ -319,19 +319,26 @@ class Connections:
         while True:
             opening, decided = find_generation(store, after, deadline, mode, conn.interrupt)
             if not decided:
-                watch = Watch.join(
-                    (host, opening.watch_port),
-                    info["rank"],
-                    info["token"],
-                    secret,
-                    deadline,
-                    conn.lose,
-                    liveness,
-                    where,
-                )
-                if watch.dropped():  # the verdict was given without it
+                try:
+                    watch: Watch | None = Watch.join(
+                        (host, opening.watch_port),
+                        info["rank"],
+                        info["token"],
+                        secret,
+                        deadline,
+                        conn.lose,
+                        liveness,
+                        where,
+                    )
+                except CommError:
+                    # Rank 0 gave its verdict without this process and closed the generation (its watch) meanwhile:
+                    # this process reads the verdict, as a late arrival does.
+                    if not store.check([f"{opening.generation}/verdict"]):
+                        raise
+                    watch = None
+                if watch is not None and watch.dropped():  # the verdict was given without it
                     watch.close()
-                else:
+                elif watch is not None:
                     conn.watch = watch
                     post(store, opening, info, secret)
             verdict = await_verdict(store, opening, deadline, conn.interrupt, self._where(conn))

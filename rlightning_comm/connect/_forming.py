@@ -162,12 +162,31 @@ def wait(store: dist.Store, keys: list[str], deadline: float, interrupt: Interru
     while True:
         if store.check(keys):  # first: a verdict posted before rank 0 closed the generation is still read
             return True
-        interrupt()
+        try:
+            interrupt()
+        except PeerLostError:
+            # The loss may have come between the check and now: rank 0 posts its verdict (and waits until the store
+            # holds it) before it closes the generation, so a verdict is preferred over a later closing.
+            if store.check(keys):
+                return True
+            raise
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return False
         time.sleep(min(pause, remaining))
         pause = min(pause * 2, _POLL)
+
+
+def post_verdict(store: dist.Store, key: int, verdict: dict[str, Any]) -> None:
+    """On rank 0: post ``verdict`` on generation ``key``, returning once the store holds it.
+
+    A store's ``set`` does not wait for the server; the ``check`` after it, on
+    the same connection, does. Rank 0 closes the generation (its watch tells
+    the members) only after this returns, so a member told of the closing
+    finds the verdict in the store.
+    """
+    store.set(f"{key}/verdict", json.dumps(verdict))
+    store.check([f"{key}/verdict"])
 
 
 def open_generation(store: dist.Store, opening: Opening) -> None:

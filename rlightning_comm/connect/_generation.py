@@ -38,13 +38,6 @@ _ORDERLY = ("left", "closed this generation")
 _ORDERLY_GRACE = 1.0  # seconds a call in flight gets to complete after an orderly departure
 
 
-def _break_quietly(group: Any) -> None:
-    try:
-        break_group(group)
-    except Exception:  # noqa: BLE001 - destroyed meanwhile: nothing is in flight on it any more
-        pass
-
-
 class _Refused:
     """Stands in for the group of a lost (or closed) generation: every method raises :class:`PeerLostError`."""
 
@@ -84,6 +77,8 @@ class Connection:
         self._lost_event = threading.Event()
         self._lock = threading.Lock()
         self._failed = False  # a backend error was translated already: the group is broken since
+        self._broken = False  # break_group was called on the group
+        self._grace: threading.Timer | None = None  # breaks the group after an orderly departure's grace
 
     def attach(self, comm: Communicator) -> None:
         """Make ``comm`` this generation's: its failures are translated here (an instance attribute over the
@@ -112,12 +107,23 @@ class Connection:
                 # An orderly departure comes after the leaver returned from its last call: a call in flight here that
                 # it took part in completes (its last messages may still be on their way, as when rank 0 leaves right
                 # after a barrier); one it never joined is failed after the grace.
-                timer = threading.Timer(_ORDERLY_GRACE, _break_quietly, (self.group,))
-                timer.daemon = True
-                timer.start()
+                self._grace = threading.Timer(_ORDERLY_GRACE, self._break, (self.group,))
+                self._grace.daemon = True
+                self._grace.start()
             else:
-                break_group(self.group)
+                self._break(self.group)
         self._lost_event.set()
+
+    def _break(self, group: Any) -> None:
+        """Break ``group`` (once: the grace's timer and :meth:`close` may both come here)."""
+        with self._lock:
+            if self._broken:
+                return
+            self._broken = True
+        try:
+            break_group(group)
+        except Exception:  # noqa: BLE001 - destroyed meanwhile: nothing is in flight on it any more
+            pass
 
     def interrupt(self) -> None:
         """Raise :class:`PeerLostError` if this generation was lost (called by the forming's waits)."""
@@ -187,6 +193,11 @@ class Connection:
         if self.watch is not None:
             self.watch.close()
         self.lose(None, what)
+        if self._grace is not None and self.group is not None:
+            # This process leaves during an orderly departure's grace: nothing of it waits on the group any more, so
+            # the group is broken (and released) now, not by a timer holding it for the rest of the grace.
+            self._grace.cancel()
+            self._break(self.group)
         self.group = None  # the backend goes with its last reference (its connections close)
         # The communicator refers to this generation (its failure translation, its stand-in group): without the way
         # back they form no reference cycle, so the communicator, and what it keeps (the weight transfer's staging

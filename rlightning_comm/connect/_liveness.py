@@ -351,12 +351,11 @@ class Watch:
     def close(self) -> None:
         """Leave: tell the other end (rank 0 tells every member it closes; a member tells rank 0 it leaves), stop the
         thread."""
-        self._closing = True
         kind = _CLOSING if self._is_host else _LEAVING
-        with self._lock:
-            peers = list(self._peers.values())
-        for peer in peers:
-            _send(peer.sock, kind)
+        with self._lock:  # the thread reports nothing more, and closes no socket before the others were told
+            self._closing = True
+            for peer in self._peers.values():
+                _send(peer.sock, kind)
         with contextlib.suppress(OSError):
             self._wake_w.send(b"x")
         if self._thread.ident is not None and self._thread is not threading.current_thread():
@@ -368,11 +367,11 @@ class Watch:
     def _close_sockets(self) -> None:
         with self._lock:
             socks = [*self._peers, *self._handshakes]
-        if self._listener is not None:
-            socks.append(self._listener)
-        for sock in socks:
-            with contextlib.suppress(OSError):
-                sock.close()
+            if self._listener is not None:
+                socks.append(self._listener)
+            for sock in socks:
+                with contextlib.suppress(OSError):
+                    sock.close()
 
 
 def _send_raw(sock: socket.socket, data: bytes) -> bool:
