@@ -1,30 +1,23 @@
 """Two worlds joined by a connected mode, with plain processes and no Ray: an engine is killed and the mode re-formed.
 
-* The trainer world: 2 processes in a gloo world of their own, which
-  all-reduce over it every step.
-* The engines: 2 processes, each in no world at all (an inference engine
-  that runs alone, or in a world of its own, is the same to the mode).
+* The trainer world: 2 processes in a gloo world of their own, which all-reduce over it every step.
+* The engines: 2 processes, each in no world at all (an inference engine that runs alone, or in a world of its own, is
+  the same to the mode).
 
-A connected mode, ``WEIGHT_SYNC``, joins trainer rank 0 (member 0, which
-hosts the mode's store) and both engines (members 1 and 2); every step the
-trainer sends its weights to both engines with ``broadcast_state_dict``.
+A connected mode, ``WEIGHT_SYNC``, joins trainer rank 0 (member 0, which hosts the mode's store) and both engines
+(members 1 and 2); every step the trainer sends its weights to both engines with ``broadcast_state_dict``.
 
-How the address reaches the other world: trainer rank 0 calls ``listen()``,
-which returns ``"127.0.0.1:PORT/SECRET"``, and writes it to a file that only
-this user can read; each engine reads it and passes it to ``connect`` as it
-is. The file stands for whatever your launcher shares (a key-value store, an
-environment variable, a Ray object): the string carries the mode's secret,
-so share it only with the members.
+How the address reaches the other world: trainer rank 0 calls ``listen()``, which returns ``"127.0.0.1:PORT/SECRET"``,
+and writes it to a file that only this user can read; each engine reads it and passes it to ``connect`` as it is. The
+file stands for whatever your launcher shares (a key-value store, an environment variable, a Ray object): the string
+carries the mode's secret, so share it only with the members.
 
-After the first sync engine 2 hangs (alive, but it never calls again), and
-this script, the supervisor, SIGKILLs it. The trainer's and engine 1's sync
-in flight raises ``PeerLostError`` naming member 2; the supervisor starts a
-replacement; every member calls ``connect`` again, which
-forms generation 1, and the next sync is bit-identical. The trainer world is
-never touched. A launcher that ends every process when one dies (torchrun
-without restarts, ``rlightning_comm.run``) cannot do this: start the engines
-as processes of their own, as here. The script exits 1 if an engine's weights
-differ from the trainer's after a sync.
+After the first sync engine 2 hangs (alive, but it never calls again), and this script, the supervisor, SIGKILLs it. The
+trainer's and engine 1's sync in flight raises ``PeerLostError`` naming member 2; the supervisor starts a replacement;
+every member calls ``connect`` again, which forms generation 1, and the next sync is bit-identical. The trainer world is
+never touched. A launcher that ends every process when one dies (torchrun without restarts, ``rlightning_comm.run``)
+cannot do this: start the engines as processes of their own, as here. The script exits 1 if an engine's weights differ
+from the trainer's after a sync.
 
 From the repository root (``--steps N``, 3 by default)::
 
@@ -108,8 +101,8 @@ def trainer(rank: int, folder: str, steps: int, report) -> None:
                 report.send(("re-formed", "trainer", ctx.get_generation(MODE)))
         report.send(("synced", "trainer", step, _digest(state)))
     if rank == 0:
-        # Leave together: a member that leaves while another still waits for it is a loss to the others. Whoever
-        # returns from the barrier first may leave at once: the others' barrier in flight still completes.
+        # Leave together: a member that leaves while another still waits for it is a loss to the others. Whoever returns
+        # from the barrier first may leave at once: the others' barrier in flight still completes.
         ctx.get_communicator(MODE).barrier()
     ctx.destroy()
 

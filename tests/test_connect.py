@@ -3,8 +3,8 @@
 Oracles: raw torch (a ``ProcessGroupGloo`` built by the test from the same
 store, called directly) on the same inputs, and the source's own bytes. The
 processes: the reused world of 4 (two worlds of 2 inside it), and for the
-deaths a trainer, a surviving engine and three replacements forked from a
-server that imported torch once, so a replacement starts in milliseconds.
+deaths a trainer, a surviving engine and three replacements forked from a server that imported torch once, so a
+replacement starts in milliseconds.
 """
 
 from __future__ import annotations
@@ -286,6 +286,9 @@ def _two_worlds(rank: int, size: int, url: str) -> dict:
     if (
         world == 0
     ):  # the trainer world is initialised twice: its processes count world generations apart from the engines'
+        # Both ranks finish gloo's connection set-up first: a rank that tears the world down while its peer is still
+        # connecting fails the peer's set-up ("Connection closed by peer").
+        collective.barrier(CommMode.GLOBAL)
         ctx.destroy()
         ctx = init_world(local, 2, f"{url}-trainer-again")
     me = {0: 0, 2: 1, 3: 2}.get(rank)
@@ -453,8 +456,8 @@ def _member(role: str, rank: int, address: str, generations: range, out) -> None
 class _Members:
     """Processes forked from a server that imported torch once, each reporting on a pipe of its own.
 
-    One pipe per process, not one queue for all: a process killed while it writes to a shared queue would keep its
-    lock forever, and every other writer would block on it.
+    One pipe per process, not one queue for all: a process killed while it writes to a shared queue would keep its lock
+    forever, and every other writer would block on it.
     """
 
     def __init__(self) -> None:

@@ -1,11 +1,9 @@
 """Connected modes under deaths, hangs, strangers and disagreements while they form and while they live.
 
-Each multi-process test runs members forked from a server that imported torch
-once (so a member starts in milliseconds), each reporting on a pipe of its own,
-and kills or stops them with signals. Every wait is bounded; every member's
-traceback comes back. The oracles: the signal sent by the test (who died,
-when), the counts and times measured here, and raw ``socket``/``TCPStore``
-clients that play the stranger.
+Each multi-process test runs members forked from a server that imported torch once (so a member starts in milliseconds),
+each reporting on a pipe of its own, and kills or stops them with signals. Every wait is bounded; every member's
+traceback comes back. The oracles: the signal sent by the test (who died, when), the counts and times measured here, and
+raw ``socket``/``TCPStore`` clients that play the stranger.
 """
 
 from __future__ import annotations
@@ -87,8 +85,8 @@ def _dies_in_build(out, rank: int, world_size: int, address: str) -> None:
 
 def _sees_the_closing_first(out, rank: int, world_size: int, address: str, where: str) -> None:
     """:func:`_connect_and_report` on a member that learns of rank 0's closing before it reads the verdict: its read
-    of the verdict (``where="verdict"``) finds none until its watch told it of a loss (rank 0 closed the generation,
-    or another member that read the verdict left first), or (``"watch"``)
+    of the verdict (``where="verdict"``) finds none until its watch told it of a loss (rank 0 closed the generation, or
+    another member that read the verdict left first), or (``"watch"``)
     it found the generation undecided but reaches rank 0's watch only once rank 0 closed it. The verdict decides."""
     from rlightning_comm.connect import _connection, _generation
 

@@ -1,12 +1,10 @@
 """A connected mode over 100 generations of kill-and-replace, each with a sync: nothing grows, ``destroy()`` frees all.
 
-``tests/connect_long_run.py`` runs under ``python -X dev``; its trainer (rank
-0) and engine 1 live through every generation, and each generation's engine 2
-syncs once, then kills itself (SIGKILL) on the first bucket of the next sync,
-so the survivors' transfer fails midway, the case that kept a generation's
-communicator, buffers and gloo context alive. Oracles: the source's digest,
-the survivors' own counts of descriptors, threads and memory after warm-up,
-and ``gc``'s count of live communicators.
+``tests/connect_long_run.py`` runs under ``python -X dev``; its trainer (rank 0) and engine 1 live through every
+generation, and each generation's engine 2 syncs once, then kills itself (SIGKILL) on the first bucket of the next sync,
+so the survivors' transfer fails midway, the case that kept a generation's communicator, buffers and gloo context alive.
+Oracles: the source's digest, the survivors' own counts of descriptors, threads and memory after warm-up, and ``gc``'s
+count of live communicators.
 """
 
 from __future__ import annotations

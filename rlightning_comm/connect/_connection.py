@@ -1,8 +1,7 @@
 """This process's connected modes: the stores it hosts, and per mode the generation it is in and how it forms.
 
-:class:`Connections` is what :meth:`CommContext.connect`, :meth:`CommContext.listen`
-and :meth:`CommContext.destroy` delegate to; each generation is a
-:class:`~rlightning_comm.connect._generation.Connection`.
+:class:`Connections` is what :meth:`CommContext.connect`, :meth:`CommContext.listen` and :meth:`CommContext.destroy`
+delegate to; each generation is a :class:`~rlightning_comm.connect._generation.Connection`.
 """
 
 from __future__ import annotations
@@ -52,8 +51,8 @@ class _Hosted:
 
     def __init__(self, store: dist.TCPStore, secret: str | None) -> None:
         self.store = store
-        # A client of its own for what the watch threads post: a client serves one request at a time, and the
-        # forming's (gloo's rendezvous among them) may block it for long.
+        # A client of its own for what the watch threads post: a client serves one request at a time, and the forming's
+        # (gloo's rendezvous among them) may block it for long.
         self.notes = dist.TCPStore(store.host, store.port, None, False, timedelta(seconds=30), use_libuv=True)
         self.secret = secret  # None: a mode formed without listen() on a bare host:port (membership not proven)
         self.nonce = uuid.uuid4().hex  # tells a restarted host's generations from the old one's
@@ -63,8 +62,8 @@ class _Hosted:
 class Connections:
     """This process's connected modes: the stores it hosts (by address) and each mode's current :class:`Connection`.
 
-    Its own lock guards its tables only: a forming (which waits for the
-    members) holds no lock, so other threads may use the context meanwhile.
+    Its own lock guards its tables only: a forming (which waits for the members) holds no lock, so other threads may use
+    the context meanwhile.
     """
 
     def __init__(self) -> None:
@@ -195,18 +194,16 @@ class Connections:
                 self._last[mode] = conn.generation
         if conn.lost is not None and conn.lost[0] is None:  # destroy() closed it meanwhile
             raise conn._lost_error("connect")
-        # A member lost after this process built the group: the generation formed, and its communicator refuses
-        # every call (PeerLostError), as after any loss.
+        # A member lost after this process built the group: the generation formed, and its communicator refuses every
+        # call (PeerLostError), as after any loss.
         return comm
 
     def _build(self, conn: Connection, backend: str, store: dist.Store, rank: int, size: int, host: str) -> Any:
         """The group, built on a thread of its own so that a loss seen by the watch meanwhile ends the wait.
 
-        After a loss the thread is left to end at the group's timeout (what it
-        built then goes unused). It holds what it waits on, rank 0's store
-        server included: destroyed under it (by ``destroy()``, or at the
-        interpreter's exit), the server would fail its wait with a C++
-        exception in a thread Python is finalising, which aborts the process.
+        After a loss the thread is left to end at the group's timeout (what it built then goes unused). It holds what it
+        waits on, rank 0's store server included: destroyed under it (by ``destroy()``, or at the interpreter's exit),
+        the server would fail its wait with a C++ exception in a thread Python is finalising, which aborts the process.
         """
 
         done: dict[str, Any] = {}
@@ -256,8 +253,8 @@ class Connections:
                 hosted = self._host(host, port, secret, format_address(host, port))
             key = hosted.generations[mode] = hosted.generations.get(mode, -1) + 1
         store = dist.PrefixStore(f"{_PREFIX}/{mode}", hosted.store)
-        # The group is built through a client of its own: a build abandoned after a loss keeps its client busy until
-        # the group's timeout, and the next generation must not wait for it.
+        # The group is built through a client of its own: a build abandoned after a loss keeps its client busy until the
+        # group's timeout, and the next generation must not wait for it.
         client = dist.TCPStore(
             hosted.store.host, hosted.store.port, None, False, timedelta(seconds=conn.timeout), use_libuv=True
         )
@@ -331,8 +328,8 @@ class Connections:
                         where,
                     )
                 except CommError:
-                    # Rank 0 gave its verdict without this process and closed the generation (its watch) meanwhile:
-                    # this process reads the verdict, as a late arrival does.
+                    # Rank 0 gave its verdict without this process and closed the generation (its watch) meanwhile: this
+                    # process reads the verdict, as a late arrival does.
                     if not store.check([f"{opening.generation}/verdict"]):
                         raise
                     watch = None

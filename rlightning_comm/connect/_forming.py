@@ -3,29 +3,22 @@ exists, that they match.
 
 Every key lives under the mode's prefix in the store rank 0 hosts:
 
-* ``open``: the generation rank 0 opened last (JSON: its key in this store,
-  the store's nonce, the port of rank 0's watch); ``opened/<g>`` marks that
-  ``g`` was opened.
-* ``<g>/arrived``: a counter; the ``i``-th member to arrive posts what it is
-  (:func:`member_info`, with its watch token and its proof of the secret)
-  under ``<g>/member/<i>``.
-* ``<g>/verdict``: rank 0's verdict: the tokens it counted (the first
-  ``world_size`` arrivals that proved the secret and are connected to its
-  watch), their infos, the generation's number, and the error every member
-  raises, if any.
+* ``open``: the generation rank 0 opened last (JSON: its key in this store, the store's nonce, the port of rank 0's
+  watch); ``opened/<g>`` marks that ``g`` was opened.
+* ``<g>/arrived``: a counter; the ``i``-th member to arrive posts what it is (:func:`member_info`, with its watch token
+  and its proof of the secret) under ``<g>/member/<i>``.
+* ``<g>/verdict``: rank 0's verdict: the tokens it counted (the first ``world_size`` arrivals that proved the secret and
+  are connected to its watch), their infos, the generation's number, and the error every member raises, if any.
 * ``<g>/lost``: the member the formed generation lost (rank 0's watch posts it).
 
-Rank 0 decides alone, so every member raises the same error. A member joins
-the newest opened generation that it has not been in and that has no verdict
-yet. One that arrives when the verdict is given without it (a late arrival)
-raises the verdict's error if there is one, a :class:`CommMismatchError`
-naming who differs if it does not match the counted members, and waits for
-the next generation only when the member whose rank it claims was lost (a
-replacement whose predecessor was still counted).
+Rank 0 decides alone, so every member raises the same error. A member joins the newest opened generation that it has not
+been in and that has no verdict yet. One that arrives when the verdict is given without it (a late arrival) raises the
+verdict's error if there is one, a :class:`CommMismatchError` naming who differs if it does not match the counted
+members, and waits for the next generation only when the member whose rank it claims was lost (a replacement whose
+predecessor was still counted).
 
-A generation's *number* (what ``get_generation`` says) is one more than the
-largest any counted member was in before, or this store's count if that is
-larger, so a new rank 0 (a new store) does not start the count again.
+A generation's *number* (what ``get_generation`` says) is one more than the largest any counted member was in before, or
+this store's count if that is larger, so a new rank 0 (a new store) does not start the count again.
 """
 
 from __future__ import annotations
@@ -48,8 +41,8 @@ from rlightning_comm.errors import CommError, CommMismatchError, CommTimeoutErro
 
 # After rank 0's own deadline the others wait this much longer for its verdict, which names who did not come.
 VERDICT_GRACE = 5.0
-# A late arrival claiming the rank of a counted member waits this long to learn that member was lost, before it is
-# told the rank is taken (a replacement may come a moment before its predecessor's death is seen).
+# A late arrival claiming the rank of a counted member waits this long to learn that member was lost, before it is told
+# the rank is taken (a replacement may come a moment before its predecessor's death is seen).
 LATE_GRACE = 3.0
 _POLL = 0.05  # how often a wait of the forming looks whether the generation was lost meanwhile
 _COMPARED = ("world_size", "backend", "torch", "nccl", "NCCL_CUMEM_ENABLE")
@@ -180,10 +173,9 @@ def wait(store: dist.Store, keys: list[str], deadline: float, interrupt: Interru
 def post_verdict(store: dist.Store, key: int, verdict: dict[str, Any]) -> None:
     """On rank 0: post ``verdict`` on generation ``key``, returning once the store holds it.
 
-    A store's ``set`` does not wait for the server; the ``check`` after it, on
-    the same connection, does. Rank 0 closes the generation (its watch tells
-    the members) only after this returns, so a member told of the closing
-    finds the verdict in the store.
+    A store's ``set`` does not wait for the server; the ``check`` after it, on the same connection, does. Rank 0 closes
+    the generation (its watch tells the members) only after this returns, so a member told of the closing finds the
+    verdict in the store.
     """
     store.set(f"{key}/verdict", json.dumps(verdict))
     store.check([f"{key}/verdict"])

@@ -1,12 +1,10 @@
 """One generation of a connected mode on this process: its group, its communicator, its watch, and what a loss does
 to them.
 
-A loss costs the hot path nothing: when the watch reports one,
-:meth:`Connection.lose` swaps the communicator's group for a stand-in whose
-every method raises :class:`PeerLostError` (so later calls refuse at once,
-with no check of their own) and breaks the real group, so calls in flight
-fail at once too. The communicator's failure translation, which only runs
-when the backend raised, turns what they raise into :class:`PeerLostError`.
+A loss costs the hot path nothing: when the watch reports one, :meth:`Connection.lose` swaps the communicator's group
+for a stand-in whose every method raises :class:`PeerLostError` (so later calls refuse at once, with no check of their
+own) and breaks the real group, so calls in flight fail at once too. The communicator's failure translation, which only
+runs when the backend raised, turns what they raise into :class:`PeerLostError`.
 """
 
 from __future__ import annotations
@@ -104,9 +102,9 @@ class Connection:
         self._refuse()
         if self.group is not None:
             if member is not None and what.startswith(_ORDERLY):
-                # An orderly departure comes after the leaver returned from its last call: a call in flight here that
-                # it took part in completes (its last messages may still be on their way, as when rank 0 leaves right
-                # after a barrier); one it never joined is failed after the grace.
+                # An orderly departure comes after the leaver returned from its last call: a call in flight here that it
+                # took part in completes (its last messages may still be on their way, as when rank 0 leaves right after
+                # a barrier); one it never joined is failed after the grace.
                 self._grace = threading.Timer(_ORDERLY_GRACE, self._break, (self.group,))
                 self._grace.daemon = True
                 self._grace.start()
@@ -155,11 +153,9 @@ class Connection:
     def failure(self, op: str, err: BaseException) -> CommError:
         """The communicator's failure translation: :class:`PeerLostError` once a loss is known, else the usual error.
 
-        A timeout of the group stays a :class:`CommTimeoutError` (a member was
-        absent) unless the loss was known well before it (then the timeout is
-        the loss's doing: gloo's sends to a receiver that died mid-message wait
-        it out); any other backend error waits briefly for the watch, which
-        tells a death within milliseconds.
+        A timeout of the group stays a :class:`CommTimeoutError` (a member was absent) unless the loss was known well
+        before it (then the timeout is the loss's doing: gloo's sends to a receiver that died mid-message wait it out);
+        any other backend error waits briefly for the watch, which tells a death within milliseconds.
         """
         if isinstance(err, PeerLostError):  # the stand-in of a lost generation
             return self._lost_error(op)
@@ -194,12 +190,12 @@ class Connection:
             self.watch.close()
         self.lose(None, what)
         if self._grace is not None and self.group is not None:
-            # This process leaves during an orderly departure's grace: nothing of it waits on the group any more, so
-            # the group is broken (and released) now, not by a timer holding it for the rest of the grace.
+            # This process leaves during an orderly departure's grace: nothing of it waits on the group any more, so the
+            # group is broken (and released) now, not by a timer holding it for the rest of the grace.
             self._grace.cancel()
             self._break(self.group)
         self.group = None  # the backend goes with its last reference (its connections close)
-        # The communicator refers to this generation (its failure translation, its stand-in group): without the way
-        # back they form no reference cycle, so the communicator, and what it keeps (the weight transfer's staging
-        # buffers), go as soon as nobody holds it, not at the garbage collector's next full pass.
+        # The communicator refers to this generation (its failure translation, its stand-in group): without the way back
+        # they form no reference cycle, so the communicator, and what it keeps (the weight transfer's staging buffers),
+        # go as soon as nobody holds it, not at the garbage collector's next full pass.
         self.comm = None

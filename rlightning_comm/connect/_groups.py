@@ -1,12 +1,10 @@
 """A connected mode's process group: a gloo or NCCL backend object built from the mode's own store, outside torch's
 world.
 
-Nothing of torch's world is touched: no ``_world`` entry, no split of the
-world's NCCL communicator, no ``new_group`` collective over the world (which
-a process of another world could not join). The backend object is what the
-communicators call; its three methods with other names than a
-``ProcessGroup``'s are aliased (:data:`rlightning_comm._compat.BACKEND_METHODS`),
-so the communicators' eager path runs on it unchanged.
+Nothing of torch's world is touched: no ``_world`` entry, no split of the world's NCCL communicator, no ``new_group``
+collective over the world (which a process of another world could not join). The backend object is what the
+communicators call; its three methods with other names than a ``ProcessGroup``'s are aliased
+(:data:`rlightning_comm._compat.BACKEND_METHODS`), so the communicators' eager path runs on it unchanged.
 """
 
 from __future__ import annotations

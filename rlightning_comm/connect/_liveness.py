@@ -1,29 +1,23 @@
 """The watch of one generation of a connected mode: one socket from every member to rank 0, one thread per process.
 
-gloo does not always notice a member's death (a send to a receiver that died
-after posting its receive waits out the group's timeout), so a connected mode
-keeps connections of its own. Every other member connects to rank 0's watch
-as soon as it has found the generation to join, before the preflight, proves
-on it that it holds the mode's secret, and keeps it open while the generation
-lives. A thread per generation waits on its sockets (blocked in ``select``;
-no collective ever looks at it) and reports a loss once:
+gloo does not always notice a member's death (a send to a receiver that died after posting its receive waits out the
+group's timeout), so a connected mode keeps connections of its own. Every other member connects to rank 0's watch as
+soon as it has found the generation to join, before the preflight, proves on it that it holds the mode's secret, and
+keeps it open while the generation lives. A thread per generation waits on its sockets (blocked in ``select``; no
+collective ever looks at it) and reports a loss once:
 
-* a closed connection: the kernel closes a dead process's sockets, so a
-  death is seen within milliseconds, whatever the members are doing;
-* silence: both ends send a heartbeat every ``liveness / 4`` seconds, and a
-  peer not heard from for ``liveness`` seconds is lost (stopped, hung with
-  its threads, or on a node that went away without closing anything);
-* a message: a member "leaving" (it called ``connect`` again, or
-  ``destroy``); rank 0 naming a lost member to the others, or "closing"
-  (rank 0 re-forms the mode or left).
+* a closed connection: the kernel closes a dead process's sockets, so a death is seen within milliseconds, whatever the
+  members are doing;
+* silence: both ends send a heartbeat every ``liveness / 4`` seconds, and a peer not heard from for ``liveness`` seconds
+  is lost (stopped, hung with its threads, or on a node that went away without closing anything);
+* a message: a member "leaving" (it called ``connect`` again, or ``destroy``); rank 0 naming a lost member to the
+  others, or "closing" (rank 0 re-forms the mode or left).
 
-On rank 0 the watch starts before the generation opens: it accepts every
-connection at once and reads each one's proof with a short read timeout, so
-a silent connection (a port scanner, a health check) is dropped without
-delaying anyone; a connection without the proof is refused. Until rank 0's
-verdict the connected processes are *candidates*, and the death of one fails
-the forming on every member; the verdict admits the counted ones and drops
-the others (late arrivals), which leave quietly.
+On rank 0 the watch starts before the generation opens: it accepts every connection at once and reads each one's proof
+with a short read timeout, so a silent connection (a port scanner, a health check) is dropped without delaying anyone; a
+connection without the proof is refused. Until rank 0's verdict the connected processes are *candidates*, and the death
+of one fails the forming on every member; the verdict admits the counted ones and drops the others (late arrivals),
+which leave quietly.
 
 A member alive but absent (blocked elsewhere, in a long step) keeps
 answering: its thread sends the heartbeats. That is a timeout of the group,
@@ -98,8 +92,7 @@ class _Peer:
 class Watch:
     """The sockets of one generation and the thread that watches them.
 
-    Build it with :meth:`host` on rank 0 (before the generation opens) or
-    :meth:`join` on the other members.
+    Build it with :meth:`host` on rank 0 (before the generation opens) or :meth:`join` on the other members.
     """
 
     def __init__(self, is_host: bool, on_lost: OnLost, liveness: float, where: str) -> None:
@@ -387,8 +380,8 @@ def _connect(address: tuple[str, int], deadline: float) -> socket.socket:
 
     The listener is open for the generation's whole life, so a refusal is a
     transient: most likely a TIME_WAIT entry of an older connection with the
-    same addresses and ports (the listener's port is picked from the range
-    the clients' ports come from), which answers the new SYN with a reset.
+    same addresses and ports (the listener's port is picked from the range the clients' ports come from), which answers
+    the new SYN with a reset.
     """
     for attempt in range(_CONNECT_TRIES):
         timeout = max(0.001, min(HANDSHAKE_TIMEOUT, deadline - time.monotonic()))

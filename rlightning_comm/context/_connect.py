@@ -1,7 +1,7 @@
 """CommContext's connected modes: groups of processes from different worlds (or none) that meet at an address.
 
-Kept apart from the registry in :mod:`rlightning_comm.context`, which binds
-what :mod:`rlightning_comm.connect` forms; :class:`CommContext` inherits them.
+Kept apart from the registry in :mod:`rlightning_comm.context`, which binds what :mod:`rlightning_comm.connect` forms;
+:class:`CommContext` inherits them.
 """
 
 from __future__ import annotations
@@ -34,13 +34,10 @@ class ContextConnect:
         """Host the store that connected modes meet at, in this process (their rank 0), listening on ``address``'s host
         only, and issue the modes' secret.
 
-        The store stays up until :meth:`destroy` (every generation of every
-        connected mode at this address meets there). The returned address
-        carries a secret (``"host:port/secret"``, 32 random hex digits, or the
-        one ``address`` carries): every member passes that string to
-        :meth:`connect`, and proves on rank 0's watch that it holds the
-        secret; a process given only ``"host:port"`` is refused. The secret
-        never goes through the store.
+        The store stays up until :meth:`destroy` (every generation of every connected mode at this address meets there).
+        The returned address carries a secret (``"host:port/secret"``, 32 random hex digits, or the one ``address``
+        carries): every member passes that string to :meth:`connect`, and proves on rank 0's watch that it holds the
+        secret; a process given only ``"host:port"`` is refused. The secret never goes through the store.
 
         Args:
             address: ``"host:port"``; port 0 lets the OS pick one. ``"host:port/secret"`` sets the secret (letters,
@@ -72,47 +69,40 @@ class ContextConnect:
         """Bind ``mode`` to a group of ``world_size`` processes that meet at ``address``, whatever world each is in (or
         none).
 
-        Rank 0 hosts the group's store at ``address`` (see :meth:`listen`); the
-        others connect to it. Each call forms a new *generation*: the members
-        prove they hold the secret of ``address``, check that they match (world
-        size, ranks, backend, torch version, and NCCL's version and
-        ``NCCL_CUMEM_ENABLE`` for NCCL) and build their own group outside
-        torch's world, which nothing of the world touches. The mode is then a
-        mode like any other (every collective, ``broadcast_state_dict``, debug
-        mode and stats), whose ranks (``src``, ``dst``, the getters) are its
+        Rank 0 hosts the group's store at ``address`` (see :meth:`listen`); the others connect to it. Each call forms a
+        new *generation*: the members prove they hold the secret of ``address``, check that they match (world size,
+        ranks, backend, torch version, and NCCL's version and ``NCCL_CUMEM_ENABLE`` for NCCL) and build their own group
+        outside torch's world, which nothing of the world touches. The mode is then a mode like any other (every
+        collective, ``broadcast_state_dict``, debug mode and stats), whose ranks (``src``, ``dst``, the getters) are its
         own, 0 to ``world_size - 1``.
 
-        When a member dies or leaves, every other member's call in flight and
-        every later call on the mode raises :class:`PeerLostError` within
-        milliseconds; when it stops answering (stopped, hung, its node gone
-        without closing its connections), within ``liveness_timeout`` plus a
-        quarter of it. A member dying while the generation forms makes every
-        other member's ``connect`` raise :class:`PeerLostError` the same way.
-        Re-form the mode by calling ``connect`` again on every survivor and on
-        the lost member's replacement (same arguments): that forms the next
-        generation. The communicator of an older generation refuses every call.
-        If rank 0 dies, re-form at an address the new rank 0 listens on.
+        When a member dies or leaves, every other member's call in flight and every later call on the mode raises
+        :class:`PeerLostError` within milliseconds; when it stops answering (stopped, hung, its node gone without
+        closing its connections), within ``liveness_timeout`` plus a quarter of it. A member dying while the generation
+        forms makes every other member's ``connect`` raise :class:`PeerLostError` the same way. Re-form the mode by
+        calling ``connect`` again on every survivor and on the lost member's replacement (same arguments): that forms
+        the next generation. The communicator of an older generation refuses every call. If rank 0 dies, re-form at an
+        address the new rank 0 listens on.
 
-        The forming holds no lock of the context: other threads may use it
-        meanwhile (another connect on the same mode is refused).
+        The forming holds no lock of the context: other threads may use it meanwhile (another connect on the same mode
+        is refused).
 
         Args:
             mode: The mode to bind (not ``GLOBAL``, nor a mode bound by :meth:`init_group`).
             rank: This process's rank in the mode, 0 to ``world_size - 1``; rank 0 hosts the store.
             world_size: Number of members.
-            address: What :meth:`listen` returned on rank 0 (``"host:port/secret"``). On rank 0, a
-                ``"host:port"`` it does not host yet makes it host one there, with the secret the address
-                carries, or none: the mode then proves no membership (any process that reaches the
-                address may join).
+            address: What :meth:`listen` returned on rank 0 (``"host:port/secret"``). On rank 0, a ``"host:port"`` it
+                does not host yet makes it host one there, with the secret the address carries, or none: the mode then
+                proves no membership (any process that reaches the address may join).
             backend: ``"gloo"``, ``"nccl"`` or a registered communicator built on one of them.
-            timeout: The collectives' timeout, in seconds or a ``timedelta``: a member alive but not calling
-                makes the others raise :class:`CommTimeoutError` after it.
-            connect_timeout: How long this call waits for the members to arrive (``None``: ``timeout``); a
-                member that does not come makes the others raise :class:`CommTimeoutError`, naming it.
-            liveness_timeout: Seconds without a heartbeat after which a member (or rank 0) counts as lost.
-                Heartbeats are sent by a thread of the watch, so a long step or a busy main thread does not
-                count; a process stopped (SIGSTOP, a debugger) or frozen longer than this (a garbage
-                collection pause holding the interpreter, a C extension holding the GIL) does.
+            timeout: The collectives' timeout, in seconds or a ``timedelta``: a member alive but not calling makes the
+                others raise :class:`CommTimeoutError` after it.
+            connect_timeout: How long this call waits for the members to arrive (``None``: ``timeout``); a member that
+                does not come makes the others raise :class:`CommTimeoutError`, naming it.
+            liveness_timeout: Seconds without a heartbeat after which a member (or rank 0) counts as lost. Heartbeats
+                are sent by a thread of the watch, so a long step or a busy main thread does not count; a process
+                stopped (SIGSTOP, a debugger) or frozen longer than this (a garbage collection pause holding the
+                interpreter, a C extension holding the GIL) does.
 
         Returns:
             The communicator bound to ``mode`` on this process.
@@ -120,12 +110,12 @@ class ContextConnect:
         Raises:
             TypeError, ValueError, KeyError: a bad argument (before anything is sent).
             RuntimeError: an NCCL backend without CUDA (before anything is sent).
-            CommError: rank 0 refused this process (it could not prove the secret), or another thread is
-                connecting the mode.
-            CommMismatchError: the members do not match (raised on every member, naming who differs; also on a
-                process that arrives after the others formed without it).
-            CommTimeoutError: a member did not arrive within ``connect_timeout`` (named), or rank 0 could not
-                be reached.
+            CommError: rank 0 refused this process (it could not prove the secret), or another thread is connecting the
+                mode.
+            CommMismatchError: the members do not match (raised on every member, naming who differs; also on a process
+                that arrives after the others formed without it).
+            CommTimeoutError: a member did not arrive within ``connect_timeout`` (named), or rank 0 could not be
+                reached.
             PeerLostError: a member died, left or stopped answering while the generation formed (rank 0
                 included: re-form at a new address then), or this process's context was destroyed meanwhile.
         """
