@@ -207,15 +207,10 @@ def transfer(
         try:
             pipeline = agree(comm, state_dict, src, bucket_bytes, declared, options, fanout)
         except CommError as err:  # a member lost or absent in the handshake: nothing moved
-            if options.version is None and not options.atomic:
+            failed = options.not_committed("broadcast_state_dict", err)
+            if failed is None:
                 raise
-            held = CommContext().get_weight_version(options.record_as)
-            left = "no committed version" if held is None else f"version {held}"
-            raise type(err)(
-                f"broadcast_state_dict: version {options.version} not committed; live weights are {left} (nothing "
-                f"was transferred): {err}",
-                *err.args[1:],
-            ) from err
+            raise failed from err
         if not async_op:
             try:
                 return pipeline.finish()

@@ -144,15 +144,10 @@ def reshard(
         try:
             names, schedule, cached, live, wanters = _agree(comm, held, wanted, bucket_bytes, memory, options)
         except CommError as err:  # a member lost in the handshake: nothing moved
-            if options.version is None and not options.atomic:
+            failed = options.not_committed(OP, err)
+            if failed is None:
                 raise
-            have = CommContext().get_weight_version(options.record_as)
-            left = "no committed version" if have is None else f"version {have}"
-            raise type(err)(
-                f"{OP}: version {options.version} not committed; live weights are {left} (nothing was transferred): "
-                f"{err}",
-                *err.args[1:],
-            ) from err
+            raise failed from err
         ranks = comm.ranks
         tally = Tally(comm, {n: e.global_shape for n, e in names.items()}) if options.verify else None
         mover = Mover(comm, schedule, names, memory.slots)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from rlightning_comm.context import CommContext
-from rlightning_comm.errors import CommMismatchError
+from rlightning_comm.errors import CommError, CommMismatchError
 from rlightning_comm.modes import mode_name
 
 Problem = tuple[type[Exception], str] | None
@@ -138,6 +138,18 @@ class SyncOptions:
                 f"transferred: {'; '.join(detail)}. A destination only moves forward; a source sends the version it "
                 "holds"
             )
+
+    def not_committed(self, op: str, err: CommError) -> CommError | None:
+        """For a versioned or atomic sync, ``err`` (a member lost or absent before any byte moved) restated to say the
+        version was not committed and which one the live weights are; ``None`` for a plain sync (raise ``err``)."""
+        if self.version is None and not self.atomic:
+            return None
+        held = CommContext().get_weight_version(self.record_as)
+        left = "no committed version" if held is None else f"version {held}"
+        return type(err)(
+            f"{op}: version {self.version} not committed; live weights are {left} (nothing was transferred): {err}",
+            *err.args[1:],
+        )
 
     def left(self, rank: int) -> str:
         """What a destination at ``rank`` still holds: its committed version, in words."""
