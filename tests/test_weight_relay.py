@@ -108,6 +108,6 @@ def test_a_relay_killed_midway_fails_every_member_within_seconds(world4) -> None
         assert "broadcast_state_dict failed midway" in r["msg"], r
     assert "the transfer to rank 1 failed" in source["msg"], source
     for r in (second, third):
-        assert "units had arrived" in r["msg"], r
+        assert "units had arrived" in r["msg"] or "units had completed" in r["msg"], r
         # Partly written, not atomic: the version it held is forgotten (its weights are no one version now).
         assert r["before"] == 1 and r["after"] is None, r

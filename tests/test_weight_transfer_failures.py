@@ -68,6 +68,15 @@ def _injected(rank: int, size: int, url: str) -> dict:
             Pipeline._move = original  # the world's processes outlive this test
 
 
+# What a destination says it holds after a failure midway: some units arrived, or none had completed while receives were
+# posted straight into its tensors.
+PARTLY_WRITTEN = (
+    r"this destination's tensors were partly written \([1-9]\d* of 12 units had arrived\)"
+    r"|this destination's tensors may be partly written: receives were posted straight into them, and none of the 12 "
+    r"units had completed"
+)
+
+
 def test_a_failure_midway_says_what_each_member_holds(world4) -> None:
     source, in_place, loader, faulty = world4.run(_injected, timeout=60)
     assert faulty["type"] == "CommError" and "injected: the connection to the source broke" in faulty["msg"], faulty
@@ -85,9 +94,7 @@ def test_a_failure_midway_says_what_each_member_holds(world4) -> None:
         source["msg"],
     ), source
     assert "the transfer to rank 3 failed" in source["msg"], source
-    assert re.search(
-        r"this destination's tensors were partly written \(\d+ of 12 units had arrived\)", in_place["msg"]
-    ), in_place
+    assert re.search(PARTLY_WRITTEN, in_place["msg"]), in_place
     given = re.search(r"load had been given (\d+) of 12 buckets", loader["msg"])
     assert given and 0 < int(given[1]) < 12, loader
 
@@ -155,6 +162,4 @@ def test_a_destination_killed_midway_its_peers_raise_saying_so(world2) -> None:
     for r in (source, survivor):
         assert r["type"] == "CommError" and r["elapsed"] <= BOUND < KILL_TIMEOUT, r
     assert re.search(r"destinations at ranks \[1, 2\] may hold partial weights", source["msg"]), source
-    assert re.search(
-        r"this destination's tensors were partly written \(\d+ of 12 units had arrived\)", survivor["msg"]
-    ), survivor
+    assert re.search(PARTLY_WRITTEN, survivor["msg"]), survivor

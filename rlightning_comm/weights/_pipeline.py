@@ -98,6 +98,12 @@ class Pipeline(Transfer):
             )
         if not self._written:
             return f"this destination's tensors were not written ({self._arrived} of {units} units had arrived)"
+        if not self._arrived:
+            return (
+                f"this destination's tensors may be partly written: receives were posted straight into them, and none "
+                f"of the {units} units had completed; they may hold a mix of old and new weights until a transfer "
+                "succeeds"
+            )
         return (
             f"this destination's tensors were partly written ({self._arrived} of {units} units had arrived): "
             "they hold a mix of old and new weights until a transfer succeeds"
