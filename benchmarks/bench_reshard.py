@@ -190,7 +190,7 @@ def planner(tensors: int = 1000, holders: int = 8, wanters: int = 16, repeats: i
     import torch
 
     from rlightning_comm import TensorSlice
-    from rlightning_comm.weights._handshake import _hash
+    from rlightning_comm.weights._memory import hash_key
     from rlightning_comm.weights._schedule import build_schedule
     from rlightning_comm.weights._slices import collect, metadata
 
@@ -232,7 +232,7 @@ def planner(tensors: int = 1000, holders: int = 8, wanters: int = 16, repeats: i
     for _ in range(repeats * 3):
         t0 = time.perf_counter()
         names, _ = collect(None, wanted, torch.device("cpu"))
-        _hash(json.dumps(metadata(names), separators=(",", ":")))
+        hash_key(json.dumps(metadata(names), separators=(",", ":")))
         repeat.append(time.perf_counter() - t0)
     pieces = sum(len(m[0][3]) + len(m[0][4]) for m in metas)
     return {"cold_s": statistics.median(cold), "repeat_s": statistics.median(repeat), "blocks_per_tensor": pieces}

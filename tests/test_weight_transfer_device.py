@@ -126,7 +126,7 @@ def test_a_group_outside_the_world_and_the_device_backends_path(world4) -> None:
 
 def _cuda_stand_in(rank: int, size: int, url: str) -> dict:
     from rlightning_comm.weights._broadcast import transfer
-    from rlightning_comm.weights._handshake import kept
+    from rlightning_comm.weights._memory import kept
 
     comm = _own_group(rank, size, url, CudaStandIn, "CUDA")
     state = _state(rank, "cuda:0")

@@ -19,7 +19,8 @@ from rlightning_comm.context import CommContext
 from rlightning_comm.errors import CommError
 from rlightning_comm.modes import CommMode, ParallelMode
 from rlightning_comm.weights._commit import Sync, mode_store
-from rlightning_comm.weights._handshake import agree, forget
+from rlightning_comm.weights._handshake import agree
+from rlightning_comm.weights._memory import forget
 from rlightning_comm.weights._report import WeightSyncReport
 from rlightning_comm.weights._versions import SyncOptions
 

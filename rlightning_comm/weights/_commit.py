@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +27,7 @@ from rlightning_comm import rendezvous
 from rlightning_comm.errors import CommError, CommMismatchError, PeerLostError
 from rlightning_comm.failures import close_gloo_group
 from rlightning_comm.weights._digest import differing, fingerprint
+from rlightning_comm.weights._memory import kept
 from rlightning_comm.weights._plan import Plan, dtype_of
 from rlightning_comm.weights._report import WeightSyncReport
 from rlightning_comm.weights._versions import SyncOptions, commit, forget
@@ -36,7 +36,6 @@ COMMIT = "commit"
 # A destination's looks at the store for the decision: often there already; then every few milliseconds, and at each
 # look at the mode's liveness too.
 _FIRST_PAUSE, _LAST_PAUSE = 0.0005, 0.01
-_staged: weakref.WeakKeyDictionary[Any, tuple[Any, list[torch.Tensor]]] = weakref.WeakKeyDictionary()
 
 
 def mode_store(comm: Any) -> dist.Store | None:
@@ -60,10 +59,10 @@ def staging(
     on ``comm`` with the same tensors (fresh pages cost more to fault in than the copy into them), freed with it.
     """
     key = (plan.manifest, device, default, None if live is None else tuple(t.device for t in live))
-    kept = _staged.get(comm)
-    if kept is not None and kept[0] == key:
-        return kept[1]
-    _staged.pop(comm, None)  # the old staging goes before the new one is made
+    memory = kept(comm)
+    if memory.staged is not None and memory.staged[0] == key:
+        return memory.staged[1]
+    memory.staged = None  # the old staging goes before the new one is made
     out: list[torch.Tensor] = []
     aliases = dict(plan.aliases)
     for index, (_, dtype, shape, _) in enumerate(plan.manifest):
@@ -74,7 +73,7 @@ def staging(
             out.append(torch.empty(t.shape, dtype=t.dtype, device=device or t.device))
         else:
             out.append(torch.empty(shape, dtype=dtype_of(dtype), device=device or default))
-    _staged[comm] = (key, out)
+    memory.staged = (key, out)
     return out
 
 

@@ -13,7 +13,6 @@ at once; on other backends in grouped ``batch_isend_irecv`` calls.
 from __future__ import annotations
 
 import json
-import weakref
 from typing import Any
 
 import torch
@@ -22,7 +21,8 @@ from rlightning_comm.context import CommContext
 from rlightning_comm.errors import CommError
 from rlightning_comm.modes import CommMode, ParallelMode
 from rlightning_comm.weights._commit import Sync, mode_store
-from rlightning_comm.weights._handshake import _ERRORS, _exchange_texts, _hash, exchange, kept
+from rlightning_comm.weights._handshake import _ERRORS, _exchange_texts, exchange
+from rlightning_comm.weights._memory import hash_key, kept
 from rlightning_comm.weights._mover import OP, Mover
 from rlightning_comm.weights._report import WeightSyncReport
 from rlightning_comm.weights._schedule import Schedule, build_schedule
@@ -33,7 +33,6 @@ from rlightning_comm.weights._versions import SyncOptions
 DEFAULT_BUCKET_BYTES = 64 * 2**20
 
 # Per communicator: (the plan's key, this member's schedule). Dies with the communicator.
-_plans: weakref.WeakKeyDictionary[Any, tuple[tuple[int, int], Schedule]] = weakref.WeakKeyDictionary()
 
 
 def reshard_state_dict(
@@ -210,8 +209,8 @@ def _agree(
     wants = any(e.wanted for e in names.values())
     holds = any(e.held for e in names.values())
     text = "" if problem is not None else json.dumps(metadata(names), separators=(",", ":"))
-    mine = _hash(text)
-    kept_plan = _plans.get(comm)
+    mine = hash_key(text)
+    kept_plan = memory.reshard_plan
     kept_key = kept_plan[0] if kept_plan is not None else (0, 0)
     words = [int(problem is not None), bucket_bytes if problem is None else 0, *mine, *kept_key, int(wants), int(holds)]
     rows = exchange(comm, [*words, *options.words()], memory)
@@ -222,14 +221,14 @@ def _agree(
     holders = {r for r, row in zip(ranks, rows) if row[7]}
     options.check(ranks, [row[8:] for row in rows], ranks[0], OP, set(wanters), holders)
     bucket = rows[0][1]
-    key = _hash((tuple(tuple(row[2:4]) for row in rows), bucket))
+    key = hash_key((tuple(tuple(row[2:4]) for row in rows), bucket))
     if kept_plan is not None and all(tuple(row[4:6]) == key for row in rows):
         return names, kept_plan[1], True, live, wanters
     metas = [json.loads(t) for t in _exchange_texts(comm, text, memory)]
-    _plans.pop(comm, None)
+    memory.reshard_plan = None
     try:
         schedule = build_schedule(metas, bucket, comm.ranks, comm.rank)
     except ValueError as err:  # the same on every member: the metadata is
         raise ValueError(f"{OP}: nothing was transferred; {err}") from None
-    _plans[comm] = (key, schedule)
+    memory.reshard_plan = (key, schedule)
     return names, schedule, False, live, wanters
