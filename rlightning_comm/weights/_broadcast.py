@@ -80,6 +80,7 @@ def broadcast_state_dict(
     staging_device: torch.device | str | None = None,
     record_as: CommMode | ParallelMode | str | None = None,
     fanout: str | None = None,
+    delta: bool = False,
 ) -> WeightSyncReport | StateDictTransfer | None:
     """Copy every tensor of ``state_dict`` from rank ``src`` into the same-named tensors of every other rank of
     ``comm_mode``.
@@ -183,7 +184,7 @@ def broadcast_state_dict(
         CommTimeoutError, CommError: a transfer (a send, receive or broadcast) failed, or a peer never joined.
     """
     comm = CommContext().get_communicator(comm_mode)
-    options = SyncOptions(version, verify, atomic, staging_device, record_as, comm.mode)
+    options = SyncOptions(version, verify, atomic, staging_device, record_as, comm.mode, delta)
     return transfer(comm, state_dict, src, bucket_bytes, async_op, options, fanout)
 
 
