@@ -1,0 +1,243 @@
+"""``delta=True`` against a full sync, on ``broadcast_state_dict`` and ``reshard_state_dict``, at several change rates.
+
+Each round, every source changes a fraction of the elements of each of its tensors (random positions, the lowest bit of
+the element flipped, so every chosen element really changes), outside the timing; then the full sync and the delta sync
+of the same weights, interleaved in rotating order, over two modes of the same ranks (each keeps its own snapshot and
+version record). A round's time is the slowest rank's, from a barrier to every destination holding the new weights.
+Bytes come from the reports; the changed bytes are counted against the previous round's weights (the oracle: a
+comparison of the whole tensors in one process). Every destination is checked bit-identical to its source after every
+delta sync.
+
+* broadcast: 3 gloo ranks, the model of ``bench_weight_transfer.py`` (a bf16 embedding 16384 x 256, 60 fp32 512 x 512
+  matrices and their biases, 68.1 MiB), rank 0 to ranks 1 and 2 (a relay);
+* reshard: 4 gloo ranks, the model of ``bench_reshard.py`` (8 layers of two fp32 1024 x 1024 matrices and a bias, 64.0
+  MiB), trainer ranks 0 and 1 holding FSDP ``Shard(0)`` rows, engine ranks 2 and 3 in TP=2.
+
+Also the source's comparison alone: the encoding of one round's changes against the snapshot, timed in one process.
+
+    python benchmarks/bench_delta.py [--case broadcast|reshard|both] [--rounds 10] [--fractions 0,0.02,0.1,0.5,1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import time
+
+from _common import machine, run_ranks
+
+LAYERS, WIDTH, VOCAB, EMBED = 60, 512, 16384, 256
+R_LAYERS, R_WIDTH = 8, 1024
+
+
+def _broadcast_model(seed: int) -> dict:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    state = {"embed.weight": torch.randn(VOCAB, EMBED, generator=gen).to(torch.bfloat16)}
+    for i in range(LAYERS):
+        state[f"layers.{i}.weight"] = torch.randn(WIDTH, WIDTH, generator=gen)
+        state[f"layers.{i}.bias"] = torch.randn(WIDTH, generator=gen)
+    return state
+
+
+def _reshard_model(seed: int) -> dict:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for i in range(R_LAYERS):
+        out[f"l{i}.up"] = torch.randn(R_WIDTH, R_WIDTH, generator=gen)
+        out[f"l{i}.down"] = torch.randn(R_WIDTH, R_WIDTH, generator=gen)
+        out[f"l{i}.bias"] = torch.randn(R_WIDTH, generator=gen)
+    return out
+
+
+def _perturb(tensors, fraction: float, gen) -> None:
+    """Flip the lowest bit of ``fraction`` of each tensor's elements (distinct random positions), in place."""
+    import torch
+
+    from rlightning_comm.weights._delta import words
+
+    for t in tensors:
+        w = words(t).view(-1)
+        k = round(w.numel() * fraction)
+        if k:
+            idx = torch.randperm(w.numel(), generator=gen)[:k]
+            w[idx] ^= 1
+
+
+def _changed_bytes(before, after) -> int:
+    import torch
+
+    from rlightning_comm.weights._delta import words
+
+    return sum(
+        int(torch.ne(words(a), words(b)).sum()) * a.element_size() for a, b in zip(before, after) if a.numel()
+    )
+
+
+def _sha(tensors) -> list[str]:
+    """Each tensor's SHA-256 of its bytes (an oracle that is not the library's digest)."""
+    import hashlib
+
+    from rlightning_comm.weights._delta import words
+
+    return [hashlib.sha256(words(t).contiguous().view(-1).numpy().tobytes()).hexdigest() for t in tensors]
+
+
+def _time(fn) -> float:
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
+
+
+def _broadcast_task(rank: int, nproc: int, rounds: int, fractions: list[float], threads: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from rlightning_comm import CommContext, broadcast_state_dict
+
+    if threads:
+        torch.set_num_threads(threads)
+    ctx = CommContext()
+    ctx.init_group([0, 1, 2], "FULL")
+    ctx.init_group([0, 1, 2], "DELTA")
+    state = _broadcast_model(0 if rank == 0 else rank + 10)
+    delta_state = {n: t.clone() for n, t in state.items()}  # the destinations of the delta mode hold their own
+    gen = torch.Generator().manual_seed(1)
+    version = [0]
+    out: dict = {}
+    for fraction in fractions:
+        times: dict[str, list[float]] = {"full": [], "delta": []}
+        wire: list[int] = []
+        changed: list[int] = []
+        identical = True
+        for r in range(rounds + 2):  # two warm-up rounds: the first delta sync of a mode is full
+            before = [t.clone() for t in state.values()] if rank == 0 else None
+            if rank == 0:
+                _perturb(list(state.values()), fraction, gen)
+                for n, t in state.items():
+                    delta_state[n].copy_(t)
+            version[0] += 1
+            v = version[0]
+            ways = {
+                "full": lambda: broadcast_state_dict(state, "FULL", src=0, version=v),
+                "delta": lambda: broadcast_state_dict(delta_state, "DELTA", src=0, version=v, delta=True),
+            }
+            order = list(ways) if r % 2 == 0 else list(reversed(ways))
+            reports = {}
+            for name in order:
+                reports[name] = None
+                holder = {}
+
+                def run(name: str = name, holder: dict = holder) -> None:
+                    holder["report"] = ways[name]()
+
+                t = _time(run)
+                reports[name] = holder["report"]
+                if r >= 2:
+                    times[name].append(t)
+            box = [_sha(delta_state.values()) if rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            if rank:
+                identical &= _sha(delta_state.values()) == box[0]
+            if r >= 2 and rank == 0:
+                kinds = set(reports["delta"].kinds.values())
+                wire.append(reports["delta"].bytes_sent if kinds == {"delta"} else -reports["delta"].bytes_sent)
+                changed.append(_changed_bytes(before, list(state.values())))
+        flags = torch.tensor([int(identical)])
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        out[fraction] = {"times": times, "wire": wire, "changed": changed, "identical": bool(flags.item())}
+    if rank == 0:
+        out["model_bytes"] = sum(t.numel() * t.element_size() for t in state.values())
+    return out
+
+
+def compare_alone(fraction: float, repeats: int = 7) -> dict:
+    """The source's encoding of one round's changes against its snapshot (the broadcast model), in this process."""
+    import torch
+
+    from rlightning_comm.weights import _delta
+    from rlightning_comm.weights._snapshots import Snapshot
+
+    state = _broadcast_model(0)
+    tensors = list(state.values())
+    recs = _delta.records([(t.dtype, t.numel(), None) for t in tensors])
+    snap = Snapshot("bench", recs)
+
+    def views(record):
+        return [_delta.words(tensors[i]) for i in record.pieces]
+
+    snap.take(views, 1)
+    _perturb(tensors, fraction, torch.Generator().manual_seed(2))
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        offer = snap.offer(views, torch.device("cpu"))
+        samples.append(time.perf_counter() - t0)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    return {"median_s": statistics.median(samples), "bytes": nbytes, "payload": offer.payload.numel()}
+
+
+def _report(case: str, out: list, fractions: list[float], model_bytes: int) -> bool:
+    ok = True
+    print(f"\n{case}: model {model_bytes / 2**20:.1f} MiB")
+    print("| changed | full ms (median) | delta ms (median) | delta speed vs full (median of per-round ratios) | "
+          "bytes on the wire (delta) | changed bytes | wire / changed | bit-identical |")
+    print("|---|---|---|---|---|---|---|---|")
+    for f in fractions:
+        res = out[0][f]
+        t = res["times"]
+        ratio = statistics.median(a / b for a, b in zip(t["full"], t["delta"]))
+        wire = statistics.median(abs(w) for w in res["wire"])
+        full_rounds = sum(1 for w in res["wire"] if w < 0)
+        changed = statistics.median(res["changed"])
+        per = f"{wire / changed:.2f}x" if changed else "-"
+        note = f" ({full_rounds} rounds full)" if full_rounds else ""
+        same = "yes" if res["identical"] else "NO"
+        ok &= res["identical"]
+        print(
+            f"| {f:.0%} | {statistics.median(t['full']) * 1e3:.1f} | {statistics.median(t['delta']) * 1e3:.1f} | "
+            f"{ratio:.2f}x | {wire:,.0f}{note} | {changed:,.0f} | {per} | {same} |"
+        )
+    return ok
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", default="both", choices=["broadcast", "reshard", "both"])
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--fractions", default="0,0.02,0.1,0.5,1")
+    parser.add_argument("--threads", type=int, default=1, help="torch's intra-op threads per rank (0: torch's default)")
+    args = parser.parse_args()
+    fractions = [float(f) for f in args.fractions.split(",")]
+    load = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
+    started = time.perf_counter()
+    print(f"{machine()}; {args.rounds} interleaved rounds per rate; threads {args.threads or 'default'}")
+    print(f"load before: {load}")
+    ok = True
+    if args.case in ("broadcast", "both"):
+        out = run_ranks(_broadcast_task, 3, args.rounds, fractions, args.threads)
+        ok &= _report("broadcast_state_dict, 3 ranks (a relay)", out, fractions, out[0]["model_bytes"])
+        for f in (0.02,):
+            alone = compare_alone(f)
+            print(
+                f"the source's comparison and encoding alone at {f:.0%}: {alone['median_s'] * 1e3:.1f} ms for "
+                f"{alone['bytes'] / 2**20:.1f} MiB ({alone['bytes'] / alone['median_s'] / 1e9:.1f} GB/s)"
+            )
+    print(f"\nwall {time.perf_counter() - started:.0f} s; load after: {os.getloadavg()}")
+    if not ok:
+        raise SystemExit("a destination was not bit-identical to its source")
+
+
+if __name__ == "__main__":
+    main()
