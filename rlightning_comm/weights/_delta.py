@@ -234,6 +234,13 @@ def encode(cur: torch.Tensor, snap: torch.Tensor) -> tuple[list[torch.Tensor], C
     return [_header(MASK, k, n, mask, device), _padded(bitmap(pos, n)), _padded(vals)], Change(MASK, pos, vals)
 
 
+def dense(cur: torch.Tensor) -> list[torch.Tensor]:
+    """The sections of a record of ``cur``'s words (flat) sent whole: what a full sync of it carries in a delta's
+    format."""
+    n = cur.numel()
+    return [_header(DENSE, n, n, sizes(n, n, cur.element_size())[2], cur.device), _padded(cur)]
+
+
 def _header(kind: int, k: int, n: int, nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.tensor([kind, k, n, nbytes], dtype=torch.int64).view(torch.uint8).to(device)
 
@@ -311,6 +318,14 @@ def apply(targets: Sequence[Sequence[torch.Tensor]], record_sizes: Sequence[int]
             for target in views:
                 _scatter(target, pos[a:b] - start, vals[a:b])
         start += n
+
+
+def writable(t: torch.Tensor) -> torch.Tensor:
+    """A tensor whose words (:func:`words`) share memory with it and hold ``t``'s values: ``t`` itself, or (a lazy
+    conjugate or negation, a 16-byte element whose last dimension is strided) a copy to write into and copy back."""
+    if t.is_conj() or t.is_neg() or (t.element_size() > 8 and t.dim() and t.stride(-1) != 1):
+        return t.resolve_conj().resolve_neg().contiguous()
+    return t
 
 
 def _cumulative(values: Sequence[int]) -> list[int]:

@@ -24,7 +24,7 @@ from rlightning_comm.failures import close_gloo_group
 from rlightning_comm.weights import _delta
 from rlightning_comm.weights._commit import Sync, staging
 from rlightning_comm.weights._digest import Digests
-from rlightning_comm.weights._inputs import plain, same_view
+from rlightning_comm.weights._inputs import same_view
 from rlightning_comm.weights._pipeline import Pipeline
 from rlightning_comm.weights._plan import Plan, build_plan, dtype_of
 from rlightning_comm.weights._snapshots import Offer, identity, snapshot_for
@@ -184,8 +184,7 @@ class DeltaTransfer:
                 for index, (t, live) in enumerate(zip(targets, self._live)):
                     if t.numel() and plan.manifest[index][3] < 0:
                         t.copy_(live)
-            resolved = {i: t.resolve_conj().resolve_neg() for i, t in enumerate(targets) if not plain(t)}
-            into = [resolved.get(i, t) for i, t in enumerate(targets)]
+            into = [_delta.writable(t) for t in targets]
             tied: dict[int, list[int]] = {}
             for index, root in plan.aliases:
                 if not same_view(targets[index], targets[root]):
@@ -193,8 +192,9 @@ class DeltaTransfer:
             for record, change in zip(self._records, changes):
                 views = [[_delta.words(into[i]) for i in (p, *tied.get(p, ()))] for p in record.pieces]
                 _delta.apply(views, record.sizes, change)
-            for i, copy in resolved.items():  # a lazy conjugate or negation: written through its values
-                targets[i].copy_(copy)
+            for t, copy in zip(targets, into):  # a lazy conjugate or negation: written through its values
+                if copy is not t:
+                    t.copy_(copy)
 
     def _feed(self) -> None:
         if self._digests is None or self._fed:

@@ -21,6 +21,7 @@ from rlightning_comm.context import CommContext
 from rlightning_comm.errors import CommError
 from rlightning_comm.modes import CommMode, ParallelMode
 from rlightning_comm.weights._commit import Sync, mode_store
+from rlightning_comm.weights._delta_reshard import DeltaMover, decide, prepare, refresh
 from rlightning_comm.weights._handshake import _ERRORS, _exchange_texts, exchange
 from rlightning_comm.weights._memory import hash_key, kept
 from rlightning_comm.weights._mover import OP, Mover
@@ -28,7 +29,7 @@ from rlightning_comm.weights._report import WeightSyncReport
 from rlightning_comm.weights._schedule import Schedule, build_schedule
 from rlightning_comm.weights._slices import Block, Named, collect, metadata
 from rlightning_comm.weights._tally import Tally
-from rlightning_comm.weights._versions import SyncOptions
+from rlightning_comm.weights._versions import WORDS, SyncOptions
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20
 
@@ -45,6 +46,7 @@ def reshard_state_dict(
     verify: bool = False,
     atomic: bool = False,
     staging_device: torch.device | str | None = None,
+    delta: bool = False,
 ) -> WeightSyncReport | None:
     """Write every block each member wants with the bytes of the members that hold it, with no gather.
 
@@ -114,7 +116,7 @@ def reshard_state_dict(
     source may not modify its tensors, nor a destination read or write its slices.
     """
     comm = CommContext().get_communicator(comm_mode)
-    options = SyncOptions(version, verify, atomic, staging_device, None, comm.mode)
+    options = SyncOptions(version, verify, atomic, staging_device, None, comm.mode, delta)
     return reshard(comm, held, wanted, bucket_bytes, options)
 
 
@@ -141,7 +143,7 @@ def reshard(
             memory.unfinished.finish()
             memory.unfinished = None
         try:
-            names, schedule, cached, live, wanters = _agree(comm, held, wanted, bucket_bytes, memory, options)
+            names, schedule, cached, live, wanters, delta = _agree(comm, held, wanted, bucket_bytes, memory, options)
         except CommError as err:  # a member lost in the handshake: nothing moved
             failed = options.not_committed(OP, err)
             if failed is None:
@@ -149,7 +151,13 @@ def reshard(
             raise failed from err
         ranks = comm.ranks
         tally = Tally(comm, {n: e.global_shape for n, e in names.items()}) if options.verify else None
-        mover = Mover(comm, schedule, names, memory.slots)
+        kinds, delivered = decide(options, delta[1], ranks, cached, wanters) if options.delta else ({}, {})
+        if "delta" in kinds.values():
+            mover = DeltaMover(comm, schedule, names, delta[0], kinds, delta[1], live)
+            sent, received = mover.traffic()
+        else:
+            mover = Mover(comm, schedule, names, memory.slots)
+            sent, received = schedule.sent, schedule.received
         mover.tally, mover.staging = tally, live is not None
         rounds = (lambda words: exchange(comm, words, memory), lambda text: _exchange_texts(comm, text, memory))
         sync = Sync(
@@ -157,8 +165,8 @@ def reshard(
             mover,
             options,
             ranks[0],
-            {ranks[r]: n for r, n in sorted(schedule.sent.items())},
-            {ranks[r]: n for r, n in sorted(schedule.received.items())},
+            {ranks[r]: n for r, n in sorted(sent.items())},
+            {ranks[r]: n for r, n in sorted(received.items())},
             tally,
             live,
             cached,
@@ -169,6 +177,10 @@ def reshard(
             check=tally,
             destinations=wanters,
         )
+        if options.delta:
+            sync._report.kinds, sync._report.delivered = kinds, delivered
+            key = (memory.reshard_plan[0], delta[2])
+            refresh(sync, comm, memory, options, names, schedule, key, delta[0], delta[3])
         sync.start()
         return sync.finish()
 
@@ -196,13 +208,15 @@ def _raise_shared(comm: Any, problem: Any, memory: Any) -> None:
 
 def _agree(
     comm: Any, held: Any, wanted: Any, bucket_bytes: Any, memory: Any, options: SyncOptions
-) -> tuple[dict[str, Named], Schedule, bool, tuple[list, list] | None, list[int]]:
-    """This member's blocks and schedule, whether the schedule was kept, its ``(live, staged)`` tensors (atomic) and
-    the ranks that want something; or the same error on every member."""
+) -> tuple[dict[str, Named], Schedule, bool, tuple[list, list] | None, list[int], tuple[Any, ...]]:
+    """This member's blocks and schedule, whether the schedule was kept, its ``(live, staged)`` tensors (atomic), the
+    ranks that want something, and for ``delta=True`` (this member's offer, every member's pair words, its metadata's
+    hash, its live wanted tensors); or the same error on every member."""
     names, problem = collect(held, wanted, comm.device)
     problem = problem or options.problem
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         problem = problem or (ValueError, f"bucket_bytes must be a positive int; got {bucket_bytes!r}")
+    live_wanted = [b.tensor for _, e in sorted(names.items()) for b in e.wanted] if options.delta else []
     live = None
     if problem is None and options.atomic is True:
         names, live = _staged(names)  # the plan is made for the staging tensors: the live ones wait for the commit
@@ -213,17 +227,23 @@ def _agree(
     kept_plan = memory.reshard_plan
     kept_key = kept_plan[0] if kept_plan is not None else (0, 0)
     words = [int(problem is not None), bucket_bytes if problem is None else 0, *mine, *kept_key, int(wants), int(holds)]
-    rows = exchange(comm, [*words, *options.words()], memory)
+    offer, pairs = None, [0, 0, -1] * comm.world_size
+    if problem is None and options.delta:  # each holder encodes its deltas before the exchange: their sizes ride on it
+        offer, pairs = prepare(comm, memory, options, names, kept_plan, mine, live_wanted)
+    elif not options.delta:
+        memory.drop_delta()  # delta=False keeps nothing: a later delta=True starts with a full sync
+    rows = exchange(comm, [*words, *options.words(), *pairs], memory)
     if any(row[0] for row in rows):
         _raise_shared(comm, problem, memory)
     ranks = comm.ranks
     wanters = [r for r, row in zip(ranks, rows) if row[6]]
     holders = {r for r, row in zip(ranks, rows) if row[7]}
-    options.check(ranks, [row[8:] for row in rows], ranks[0], OP, set(wanters), holders)
+    options.check(ranks, [row[8 : 8 + WORDS] for row in rows], ranks[0], OP, set(wanters), holders)
+    delta = (offer, [row[8 + WORDS :] for row in rows], mine, live_wanted)
     bucket = rows[0][1]
     key = hash_key((tuple(tuple(row[2:4]) for row in rows), bucket))
     if kept_plan is not None and all(tuple(row[4:6]) == key for row in rows):
-        return names, kept_plan[1], True, live, wanters
+        return names, kept_plan[1], True, live, wanters, delta
     metas = [json.loads(t) for t in _exchange_texts(comm, text, memory)]
     memory.reshard_plan = None
     try:
@@ -231,4 +251,4 @@ def _agree(
     except ValueError as err:  # the same on every member: the metadata is
         raise ValueError(f"{OP}: nothing was transferred; {err}") from None
     memory.reshard_plan = (key, schedule)
-    return names, schedule, False, live, wanters
+    return names, schedule, False, live, wanters, delta

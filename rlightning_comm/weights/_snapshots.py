@@ -52,18 +52,24 @@ class Snapshot:
         """The version a delta against this snapshot applies to, for a call of ``key``; -1 for none."""
         return self.version if self.version is not None and key == self.key and self.flats else -1
 
-    def offer(self, views: Views, device: torch.device) -> Offer:
-        """Every record's changes since the snapshot, encoded into one payload on ``device``."""
-        sections: list[torch.Tensor] = []
+    def changes(self, views: Views, device: torch.device) -> tuple[list[list[torch.Tensor]], list[_delta.Change]]:
+        """Every record's changes since the snapshot: its encoded sections (on ``device``) and its change."""
+        sections: list[list[torch.Tensor]] = []
         changes = []
         for record, snap in zip(self.records, self.flats):
             cur = _delta.flat(views(record))
             if cur.device != snap.device:
                 snap = snap.to(cur.device, non_blocking=True)
             parts, change = _delta.encode(cur, snap)
-            sections += [p if p.device == device else p.to(device) for p in parts]
+            sections.append([p if p.device == device else p.to(device) for p in parts])
             changes.append(change)
-        payload = torch.cat(sections) if sections else torch.empty(0, dtype=torch.uint8, device=device)
+        return sections, changes
+
+    def offer(self, views: Views, device: torch.device) -> Offer:
+        """Every record's changes since the snapshot, encoded into one payload on ``device``."""
+        sections, changes = self.changes(views, device)
+        parts = [p for record in sections for p in record]
+        payload = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
         return Offer(payload, changes, self.base(self.key))
 
     def take(self, views: Views, version: int) -> None:
