@@ -74,9 +74,7 @@ def _changed_bytes(before, after) -> int:
 
     from rlightning_comm.weights._delta import words
 
-    return sum(
-        int(torch.ne(words(a), words(b)).sum()) * a.element_size() for a, b in zip(before, after) if a.numel()
-    )
+    return sum(int(torch.ne(words(a), words(b)).sum()) * a.element_size() for a, b in zip(before, after) if a.numel())
 
 
 def _sha(tensors) -> list[str]:
@@ -128,28 +126,25 @@ def _broadcast_task(rank: int, nproc: int, rounds: int, fractions: list[float], 
                 for n, t in state.items():
                     delta_state[n].copy_(t)
             version[0] += 1
-            v = version[0]
-            ways = {
-                "full": lambda: broadcast_state_dict(state, "FULL", src=0, version=v),
-                "delta": lambda: broadcast_state_dict(delta_state, "DELTA", src=0, version=v, delta=True),
-            }
-            order = list(ways) if r % 2 == 0 else list(reversed(ways))
+            order = ["full", "delta"] if r % 2 == 0 else ["delta", "full"]
             reports = {}
             for name in order:
-                reports[name] = None
-                holder = {}
+                box: dict = {}
 
-                def run(name: str = name, holder: dict = holder) -> None:
-                    holder["report"] = ways[name]()
+                def run(name: str = name, box: dict = box, v: int = version[0]) -> None:
+                    if name == "full":
+                        box["report"] = broadcast_state_dict(state, "FULL", src=0, version=v)
+                    else:
+                        box["report"] = broadcast_state_dict(delta_state, "DELTA", src=0, version=v, delta=True)
 
                 t = _time(run)
-                reports[name] = holder["report"]
+                reports[name] = box["report"]
                 if r >= 2:
                     times[name].append(t)
-            box = [_sha(delta_state.values()) if rank == 0 else None]
-            dist.broadcast_object_list(box, src=0)
+            digests = [_sha(delta_state.values()) if rank == 0 else None]
+            dist.broadcast_object_list(digests, src=0)
             if rank:
-                identical &= _sha(delta_state.values()) == box[0]
+                identical &= _sha(delta_state.values()) == digests[0]
             if r >= 2 and rank == 0:
                 kinds = set(reports["delta"].kinds.values())
                 wire.append(reports["delta"].bytes_sent if kinds == {"delta"} else -reports["delta"].bytes_sent)
@@ -191,8 +186,10 @@ def compare_alone(fraction: float, repeats: int = 7) -> dict:
 def _report(case: str, out: list, fractions: list[float], model_bytes: int) -> bool:
     ok = True
     print(f"\n{case}: model {model_bytes / 2**20:.1f} MiB")
-    print("| changed | full ms (median) | delta ms (median) | delta speed vs full (median of per-round ratios) | "
-          "bytes on the wire (delta) | changed bytes | wire / changed | bit-identical |")
+    print(
+        "| changed | full ms (median) | delta ms (median) | delta speed vs full (median of per-round ratios) | "
+        "bytes on the wire (delta) | changed bytes | wire / changed | bit-identical |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for f in fractions:
         res = out[0][f]

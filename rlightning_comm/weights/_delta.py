@@ -262,9 +262,9 @@ def decode(payload: torch.Tensor, at: int, n: int, word: torch.dtype) -> tuple[C
     if at % 8 or at + HEADER > payload.numel():
         raise ValueError(f"a delta record at byte {at} of {payload.numel()}: out of range")
     kind, k, got, nbytes = payload[at : at + HEADER].view(torch.int64).tolist()
-    item = torch.empty((), dtype=word).element_size()
-    expected = {SAME: HEADER, SPARSE: None, MASK: None, DENSE: sizes(n, n, item)[2]}
-    if got != n or kind not in expected or not 0 <= k <= n or (kind == SAME) != (k == 0) or at + nbytes > payload.numel():
+    item = word.itemsize
+    fits = got == n and kind in (SAME, SPARSE, MASK, DENSE) and 0 <= k <= n and at + nbytes <= payload.numel()
+    if not fits or (kind == SAME) != (k == 0) or (kind == DENSE and nbytes != sizes(n, n, item)[2]):
         raise ValueError(f"a delta record at byte {at}: kind {kind}, {k} of {got} words changed; expected {n} words")
     if kind in (SPARSE, MASK) and nbytes != sizes(n, k, item)[kind - 1]:
         raise ValueError(f"a delta record at byte {at}: {nbytes} bytes, not those of {k} changed words of {n}")

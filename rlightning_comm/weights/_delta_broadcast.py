@@ -1,14 +1,15 @@
 """:func:`broadcast_state_dict` with ``delta=True``: what the source offers, who decides, and the data phase of a delta.
 
 Before the handshake's one exchange the source encodes its changes since its snapshot (:mod:`._snapshots`), and each
-destination states the version its tensors hold (the one it committed, if these are the tensors a delta sync last wrote).
-Their words (the source's base version and the bytes of its delta, each destination's version) ride on that exchange, so
-every member decides the same: a delta when every destination holds the source's base, else a full sync. One decision
-for all: the relay forwards one payload. A delta moves as one byte tensor through the transfer's own pipeline (in place,
-relayed, with its receipts), then each destination decodes it and writes the changed words into its tensors (an atomic
-destination into its staging, first filled from its live tensors). With ``verify`` the digests are of the whole tensors:
-the source's as they are, a destination's once the delta is in. Once the sync succeeded the source's snapshot takes on
-the delta (or, after a full sync, the whole tensors) and each destination notes the version its tensors hold.
+destination states the version its tensors hold (the one it committed, if these are the tensors a delta sync last
+wrote). Their words (the source's base version and the bytes of its delta, each destination's version) ride on that
+exchange, so every member decides the same: a delta when every destination holds the source's base, else a full sync.
+One decision for all, since the relay forwards one payload. A delta moves as one byte tensor through the transfer's own
+pipeline (in place, relayed, with its receipts), then each destination decodes it and writes the changed words into its
+tensors (an atomic destination into its staging, first filled from its live tensors). With ``verify`` the digests are
+of the whole tensors: the source's as they are, a destination's once the delta is in. Once the sync succeeded the
+source's snapshot takes on the delta (or, after a full sync, the whole tensors) and each destination notes the version
+its tensors hold.
 """
 
 from __future__ import annotations
@@ -172,7 +173,9 @@ class DeltaTransfer:
             if self._comm.backend == "gloo":
                 with contextlib.suppress(Exception):
                     close_gloo_group(self._comm.group)
-            raise CommError(f"{OP}: the delta could not be read ({err}); this destination's tensors were not written")
+            raise CommError(
+                f"{OP}: the delta could not be read ({err}); this destination's tensors were not written"
+            ) from err
         self._write(changes)
         self._feed()
 

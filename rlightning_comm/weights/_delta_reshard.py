@@ -137,23 +137,32 @@ def prepare(
     return Offer(boxes, changes, payloads, snap.version), words
 
 
+def possible(options: SyncOptions, wanters: list[int]) -> bool:
+    """Whether a destination may take a delta (some wanter holds a version some holder's snapshot holds): then the
+    members exchange their pair words, in a round of their own. The same on every member."""
+    bases = {b for b in options.bases.values() if b >= 0}
+    return options.delta and any(options.helds[w] in bases for w in wanters)
+
+
 def decide(
-    options: SyncOptions, rows: list[list[int]], ranks: tuple[int, ...], cached: bool, wanters: list[int]
+    options: SyncOptions, rows: list[list[int]], ranks: tuple[int, ...], wanters: list[int]
 ) -> tuple[dict[int, str], dict[int, int]]:
     """Per destination (a rank that wants something): ``"delta"`` or ``"full"``, and the bytes it receives (known when
-    the plan was kept); the same on every member. ``rows`` are every member's pair words."""
+    the members exchanged their pair words, ``rows``: the plan was kept); the same on every member."""
     kinds: dict[int, str] = {}
     delivered: dict[int, int] = {}
+    cached = bool(rows)
     for d, rank in enumerate(ranks):
         if rank not in wanters:
+            continue
+        if not cached:
+            kinds[rank] = "full"
             continue
         at = PAIR_WORDS * d
         sources = [s for s in range(len(ranks)) if s != d and rows[s][at] > 0]
         held = options.helds[rank]
         delta = (
-            options.delta
-            and cached
-            and held >= 0
+            held >= 0
             and bool(sources)
             and all(options.bases[ranks[s]] == held and rows[s][at + 2] >= 0 for s in sources)
         )
@@ -255,9 +264,7 @@ class DeltaMover:
     def traffic(self) -> tuple[dict[int, int], dict[int, int]]:
         """The bytes this member sends and receives, per group rank."""
         me, s = self._me, self._s
-        sent = {
-            r: self._rows[me][PAIR_WORDS * r + (2 if self._kind(r) == "delta" else 1)] for r in sorted(s.sent)
-        }
+        sent = {r: self._rows[me][PAIR_WORDS * r + (2 if self._kind(r) == "delta" else 1)] for r in sorted(s.sent)}
         return sent, {r: self._incoming_bytes(r) for r in sorted(s.received)}
 
     def _src_view(self, p: Any) -> torch.Tensor:
@@ -301,8 +308,10 @@ class DeltaMover:
                 self._apply(r, inbox[r])
             return
         incoming = [(r, *self._launch(lambda r=r: [group.recv([inbox[r]], r, _TAG)])) for r in sources]
-        receipts = [(r, *self._launch(lambda r=r: [group.recv([torch.empty(1, dtype=torch.uint8)], r, _RECEIPT_TAG)]))
-                    for r in dests]
+        receipts = [
+            (r, *self._launch(lambda r=r: [group.recv([torch.empty(1, dtype=torch.uint8)], r, _RECEIPT_TAG)]))
+            for r in dests
+        ]
         for r in dests:
             (work,) = self._launch(lambda r=r: [group.send([outbox[r]], r, _TAG)])
             self._sends.append((r, work))
@@ -374,22 +383,34 @@ class DeltaMover:
             touched = sorted(self._touched)
             untouched = [n for n in self._s.wanted_names if n not in self._touched]
             if touched:
-                parts.append(f"this member's wanted tensors {touched} may be partly written (a mix of old and new "
-                             "weights)")
-            parts.append(f"its wanted tensors {untouched} were not written" if untouched else
-                         "every wanted tensor may be partly written")
+                parts.append(
+                    f"this member's wanted tensors {touched} may be partly written (a mix of old and new weights)"
+                )
+            parts.append(
+                f"its wanted tensors {untouched} were not written"
+                if untouched
+                else "every wanted tensor may be partly written"
+            )
         if self._s.sent:
             lost = "" if self._failed_peer is None else f"the transfer with rank {ranks[self._failed_peer]} failed; "
-            parts.append(f"{lost}destinations at ranks {sorted(ranks[r] for r in self._s.sent)} may hold partial "
-                         "weights")
+            parts.append(
+                f"{lost}destinations at ranks {sorted(ranks[r] for r in self._s.sent)} may hold partial weights"
+            )
         elif self._failed_peer is not None:
             parts.append(f"the transfer with rank {ranks[self._failed_peer]} failed")
         return "; ".join(parts) or "this member neither sent nor wanted anything"
 
 
 def refresh(
-    sync: Any, comm: Any, memory: Any, options: SyncOptions, names: dict[str, Named], schedule: Any, key: Any,
-    offer: Offer | None, wanted: list[torch.Tensor],
+    sync: Any,
+    comm: Any,
+    memory: Any,
+    options: SyncOptions,
+    names: dict[str, Named],
+    schedule: Any,
+    key: Any,
+    offer: Offer | None,
+    wanted: list[torch.Tensor],
 ) -> None:
     """Once the sync succeeded: a holder's snapshot takes on its changes (or, without an offer of this plan, a copy of
     every box it sends), and a wanter notes the version its tensors hold."""
@@ -403,8 +424,7 @@ def refresh(
             if offer is not None and snap is not None and snap.key == key:
                 snap.advance(offer.changes, version)
             elif boxes:
-                snapshot_for(memory, key, lambda: _records(boxes, held_names)).take(_views(boxes, held_names),
-                                                                                     version)
+                snapshot_for(memory, key, lambda: _records(boxes, held_names)).take(_views(boxes, held_names), version)
             else:
                 memory.snapshot = None
             if wanted:
@@ -414,4 +434,3 @@ def refresh(
             raise
 
     sync.succeeded = succeeded
-

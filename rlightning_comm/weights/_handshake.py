@@ -299,8 +299,9 @@ def agree(
     routes = relay_routes(comm, FANOUTS[rows[0][-1]], sends, src, leaves)
     rounds = (lambda words: exchange(comm, words, memory), lambda text: _exchange_texts(comm, text, memory))
     if decide(options, comm.ranks, src):
-        memory.unfinished = assemble_delta(comm, plan, src, items, offer, sends, routes, options, memory, cached, rounds)
-        return memory.unfinished
+        sync = assemble_delta(comm, plan, src, items, offer, sends, routes, options, memory, cached, rounds)
+        memory.unfinished = sync
+        return sync
     memory.unfinished = assemble(
         comm, plan, kept_plan[2], src, items, load, sends, routes, options, memory, cached, rounds
     )

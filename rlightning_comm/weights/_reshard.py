@@ -21,7 +21,7 @@ from rlightning_comm.context import CommContext
 from rlightning_comm.errors import CommError
 from rlightning_comm.modes import CommMode, ParallelMode
 from rlightning_comm.weights._commit import Sync, mode_store
-from rlightning_comm.weights._delta_reshard import DeltaMover, decide, prepare, refresh
+from rlightning_comm.weights._delta_reshard import DeltaMover, decide, possible, prepare, refresh
 from rlightning_comm.weights._handshake import _ERRORS, _exchange_texts, exchange
 from rlightning_comm.weights._memory import hash_key, kept
 from rlightning_comm.weights._mover import OP, Mover
@@ -29,7 +29,7 @@ from rlightning_comm.weights._report import WeightSyncReport
 from rlightning_comm.weights._schedule import Schedule, build_schedule
 from rlightning_comm.weights._slices import Block, Named, collect, metadata
 from rlightning_comm.weights._tally import Tally
-from rlightning_comm.weights._versions import WORDS, SyncOptions
+from rlightning_comm.weights._versions import SyncOptions
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20
 
@@ -151,7 +151,7 @@ def reshard(
             raise failed from err
         ranks = comm.ranks
         tally = Tally(comm, {n: e.global_shape for n, e in names.items()}) if options.verify else None
-        kinds, delivered = decide(options, delta[1], ranks, cached, wanters) if options.delta else ({}, {})
+        kinds, delivered = decide(options, delta[1], ranks, wanters) if options.delta else ({}, {})
         if "delta" in kinds.values():
             mover = DeltaMover(comm, schedule, names, delta[0], kinds, delta[1], live)
             sent, received = mover.traffic()
@@ -228,21 +228,24 @@ def _agree(
     kept_key = kept_plan[0] if kept_plan is not None else (0, 0)
     words = [int(problem is not None), bucket_bytes if problem is None else 0, *mine, *kept_key, int(wants), int(holds)]
     offer, pairs = None, [0, 0, -1] * comm.world_size
-    if problem is None and options.delta:  # each holder encodes its deltas before the exchange: their sizes ride on it
+    if problem is None and options.delta:  # each holder encodes its deltas before the exchange; their sizes follow
         offer, pairs = prepare(comm, memory, options, names, kept_plan, mine, live_wanted)
     elif not options.delta:
         memory.drop_delta()  # delta=False keeps nothing: a later delta=True starts with a full sync
-    rows = exchange(comm, [*words, *options.words(), *pairs], memory)
+    rows = exchange(comm, [*words, *options.words()], memory)
     if any(row[0] for row in rows):
         _raise_shared(comm, problem, memory)
     ranks = comm.ranks
     wanters = [r for r, row in zip(ranks, rows) if row[6]]
     holders = {r for r, row in zip(ranks, rows) if row[7]}
-    options.check(ranks, [row[8 : 8 + WORDS] for row in rows], ranks[0], OP, set(wanters), holders)
-    delta = (offer, [row[8 + WORDS :] for row in rows], mine, live_wanted)
+    options.check(ranks, [row[8:] for row in rows], ranks[0], OP, set(wanters), holders)
     bucket = rows[0][1]
     key = hash_key((tuple(tuple(row[2:4]) for row in rows), bucket))
-    if kept_plan is not None and all(tuple(row[4:6]) == key for row in rows):
+    cached = kept_plan is not None and all(tuple(row[4:6]) == key for row in rows)
+    delta = (offer, [], mine, live_wanted)
+    if cached and possible(options, wanters):  # the pair words only when a delta can happen: a round of their own
+        delta = (offer, exchange(comm, pairs, memory), mine, live_wanted)
+    if cached:
         return names, kept_plan[1], True, live, wanters, delta
     metas = [json.loads(t) for t in _exchange_texts(comm, text, memory)]
     memory.reshard_plan = None

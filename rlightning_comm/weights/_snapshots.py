@@ -3,8 +3,8 @@
 A :class:`Snapshot` holds one flat run of words per record (:mod:`._delta`) of what this member sends: a source's own
 shard, nothing it does not send. It is made (or refreshed) once a sync that carried a version succeeded everywhere, so
 its version is the one every destination of that sync committed; a failed sync leaves it at the version it was, and a
-destination that holds another version (a newcomer, a restart, a failed sync: its version is forgotten) gets a full sync.
-It is kept in the communicator's memory (:mod:`._memory`), so it goes with the communicator's generation.
+destination that holds another version (a newcomer, a restart, a failed sync: its version is forgotten) gets a full
+sync. It is kept in the communicator's memory (:mod:`._memory`), so it goes with the communicator's generation.
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ from rlightning_comm.errors import CommError, CommMismatchError
 from rlightning_comm.modes import mode_name
 
 Problem = tuple[type[Exception], str] | None
-# requested version, committed version, verify, atomic, a random key for this sync's decision, delta, and for a delta the
-# version this member's snapshot holds (a sender) and the one its tensors hold (a receiver), and the bytes of a sender's
+# requested version, committed version, verify, atomic, a random key for this sync's decision, delta, and for a delta
+# the version this member's snapshot holds (a sender), the one its tensors hold (a receiver) and the bytes of a sender's
 # delta; -1 for none
 WORDS = 9
 
