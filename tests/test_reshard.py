@@ -44,24 +44,24 @@ class _Counter:
         from rlightning_comm.weights import _reshard
 
         self.module, self.rounds, self.words, self.texts = _reshard, 0, [], 0
-        self.exchange, self.exchange_texts = _reshard.exchange, _reshard._exchange_texts
+        self.exchange, self.exchange_texts = _reshard.exchange, _reshard.exchange_texts
 
-        def exchange(comm, words, memory):
+        def exchange(comm, words, memory, op):
             self.rounds += 1
             self.words.append(len(words))
-            return self.exchange(comm, words, memory)
+            return self.exchange(comm, words, memory, op)
 
-        def texts(comm, text, memory):
+        def texts(comm, text, memory, op):
             self.texts += 1
-            return self.exchange_texts(comm, text, memory)
+            return self.exchange_texts(comm, text, memory, op)
 
-        _reshard.exchange, _reshard._exchange_texts = exchange, texts
+        _reshard.exchange, _reshard.exchange_texts = exchange, texts
 
     def reset(self) -> None:
         self.rounds, self.words, self.texts = 0, [], 0
 
     def close(self) -> None:
-        self.module.exchange, self.module._exchange_texts = self.exchange, self.exchange_texts
+        self.module.exchange, self.module.exchange_texts = self.exchange, self.exchange_texts
 
 
 # ----------------------------------------------------------------------------------- the geometries
