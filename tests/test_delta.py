@@ -181,3 +181,17 @@ def test_small_tensors_share_records_by_word_size_and_key() -> None:
     assert all(r.words == sum(r.sizes) for r in recs)
     many = _delta.records([(torch.float32, small, None)] * 9)  # a record holds at most SMALL words
     assert [len(r.pieces) for r in many] == [4, 4, 1]
+
+
+def test_words_at_any_offset_compare_alike() -> None:
+    """Records whose memory does not start on 8 bytes (a slice of a larger tensor) are compared word by word."""
+    gen = torch.Generator().manual_seed(9)
+    for dtype in (torch.bfloat16, torch.int8, torch.float32):
+        base = _random((203,), dtype, gen)
+        snap = base.clone()
+        cur = _changed(snap, 0.1, gen)
+        for lo, hi in [(1, 201), (3, 19), (0, 200)]:
+            target = snap.clone()
+            _roundtrip(cur[lo:hi], snap[lo:hi], target[lo:hi])
+            assert np.array_equal(_bytes(target[lo:hi]), _bytes(cur[lo:hi])), (dtype, lo, hi)
+            assert np.array_equal(_bytes(target[:lo]), _bytes(snap[:lo])), (dtype, lo, hi)  # nothing else written
