@@ -157,6 +157,99 @@ def _broadcast_task(rank: int, nproc: int, rounds: int, fractions: list[float], 
     return out
 
 
+def _reshard_task(rank: int, nproc: int, rounds: int, fractions: list[float], threads: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from rlightning_comm import CommContext, TensorSlice, reshard_state_dict
+
+    if threads:
+        torch.set_num_threads(threads)
+    ctx = CommContext()
+    ctx.init_group([0, 1, 2, 3], "FULL")
+    ctx.init_group([0, 1, 2, 3], "DELTA")
+    full = _reshard_model(0)  # every rank holds the model and changes it alike: the trainers cut their shards from it
+    half = R_WIDTH // 2
+
+    def want(name: str, t, r: int):
+        if name.endswith(".down"):  # row-parallel: a column block
+            return t[:, r * half : (r + 1) * half]
+        if name.endswith(".up"):  # column-parallel: a row block
+            return t[r * half : (r + 1) * half]
+        return t  # replicated
+
+    def layout(copy: bool):
+        held = wanted = None
+        engine = {}
+        if rank < 2:
+            held = {
+                n: TensorSlice(t[rank * half : (rank + 1) * half].clone(), (rank * half, 0)[: t.dim()], tuple(t.shape))
+                for n, t in full.items()
+            }
+        else:
+            r = rank - 2
+            wanted = {}
+            for n, t in full.items():
+                engine[n] = torch.zeros_like(want(n, t, r).contiguous())
+                offsets = (0, r * half) if n.endswith(".down") else (r * half, 0) if n.endswith(".up") else (0,)
+                wanted[n] = TensorSlice(engine[n], offsets, tuple(t.shape))
+        return held, wanted, engine
+
+    ways = {"full": layout(False), "delta": layout(True)}
+    gen = torch.Generator().manual_seed(1)
+    version = [0]
+    out: dict = {}
+    for fraction in fractions:
+        times: dict[str, list[float]] = {"full": [], "delta": []}
+        wire: list[int] = []
+        changed: list[int] = []
+        identical = True
+        for r in range(rounds + 2):
+            before = {n: t.clone() for n, t in full.items()}
+            _perturb(list(full.values()), fraction, gen)
+            for held, _, _ in ways.values():
+                if held is not None:
+                    for n, t in full.items():
+                        held[n].tensor.copy_(t[rank * half : (rank + 1) * half])
+            version[0] += 1
+            order = ["full", "delta"] if r % 2 == 0 else ["delta", "full"]
+            reports = {}
+            for name in order:
+                held, wanted, _ = ways[name]
+                box: dict = {}
+
+                def run(name: str = name, held=held, wanted=wanted, box: dict = box, v: int = version[0]) -> None:
+                    box["report"] = reshard_state_dict(
+                        held=held, wanted=wanted, comm_mode=name.upper(), version=v, delta=name == "delta"
+                    )
+
+                t = _time(run)
+                reports[name] = box["report"]
+                if r >= 2:
+                    times[name].append(t)
+            if rank >= 2:
+                engine = ways["delta"][2]
+                identical &= all(torch.equal(engine[n], want(n, full[n], rank - 2)) for n in engine)
+            if r >= 2:
+                report = reports["delta"]
+                kinds = set(report.kinds.values())
+                mine = sum(report.received.values()) if rank >= 2 else 0
+                diff = 0
+                if rank >= 2:
+                    diff = _changed_bytes(
+                        [want(n, before[n], rank - 2) for n in full], [want(n, full[n], rank - 2) for n in full]
+                    )
+                counts = torch.tensor([mine, diff, int(kinds == {"delta"})], dtype=torch.int64)
+                dist.all_reduce(counts)
+                wire.append(int(counts[0]) if int(counts[2]) == 4 else -int(counts[0]))
+                changed.append(int(counts[1]))
+        flags = torch.tensor([int(identical)])
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        out[fraction] = {"times": times, "wire": wire, "changed": changed, "identical": bool(flags.item())}
+    out["model_bytes"] = sum(t.numel() * t.element_size() for t in full.values())
+    return out
+
+
 def compare_alone(fraction: float, repeats: int = 7) -> dict:
     """The source's encoding of one round's changes against its snapshot (the broadcast model), in this process."""
     import torch
@@ -231,6 +324,11 @@ def main() -> None:
                 f"the source's comparison and encoding alone at {f:.0%}: {alone['median_s'] * 1e3:.1f} ms for "
                 f"{alone['bytes'] / 2**20:.1f} MiB ({alone['bytes'] / alone['median_s'] / 1e9:.1f} GB/s)"
             )
+    if args.case in ("reshard", "both"):
+        out = run_ranks(_reshard_task, 4, args.rounds, fractions, args.threads)
+        ok &= _report(
+            "reshard_state_dict, 4 ranks (FSDP Shard(0) on 2 to TP=2 on 2)", out, fractions, out[0]["model_bytes"]
+        )
     print(f"\nwall {time.perf_counter() - started:.0f} s; load after: {os.getloadavg()}")
     if not ok:
         raise SystemExit("a destination was not bit-identical to its source")

@@ -64,7 +64,7 @@ def _changed(snap: torch.Tensor, fraction: float, gen: torch.Generator) -> torch
 def _roundtrip(cur_view: torch.Tensor, snap: torch.Tensor, target: torch.Tensor) -> tuple[list, _delta.Change]:
     """Encode ``cur_view`` against ``snap`` (its words, flat), decode, apply to ``target`` (holding ``snap``'s
     values)."""
-    cur = _delta.flat([_delta.words(cur_view)])
+    cur = _delta.record_words([_delta.words(cur_view)])  # a strided piece compared where it lies
     base = _delta.flat([_delta.words(snap)])
     sections, change = _delta.encode(cur, base)
     payload = torch.cat(sections)

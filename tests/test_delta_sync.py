@@ -83,6 +83,7 @@ def _same_as_source(mine: dict[str, torch.Tensor], rank: int) -> list[str]:
 
 def _broadcast(rank: int, size: int, url: str) -> list[dict]:
     from rlightning_comm import broadcast_state_dict
+    from rlightning_comm.weights import forget_delta
     from rlightning_comm.weights._memory import kept as kept_by
 
     ctx = init_world(rank, size, url)
@@ -105,12 +106,16 @@ def _broadcast(rank: int, size: int, url: str) -> list[dict]:
         ("after it", 0.02, {}),
         ("a destination's new tensors", 0.02, {}),
         ("after the newcomer", 0.02, {"verify": True}),
+        ("forget_delta on a destination", 0.02, {}),
+        ("after forgetting", 0.02, {}),
     ]
     for version, (label, fraction, options) in enumerate(steps, start=1):
         if rank == 0:
             _perturb(source, fraction, gen)
         if label == "a destination's new tensors" and rank == 3:
             mine = {n: t.clone() for n, t in mine.items()}  # the same values in other tensors: no version they hold
+        if label == "forget_delta on a destination" and rank == 2:
+            forget_delta(MODE)
         kwargs = {"delta": True, "version": version, **options}
         report = broadcast_state_dict(mine, MODE, src=0, **kwargs)
         if options.get("async_op"):
@@ -136,7 +141,14 @@ def _broadcast(rank: int, size: int, url: str) -> list[dict]:
 
 def test_broadcast_delta_is_bit_identical_and_full_only_where_it_must_be(world4) -> None:
     results = world4.run(_broadcast, timeout=120)
-    expected_full = {"first", "everything changed", "delta=False", "delta again", "a destination's new tensors"}
+    expected_full = {
+        "first",
+        "everything changed",
+        "delta=False",
+        "delta again",
+        "a destination's new tensors",
+        "forget_delta on a destination",
+    }
     for step in range(len(results[0])):
         rows = [r[step] for r in results]
         label = rows[0]["label"]

@@ -157,34 +157,63 @@ def _unpack(bits: torch.Tensor) -> torch.Tensor:
     return ((bits.unsqueeze(1) >> _shifts(bits.device)) & 1).view(-1).nonzero().view(-1)
 
 
+def record_words(views: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The words of a record's pieces (word views) to compare: one piece as it is where its rows are contiguous (a
+    strided block is compared where it lies, not copied), else the pieces' words flat (a copy)."""
+    if len(views) == 1:
+        v = views[0]
+        if v.is_contiguous():
+            return v.view(-1)
+        if v.dim() > 1 and v.stride(-1) == 1:
+            return v
+    return flat(views)
+
+
+def take(t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The words of ``t`` (any strides) at its flat (row-major) positions ``pos``."""
+    if t.is_contiguous():
+        return t.reshape(-1).index_select(0, pos)
+    index = torch.unravel_index(pos, t.shape)
+    offsets = sum(i * s for i, s in zip(index, t.stride()))
+    span = sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
+    return t.as_strided((span,), (1,)).index_select(0, offsets)
+
+
+def _wide(t: torch.Tensor) -> int:
+    """How many of ``t``'s words make an 8-byte word, where its rows and their starts allow (else 1)."""
+    item = t.element_size()
+    if item >= 8 or t.dim() == 0 or (t.shape[-1] * item) % 8:
+        return 1
+    if (t.storage_offset() * item) % 8 or any((s * item) % 8 for s in t.stride()[:-1]) or t.stride(-1) != 1:
+        return 1
+    return 8 // item
+
+
 def diff(cur: torch.Tensor, snap: torch.Tensor) -> torch.Tensor:
-    """The positions of the words of ``cur`` that differ from ``snap`` (flat, of one word dtype and length), ascending,
-    as int64 on ``cur``'s device.
+    """The flat (row-major) positions of the words of ``cur`` that differ from ``snap``, ascending, as int64 on
+    ``cur``'s device. ``cur`` is a record's words (:func:`record_words`), ``snap`` its snapshot (flat, contiguous).
 
     Words narrower than 8 bytes are compared 8 bytes at a time (a wider compare is faster, and leaves fewer flags to
     search); only the 8-byte words that differ are then told apart word by word.
     """
-    item = cur.element_size()
-    aligned = all((t.numel() * item) % 8 == 0 and (t.storage_offset() * item) % 8 == 0 for t in (cur, snap))
-    wide = 8 // item if item < 8 and aligned else 1
-    if cur.is_cpu:
-        if wide == 1:
-            return torch.from_numpy(_set_bits(np.packbits(torch.ne(cur, snap).numpy(), bitorder="little")))
-        c64, s64 = cur.view(torch.int64), snap.view(torch.int64)
-        at = torch.from_numpy(_set_bits(np.packbits(torch.ne(c64, s64).numpy(), bitorder="little")))
-        changed = c64.index_select(0, at).numpy() ^ s64.index_select(0, at).numpy()  # (torch gathers faster)
-        j = np.flatnonzero(changed.view(cur.numpy().dtype) != 0)  # a bool array: numpy's nonzero without a branch
-        shift = wide.bit_length() - 1
-        a = at.numpy()
-        return torch.from_numpy((a[j >> shift] << shift) | (j & (wide - 1)))
+    snap = snap.view(cur.shape)
+    wide = min(_wide(cur), _wide(snap))
     if wide == 1:
-        return torch.ne(cur, snap).nonzero().view(-1)
+        return _changed(torch.ne(cur, snap))
     c64, s64 = cur.view(torch.int64), snap.view(torch.int64)
-    at = torch.ne(c64, s64).nonzero().view(-1)
-    sub = torch.ne(c64.index_select(0, at).view(cur.dtype), s64.index_select(0, at).view(cur.dtype))
-    j = sub.nonzero().view(-1)
+    at = _changed(torch.ne(c64, s64))
+    changed = take(c64, at) ^ take(s64, at)
+    j = _changed(changed.view(cur.dtype) != 0)
     shift = wide.bit_length() - 1
     return (at.index_select(0, j >> shift) << shift) | (j & (wide - 1))
+
+
+def _changed(m: torch.Tensor) -> torch.Tensor:
+    """The flat positions of the set flags of ``m`` (bool), ascending, as int64: on the host through their bits
+    (numpy's ``packbits`` and a search of the nonzero bytes), on a device with ``nonzero``."""
+    if m.is_cpu:
+        return torch.from_numpy(_set_bits(np.packbits(m.numpy().reshape(-1), bitorder="little")))
+    return m.reshape(-1).nonzero().view(-1)
 
 
 def bitmap(pos: torch.Tensor, n: int) -> torch.Tensor:
@@ -224,11 +253,11 @@ def encode_changes(
     sparse, mask, dense = sizes(n, k, item)
     best = min(sparse, mask, dense)
     if best == dense:
-        return [_header(DENSE, n, n, dense, device), _padded(cur)], Change(DENSE, None, cur)
+        return [_header(DENSE, n, n, dense, device), _padded(cur)], Change(DENSE, None, cur.reshape(-1))
     if pos.device != device:
         pos = pos.to(device)
     if vals is None:
-        vals = cur.index_select(0, pos)
+        vals = take(cur, pos)
     if best == sparse:
         blocks = -(-n // BLOCK)
         if pos.is_cpu:  # numpy's casts wrap: the low 16 bits
@@ -262,42 +291,64 @@ def _padded(t: torch.Tensor) -> torch.Tensor:
     return b if not pad else torch.cat([b, b.new_zeros(pad)])
 
 
+_NUMPY: dict[torch.dtype, np.dtype] = {}
+
+
+def _np(word: torch.dtype) -> np.dtype:
+    d = _NUMPY.get(word)
+    if d is None:
+        d = _NUMPY[word] = torch.empty(0, dtype=word).numpy().dtype
+    return d
+
+
 def decode(payload: torch.Tensor, at: int, n: int, word: torch.dtype) -> tuple[Change, int]:
     """The change of a record of ``n`` words of ``word`` encoded at byte ``at`` of ``payload`` (uint8), and where the
-    next record starts.
+    next record starts. On the host the bytes are read through numpy (a dozen small torch calls per record cost more
+    than the record).
 
     Raises:
         ValueError: the bytes there are not a record of ``n`` words (another sync's, or damaged).
     """
-    if at % 8 or at + HEADER > payload.numel():
-        raise ValueError(f"a delta record at byte {at} of {payload.numel()}: out of range")
-    kind, k, got, nbytes = payload[at : at + HEADER].view(torch.int64).tolist()
+    size = payload.numel()
+    if at % 8 or at + HEADER > size:
+        raise ValueError(f"a delta record at byte {at} of {size}: out of range")
+    host = payload.is_cpu
+    raw = payload.numpy() if host else None
+    head = (
+        raw[at : at + HEADER].view(np.int64).tolist() if host else payload[at : at + HEADER].view(torch.int64).tolist()
+    )
+    kind, k, got, nbytes = head
     item = word.itemsize
-    fits = got == n and kind in (SAME, SPARSE, MASK, DENSE) and 0 <= k <= n and at + nbytes <= payload.numel()
+    fits = got == n and kind in (SAME, SPARSE, MASK, DENSE) and 0 <= k <= n and at + nbytes <= size
     if not fits or (kind == SAME) != (k == 0) or (kind == DENSE and nbytes != sizes(n, n, item)[2]):
         raise ValueError(f"a delta record at byte {at}: kind {kind}, {k} of {got} words changed; expected {n} words")
     if kind in (SPARSE, MASK) and nbytes != sizes(n, k, item)[kind - 1]:
         raise ValueError(f"a delta record at byte {at}: {nbytes} bytes, not those of {k} changed words of {n}")
-    body = at + HEADER
-    end = at + nbytes
+    body, end = at + HEADER, at + nbytes
+
+    def read(a: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+        if host:
+            return torch.from_numpy(raw[a : a + count * dtype.itemsize].view(_np(dtype)))
+        return payload[a : a + count * dtype.itemsize].view(dtype)
+
     if kind == SAME:
         return Change(SAME, payload.new_empty(0, dtype=torch.int64), payload.new_empty(0, dtype=word)), end
     if kind == DENSE:
-        return Change(DENSE, None, payload[body : body + n * item].view(word)), end
-    values = payload[end - _align(k * item) : end - _align(k * item) + k * item].view(word)
+        return Change(DENSE, None, read(body, n, word)), end
+    values = read(end - _align(k * item), k, word)
+    blocks = -(-n // BLOCK)
     if kind == MASK:
-        pos = _unpack(payload[body : body + -(-n // 8)])
+        pos = _unpack(read(body, -(-n // 8), torch.uint8))
+    elif host:
+        counts = raw[body : body + 4 * blocks].view(np.int32)
+        low = raw[body + _align(4 * blocks) : body + _align(4 * blocks) + 2 * k].view(np.uint16)
+        if counts.min(initial=0) < 0 or int(counts.sum()) != k:
+            raise ValueError(f"a delta record at byte {at}: its blocks do not hold {k} changed words")
+        pos = torch.from_numpy(np.repeat(np.arange(blocks, dtype=np.int64) << BLOCK_BITS, counts) + low)
     else:
-        blocks = -(-n // BLOCK)
-        counts = payload[body : body + 4 * blocks].view(torch.int32)
-        at_offsets = body + _align(4 * blocks)
-        low = payload[at_offsets : at_offsets + 2 * k].view(torch.int16)
-        if payload.is_cpu:
-            base = np.repeat(np.arange(blocks, dtype=np.int64) << BLOCK_BITS, counts.numpy())
-            pos = torch.from_numpy(base + low.numpy().view(np.uint16))
-        else:
-            base = torch.repeat_interleave(torch.arange(blocks, device=payload.device) << BLOCK_BITS, counts.long())
-            pos = base + (low.long() & (BLOCK - 1))
+        counts = read(body, blocks, torch.int32).long()
+        low = read(body + _align(4 * blocks), k, torch.int16).long() & (BLOCK - 1)
+        pos = torch.repeat_interleave(torch.arange(blocks, device=payload.device) << BLOCK_BITS, counts) + low
     if pos.numel() != k or (k and int(pos[-1]) >= n):
         raise ValueError(f"a delta record at byte {at}: its positions do not fit {k} changed words of {n}")
     return Change(kind, pos, values), end

@@ -81,6 +81,15 @@ def reshard_state_dict(
     the mode's store): a death or a mismatch before that point leaves every live slice as it was ("version 7 not
     committed; live weights are version 6").
 
+    With ``delta`` (and a ``version``), each holder sends each destination only the elements of its pieces that changed
+    since the version that destination holds: it keeps a copy of every block it sends (on the host: one copy of its
+    shard, or of the part of it it sends), compares bit for bit, and sends the changed elements; the destination writes
+    them in place. Decided per destination, on every member, before any byte moves: a destination gets a full sync when
+    it holds another version than its holders' copies (a newcomer, a restart, a failed sync) or other tensors than the
+    last sync wrote, when a holder's delta to it would not be smaller, and whenever the plan is made anew (the first
+    call, or changed metadata: other blocks, or ``atomic`` switched on or off where staging lays a block out otherwise).
+    ``report.kinds`` and ``report.delivered`` say which each destination got, and how many bytes.
+
     Args:
         held: What this member can send: a mapping of names to a tensor (the whole tensor), a ``DTensor`` (its local
             shard, where its placements put it: FSDP2's parameters, tensor-parallel ``Shard``/``Replicate``, uneven
@@ -97,6 +106,8 @@ def reshard_state_dict(
             one more copy of this member's wanted slices, allocated for the call.
         staging_device: Where an atomic destination stages: ``None`` or the communicator's device (the only one
             supported here).
+        delta: Send only what changed since the last sync (needs ``version``; see above). ``False`` keeps nothing and
+            frees what an earlier ``delta=True`` kept. Every member passes the same.
 
     Returns:
         A :class:`WeightSyncReport` (bytes sent and received per peer, whether the plan was reused, the version; with

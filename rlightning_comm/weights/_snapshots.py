@@ -14,8 +14,10 @@ from typing import Any, NamedTuple
 
 import torch
 
+from rlightning_comm.context import CommContext
+from rlightning_comm.modes import CommMode, ParallelMode
 from rlightning_comm.weights import _delta
-from rlightning_comm.weights._memory import hash_key
+from rlightning_comm.weights._memory import hash_key, kept
 
 Views = Callable[[_delta.Record], list[torch.Tensor]]  # a record's word views, in this call's tensors
 
@@ -57,7 +59,7 @@ class Snapshot:
         sections: list[list[torch.Tensor]] = []
         changes = []
         for record, snap in zip(self.records, self.flats):
-            cur = _delta.flat(views(record))
+            cur = _delta.record_words(views(record))
             if cur.device != snap.device:
                 snap = snap.to(cur.device, non_blocking=True)
             parts, change = _delta.encode(cur, snap)
@@ -78,11 +80,11 @@ class Snapshot:
         fresh = len(self.flats) != len(self.records)
         self.version = None
         for i, record in enumerate(self.records):
-            cur = _delta.flat(views(record))
+            cur = _delta.record_words(views(record))
             if fresh:
                 pinned = cur.is_cuda and torch.cuda.is_available()
                 self.flats.append(torch.empty(cur.numel(), dtype=cur.dtype, pin_memory=pinned))
-            self.flats[i].copy_(cur)
+            self.flats[i].view(cur.shape).copy_(cur)
         self.version = version
 
     def advance(self, changes: list[_delta.Change], version: int) -> None:
@@ -105,3 +107,18 @@ def snapshot_for(memory: Any, key: Any, records: Callable[[], list[_delta.Record
         snap = memory.snapshot = None  # the old one goes first
         snap = memory.snapshot = Snapshot(key, records())
     return snap
+
+
+def forget_delta(comm_mode: CommMode | ParallelMode | str = ParallelMode.WEIGHT_TRANSFER) -> None:
+    """Free what this member keeps for ``delta=True`` syncs on ``comm_mode``: a source's snapshot (one copy, on the
+    host, of what it sends), a destination's note of the version its tensors hold and its receive buffer.
+
+    The next ``delta=True`` sync from this member, or to it, is full. Call it on a destination whose tensors changed
+    other than by a sync (weights loaded into them, say), or on a source to free the snapshot's memory between syncs; a
+    ``delta=False`` sync frees the same, and a new generation of a connected mode (or ``CommContext.destroy``) starts
+    with none. Local: no collective, nothing is sent.
+
+    Raises:
+        ModeNotBoundError: ``comm_mode`` is not bound on this rank.
+    """
+    kept(CommContext().get_communicator(comm_mode)).drop_delta()
