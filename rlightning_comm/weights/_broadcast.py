@@ -117,11 +117,12 @@ def broadcast_state_dict(
     With ``delta`` (and a ``version``), the source sends only the elements that changed since the version every
     destination holds: it keeps a copy of what it last sent (one copy of its tensors, on the host), compares its tensors
     with it bit for bit (as integers: NaN payloads and signed zeros too), and sends the changed elements' positions and
-    bytes; each destination writes them into its tensors in place and ends bit-identical to the source. The first sync,
-    and any in which a destination holds another version (a newcomer, a restart, a failed sync), other tensors than the
-    ones the last sync wrote, or the delta would not be smaller, is full, for every destination alike (the relay forwards
-    one payload), decided on every member before any byte moves. ``report.kinds`` says which each destination got and
-    ``report.delivered`` how many bytes. A ``load`` callable cannot take a delta (refused on every member).
+    bytes; each destination writes them into its tensors in place and ends bit-identical to the source. The first
+    sync, and any in which a destination holds another version (a newcomer, a restart, a failed sync), other tensors
+    than the ones the last sync wrote, or the delta would not be smaller, is full, for every destination alike (the
+    relay forwards one payload), decided on every member before any byte moves. ``report.kinds`` says which each
+    destination got and ``report.delivered`` how many bytes. A ``load`` callable cannot take a delta (refused on every
+    member).
 
     A ``load`` callable (a destination only) has the shape of vLLM's ``model.load_weights(weights)``:
     ``load(named_tensors)``, where ``named_tensors`` is a list of ``(name, tensor)`` pairs, each tensor contiguous with

@@ -218,6 +218,10 @@ def _changed(m: torch.Tensor) -> torch.Tensor:
 
 def bitmap(pos: torch.Tensor, n: int) -> torch.Tensor:
     """The bits (little bit order, ``ceil(n / 8)`` bytes) of the positions ``pos`` among ``n``."""
+    if pos.is_cpu:
+        m = np.zeros(n, dtype=np.bool_)
+        m[pos.numpy()] = True
+        return torch.from_numpy(np.packbits(m, bitorder="little"))
     m = torch.zeros(n, dtype=torch.bool, device=pos.device)
     m[pos] = True
     return _pack(m)
@@ -235,42 +239,53 @@ def sizes(n: int, k: int, itemsize: int) -> tuple[int, int, int]:
 
 
 def encode(cur: torch.Tensor, snap: torch.Tensor) -> tuple[list[torch.Tensor], Change]:
-    """The bytes of ``cur``'s changes against ``snap`` (flat words of one record), as sections to concatenate, and the
-    change itself (what the snapshot takes on once the sync succeeded)."""
-    return encode_changes(cur, diff(cur, snap))
+    """The bytes of ``cur``'s changes against ``snap`` (a record's words and their snapshot), as sections to
+    concatenate, and the change itself (what the snapshot takes on once the sync succeeded)."""
+    change = choose(cur, diff(cur, snap))
+    return sections(cur, change), change
 
 
-def encode_changes(
-    cur: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor | None = None
-) -> tuple[list[torch.Tensor], Change]:
-    """:func:`encode` of a record whose changed words are known: at positions ``pos`` (ascending), of values ``vals``
-    (read from ``cur`` when not given)."""
-    n, item = cur.numel(), cur.element_size()
-    k = pos.numel()
-    device = cur.device
+def choose(cur: torch.Tensor, pos: torch.Tensor) -> Change:
+    """The change of a record whose changed words are at ``pos`` (ascending): its smallest kind, and the changed
+    words' values (every word, for ``dense``)."""
+    n, item, k = cur.numel(), cur.element_size(), pos.numel()
     if k == 0:
-        return [_header(SAME, 0, n, HEADER, device)], Change(SAME, pos, cur[:0])
+        return Change(SAME, pos, cur.new_empty(0))
     sparse, mask, dense = sizes(n, k, item)
     best = min(sparse, mask, dense)
     if best == dense:
-        return [_header(DENSE, n, n, dense, device), _padded(cur)], Change(DENSE, None, cur.reshape(-1))
-    if pos.device != device:
-        pos = pos.to(device)
-    if vals is None:
-        vals = take(cur, pos)
-    if best == sparse:
-        blocks = -(-n // BLOCK)
-        if pos.is_cpu:  # numpy's casts wrap: the low 16 bits
-            p = pos.numpy()
-            counts = torch.from_numpy(np.bincount(p >> BLOCK_BITS, minlength=blocks).astype(np.int32))
-            offsets = torch.from_numpy(p.astype(np.uint16))
-        else:
-            counts = torch.bincount(pos >> BLOCK_BITS, minlength=blocks).to(torch.int32)
-            low = pos & (BLOCK - 1)
-            offsets = (low - ((low >> 15) << 16)).to(torch.int16)
-        sections = [_header(SPARSE, k, n, sparse, device), _padded(counts), _padded(offsets), _padded(vals)]
-        return sections, Change(SPARSE, pos, vals)
-    return [_header(MASK, k, n, mask, device), _padded(bitmap(pos, n)), _padded(vals)], Change(MASK, pos, vals)
+        return Change(DENSE, None, cur.reshape(-1))
+    if pos.device != cur.device:
+        pos = pos.to(cur.device)
+    return Change(SPARSE if best == sparse else MASK, pos, take(cur, pos))
+
+
+def nbytes(change: Change, n: int, item: int) -> int:
+    """The bytes of a record of ``n`` words of ``item`` bytes encoded as ``change``."""
+    return HEADER if change.kind == SAME else sizes(n, change.vals.numel(), item)[change.kind - 1]
+
+
+def sections(cur: torch.Tensor, change: Change) -> list[torch.Tensor]:
+    """The bytes of ``change`` (of the record whose words are ``cur``), as sections to concatenate."""
+    n, device = cur.numel(), cur.device
+    size = nbytes(change, n, cur.element_size())
+    if change.kind == SAME:
+        return [_header(SAME, 0, n, size, device)]
+    if change.kind == DENSE:
+        return [_header(DENSE, n, n, size, device), _padded(change.vals)]
+    pos, vals, k = change.pos, change.vals, change.vals.numel()
+    if change.kind == MASK:
+        return [_header(MASK, k, n, size, device), _padded(bitmap(pos, n)), _padded(vals)]
+    blocks = -(-n // BLOCK)
+    if pos.is_cpu:  # numpy's casts wrap: the low 16 bits
+        p = pos.numpy()
+        counts = torch.from_numpy(np.bincount(p >> BLOCK_BITS, minlength=blocks).astype(np.int32))
+        offsets = torch.from_numpy(p.astype(np.uint16))
+    else:
+        counts = torch.bincount(pos >> BLOCK_BITS, minlength=blocks).to(torch.int32)
+        low = pos & (BLOCK - 1)
+        offsets = (low - ((low >> 15) << 16)).to(torch.int16)
+    return [_header(SPARSE, k, n, size, device), _padded(counts), _padded(offsets), _padded(vals)]
 
 
 def dense(cur: torch.Tensor) -> list[torch.Tensor]:

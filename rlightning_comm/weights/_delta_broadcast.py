@@ -72,17 +72,17 @@ def prepare(
 ) -> Offer | None:
     """Before the exchange: the source's offer (its words set on ``options``), or a destination's version (likewise).
 
-    The source offers a delta when its snapshot holds a version of this plan and the delta is smaller than the tensors.
+    The source offers a delta when its snapshot holds a version of this plan and the delta is smaller than the tensors
+    (else its offer holds only the changes, which the snapshot takes on after the full sync).
     """
     if is_source:
         snap = memory.snapshot
         if kept_plan is None or kept_plan[0] != plan_key or snap is None or snap.base(plan_key) < 0:
             return None
         plan = kept_plan[1]
-        offer = snap.offer(_views(_ordered(items, plan)), comm.device)
-        if offer.payload.numel() >= plan.total_bytes:
-            return None  # not smaller: a full sync
-        options.base, options.offer = offer.base, offer.payload.numel()
+        offer = snap.offer(_views(_ordered(items, plan)), comm.device, plan.total_bytes)
+        if offer.payload is not None:
+            options.base, options.offer = offer.base, offer.payload.numel()
         return offer
     held = memory.held
     if held is not None and held[0] == CommContext().get_weight_version(options.record_as):
@@ -249,15 +249,28 @@ def assemble_delta(
     return sync
 
 
-def full(sync: Sync, comm: Any, plan: Plan, src: int, items: Any, options: SyncOptions, memory: Any, key: Any) -> None:
-    """A full sync with ``delta=True``: once it succeeded, the source takes a snapshot, a destination notes its version
-    (the next sync can be a delta)."""
+def full(
+    sync: Sync,
+    comm: Any,
+    plan: Plan,
+    src: int,
+    items: Any,
+    options: SyncOptions,
+    memory: Any,
+    key: Any,
+    offer: Offer | None,
+) -> None:
+    """A full sync with ``delta=True``: once it succeeded, the source's snapshot takes on the changes it found (or, with
+    none of this plan, a copy of the tensors), a destination notes its version (the next sync can be a delta)."""
     _report(sync, comm, src, "full", plan.total_bytes)
     if src == comm._global_rank:
-        tensors, version = _ordered(items, plan), options.version
+        tensors, version, snap = _ordered(items, plan), options.version, memory.snapshot
 
         def take() -> None:
-            snapshot_for(memory, key, lambda: records_of(plan)).take(_views(tensors), version)
+            if offer is not None and snap is memory.snapshot and snap.key == key:
+                snap.advance(offer.changes, version)
+            else:
+                snapshot_for(memory, key, lambda: records_of(plan)).take(_views(tensors), version)
 
         sync.succeeded = lambda: _guarded(memory, take)
     else:

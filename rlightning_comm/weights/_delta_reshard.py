@@ -112,24 +112,29 @@ def prepare(
     if wanted and held is not None and held[0] == CommContext().get_weight_version(options.record_as):
         if held[1] == identity(wanted):
             options.held = held[0]
-    size, me = comm.world_size, comm.rank
+    me = comm.rank
     if kept is None:
-        return None, [0, 0, -1] * size
+        return None, [0, 0, -1] * comm.world_size
     schedule = kept[1]
     pairs = by_pair(schedule)
     snap = memory.snapshot
     ready = snap is not None and snap.key == (kept[0], mine) and snap.version is not None
     boxes = _boxes(pairs, me) if ready else []
-    sections, changes = snap.changes(_views(boxes, names), comm.device) if boxes else ([], [])
+    curs, changes = snap.changes(_views(boxes, names)) if boxes else ([], [])
     at = {box: i for i, box in enumerate(boxes)}
+    size = [_delta.nbytes(c, cur.numel(), cur.element_size()) for cur, c in zip(curs, changes)]
+    built: dict[int, list[torch.Tensor]] = {}  # a box's sections, built once for every pair that takes them
     payloads, words = {}, []
-    for r in range(size):
+    for r in range(comm.world_size):
         pieces = pairs.get((me, r), []) if r != me else []
         full = schedule.sent.get(r, 0) if r != me else 0
         if boxes and full:
-            parts = [s for p in pieces for s in sections[at[(p.name, p.src_block, p.lo, p.hi)]]]
-            if sum(p.numel() for p in parts) < full:
-                payloads[r] = torch.cat(parts)
+            order = [at[(p.name, p.src_block, p.lo, p.hi)] for p in pieces]
+            if sum(size[i] for i in order) < full:
+                for i in order:
+                    if i not in built:
+                        built[i] = [p.to(comm.device) for p in _delta.sections(curs[i], changes[i])]
+                payloads[r] = torch.cat([p for i in order for p in built[i]])
         words += [full, dense_bytes(pieces, names), payloads[r].numel() if r in payloads else -1]
     if not boxes:
         return None, words

@@ -232,7 +232,7 @@ def agree(
         rounds(comm, memory, "broadcast_state_dict"),
     )
     if options.delta:
-        full(memory.unfinished, comm, plan, src, items, options, memory, kept_plan[0])
+        full(memory.unfinished, comm, plan, src, items, options, memory, kept_plan[0], offer)
     return memory.unfinished
 
 

@@ -23,9 +23,10 @@ Views = Callable[[_delta.Record], list[torch.Tensor]]  # a record's word views, 
 
 
 class Offer(NamedTuple):
-    """A source's delta, encoded before the members agree on it: the payload and the change of each record."""
+    """A source's delta, encoded before the members agree on it: the payload (``None`` when it would not be smaller
+    than the tensors: then only the changes, for the snapshot) and the change of each record."""
 
-    payload: torch.Tensor  # uint8
+    payload: torch.Tensor | None  # uint8
     changes: list[_delta.Change]
     base: int  # the version it applies to
 
@@ -54,23 +55,25 @@ class Snapshot:
         """The version a delta against this snapshot applies to, for a call of ``key``; -1 for none."""
         return self.version if self.version is not None and key == self.key and self.flats else -1
 
-    def changes(self, views: Views, device: torch.device) -> tuple[list[list[torch.Tensor]], list[_delta.Change]]:
-        """Every record's changes since the snapshot: its encoded sections (on ``device``) and its change."""
-        sections: list[list[torch.Tensor]] = []
-        changes = []
+    def changes(self, views: Views) -> tuple[list[torch.Tensor], list[_delta.Change]]:
+        """Every record's words now and its change since the snapshot (what it takes on once a sync succeeded)."""
+        curs, changes = [], []
         for record, snap in zip(self.records, self.flats):
             cur = _delta.record_words(views(record))
             if cur.device != snap.device:
                 snap = snap.to(cur.device, non_blocking=True)
-            parts, change = _delta.encode(cur, snap)
-            sections.append([p if p.device == device else p.to(device) for p in parts])
-            changes.append(change)
-        return sections, changes
+            curs.append(cur)
+            changes.append(_delta.choose(cur, _delta.diff(cur, snap)))
+        return curs, changes
 
-    def offer(self, views: Views, device: torch.device) -> Offer:
-        """Every record's changes since the snapshot, encoded into one payload on ``device``."""
-        sections, changes = self.changes(views, device)
-        parts = [p for record in sections for p in record]
+    def offer(self, views: Views, device: torch.device, limit: int) -> Offer:
+        """Every record's changes since the snapshot, encoded into one payload on ``device`` if it is smaller than
+        ``limit`` bytes (else no payload: a full sync, whose delta's bytes are never built)."""
+        curs, changes = self.changes(views)
+        total = sum(_delta.nbytes(c, cur.numel(), cur.element_size()) for cur, c in zip(curs, changes))
+        if total >= limit:
+            return Offer(None, changes, self.base(self.key))
+        parts = [p.to(device) for cur, c in zip(curs, changes) for p in _delta.sections(cur, c)]
         payload = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
         return Offer(payload, changes, self.base(self.key))
 
