@@ -59,7 +59,7 @@ def _perturb(tensors, fraction: float, gen) -> None:
     """Flip the lowest bit of ``fraction`` of each tensor's elements (distinct random positions), in place."""
     import torch
 
-    from rlightning_comm.weights._delta import words
+    from rlightning_comm.weights._changes import words
 
     for t in tensors:
         w = words(t).view(-1)
@@ -72,7 +72,7 @@ def _perturb(tensors, fraction: float, gen) -> None:
 def _changed_bytes(before, after) -> int:
     import torch
 
-    from rlightning_comm.weights._delta import words
+    from rlightning_comm.weights._changes import words
 
     return sum(int(torch.ne(words(a), words(b)).sum()) * a.element_size() for a, b in zip(before, after) if a.numel())
 
@@ -81,7 +81,7 @@ def _sha(tensors) -> list[str]:
     """Each tensor's SHA-256 of its bytes (an oracle that is not the library's digest)."""
     import hashlib
 
-    from rlightning_comm.weights._delta import words
+    from rlightning_comm.weights._changes import words
 
     return [hashlib.sha256(words(t).contiguous().view(-1).numpy().tobytes()).hexdigest() for t in tensors]
 
@@ -254,7 +254,7 @@ def compare_alone(fraction: float, repeats: int = 7) -> dict:
     """The source's encoding of one round's changes against its snapshot (the broadcast model), in this process."""
     import torch
 
-    from rlightning_comm.weights import _delta
+    from rlightning_comm.weights import _changes, _delta
     from rlightning_comm.weights._snapshots import Snapshot
 
     state = _broadcast_model(0)
@@ -263,7 +263,7 @@ def compare_alone(fraction: float, repeats: int = 7) -> dict:
     snap = Snapshot("bench", recs)
 
     def views(record):
-        return [_delta.words(tensors[i]) for i in record.pieces]
+        return [_changes.words(tensors[i]) for i in record.pieces]
 
     snap.take(views, 1)
     _perturb(tensors, fraction, torch.Generator().manual_seed(2))

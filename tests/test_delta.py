@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlightning_comm.weights import _delta
+from rlightning_comm.weights import _changes, _delta
 
 DTYPES = [
     torch.bfloat16,
@@ -61,18 +61,18 @@ def _changed(snap: torch.Tensor, fraction: float, gen: torch.Generator) -> torch
     return cur
 
 
-def _roundtrip(cur_view: torch.Tensor, snap: torch.Tensor, target: torch.Tensor) -> tuple[list, _delta.Change]:
+def _roundtrip(cur_view: torch.Tensor, snap: torch.Tensor, target: torch.Tensor) -> tuple[list, _changes.Change]:
     """Encode ``cur_view`` against ``snap`` (its words, flat), decode, apply to ``target`` (holding ``snap``'s
     values)."""
-    cur = _delta.record_words([_delta.words(cur_view)])  # a strided piece compared where it lies
-    base = _delta.flat([_delta.words(snap)])
+    cur = _changes.record_words([_changes.words(cur_view)])  # a strided piece compared where it lies
+    base = _changes.flat([_changes.words(snap)])
     sections, change = _delta.encode(cur, base)
     payload = torch.cat(sections)
     decoded, end = _delta.decode(payload, 0, cur.numel(), cur.dtype)
     assert end == payload.numel()
-    into = _delta.writable(target)
-    words = _delta.words(into)
-    _delta.apply([[words]], [words.numel()], decoded)
+    into = _changes.writable(target)
+    words = _changes.words(into)
+    _changes.apply([[words]], [words.numel()], decoded)
     if into is not target:
         target.copy_(into)
     return sections, change
@@ -90,7 +90,7 @@ def test_a_delta_applied_to_the_snapshot_gives_the_tensor_bit_for_bit(dtype: tor
         assert np.array_equal(_bytes(target), _bytes(cur)), (shape, fraction)
         # The positions the library found are the oracle's (in words: two per 16-byte element).
         differs = np.flatnonzero((_bytes(cur) != _bytes(snap)).any(axis=1)) if cur.numel() else np.zeros(0)
-        pos = _delta.diff(_delta.flat([_delta.words(cur)]), _delta.flat([_delta.words(snap)])).numpy()
+        pos = _changes.diff(_changes.flat([_changes.words(cur)]), _changes.flat([_changes.words(snap)])).numpy()
         per = max(1, cur.element_size() // 8)
         assert np.array_equal(np.unique(pos // per), differs), (shape, fraction)
 
@@ -102,13 +102,13 @@ def test_bits_not_values_decide_what_changed() -> None:
     cur[0] = -0.0
     words = cur.view(torch.int32)
     words[2] = words[2] | 1  # another NaN payload
-    cur_w, snap_w = _delta.words(cur), _delta.words(snap)
-    assert _delta.diff(cur_w, snap_w).tolist() == [0, 2]
+    cur_w, snap_w = _changes.words(cur), _changes.words(snap)
+    assert _changes.diff(cur_w, snap_w).tolist() == [0, 2]
     target = snap.clone()
     _roundtrip(cur, snap, target)
     assert torch.equal(target.view(torch.int32), cur.view(torch.int32))
     bf = torch.tensor([-0.0, 0.0], dtype=torch.bfloat16)
-    assert _delta.diff(_delta.words(bf), _delta.words(torch.zeros(2, dtype=torch.bfloat16))).tolist() == [0]
+    assert _changes.diff(_changes.words(bf), _changes.words(torch.zeros(2, dtype=torch.bfloat16))).tolist() == [0]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.complex128, torch.int8], ids=str)
@@ -137,16 +137,16 @@ def test_strided_lazy_and_tied_targets_are_written_in_place(dtype: torch.dtype) 
 
 def test_each_record_takes_its_smallest_kind_and_the_bytes_say_so() -> None:
     gen = torch.Generator().manual_seed(5)
-    n = 3 * _delta.BLOCK + 11
+    n = 3 * _changes.BLOCK + 11
     snap = _random((n,), torch.bfloat16, gen)
-    for fraction, kind in [(0.0, _delta.SAME), (0.01, _delta.SPARSE), (0.4, _delta.MASK), (1.0, _delta.DENSE)]:
+    for fraction, kind in [(0.0, _changes.SAME), (0.01, _changes.SPARSE), (0.4, _changes.MASK), (1.0, _changes.DENSE)]:
         cur = _changed(snap, fraction, gen)
-        sections, change = _delta.encode(_delta.words(cur), _delta.words(snap))
+        sections, change = _delta.encode(_changes.words(cur), _changes.words(snap))
         assert change.kind == kind, fraction
         nbytes = sum(s.numel() for s in sections)
         k = int((_bytes(cur) != _bytes(snap)).any(axis=1).sum())
-        assert nbytes == (_delta.HEADER if kind == _delta.SAME else min(_delta.sizes(n, k, 2))), fraction
-        if kind == _delta.SPARSE:  # values and 16-bit positions, a count per block: within 1.2x of the changed bytes
+        assert nbytes == (_changes.HEADER if kind == _changes.SAME else min(_changes.sizes(n, k, 2))), fraction
+        if kind == _changes.SPARSE:  # values and 16-bit positions, a count per block: within 1.2x of the changed bytes
             assert nbytes <= 1.2 * (k * 2 + k * 2) + 64, (nbytes, k)
 
 
@@ -154,7 +154,7 @@ def test_a_record_of_another_length_or_damaged_bytes_is_refused() -> None:
     snap = torch.zeros(1000, dtype=torch.float32)
     cur = snap.clone()
     cur[::7] = 1.0
-    payload = torch.cat(_delta.encode(_delta.words(cur), _delta.words(snap))[0])
+    payload = torch.cat(_delta.encode(_changes.words(cur), _changes.words(snap))[0])
     with pytest.raises(ValueError, match="expected 999 words"):
         _delta.decode(payload, 0, 999, torch.int32)
     with pytest.raises(ValueError, match="out of range"):

@@ -22,7 +22,7 @@ import torch
 from rlightning_comm.context import CommContext
 from rlightning_comm.errors import CommError
 from rlightning_comm.failures import close_gloo_group
-from rlightning_comm.weights import _delta
+from rlightning_comm.weights import _changes, _delta
 from rlightning_comm.weights._commit import Sync, staging
 from rlightning_comm.weights._digest import Digests
 from rlightning_comm.weights._inputs import same_view
@@ -58,7 +58,7 @@ def _ordered(items: list[tuple[str, torch.Tensor]], plan: Plan) -> list[torch.Te
 
 
 def _views(tensors: list[torch.Tensor]) -> Any:
-    return lambda record: [_delta.words(tensors[i]) for i in record.pieces]
+    return lambda record: [_changes.words(tensors[i]) for i in record.pieces]
 
 
 def prepare(
@@ -179,7 +179,7 @@ class DeltaTransfer:
         self._write(changes)
         self._feed()
 
-    def _write(self, changes: list[_delta.Change]) -> None:
+    def _write(self, changes: list[_changes.Change]) -> None:
         targets, plan = self._targets, self._plan
         writes = torch.inference_mode if any(t.is_inference() for t in targets) else torch.no_grad
         with writes():
@@ -187,14 +187,14 @@ class DeltaTransfer:
                 for index, (t, live) in enumerate(zip(targets, self._live)):
                     if t.numel() and plan.manifest[index][3] < 0:
                         t.copy_(live)
-            into = [_delta.writable(t) for t in targets]
+            into = [_changes.writable(t) for t in targets]
             tied: dict[int, list[int]] = {}
             for index, root in plan.aliases:
                 if not same_view(targets[index], targets[root]):
                     tied.setdefault(root, []).append(index)
             for record, change in zip(self._records, changes):
-                views = [[_delta.words(into[i]) for i in (p, *tied.get(p, ()))] for p in record.pieces]
-                _delta.apply(views, record.sizes, change)
+                views = [[_changes.words(into[i]) for i in (p, *tied.get(p, ()))] for p in record.pieces]
+                _changes.apply(views, record.sizes, change)
             for t, copy in zip(targets, into):  # a lazy conjugate or negation: written through its values
                 if copy is not t:
                     t.copy_(copy)

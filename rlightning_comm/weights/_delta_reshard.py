@@ -26,7 +26,7 @@ import torch.distributed as dist
 from rlightning_comm.context import CommContext
 from rlightning_comm.errors import CommError
 from rlightning_comm.failures import LAUNCH_ERRORS, close_gloo_group
-from rlightning_comm.weights import _delta
+from rlightning_comm.weights import _changes, _delta
 from rlightning_comm.weights._slices import Named
 from rlightning_comm.weights._snapshots import identity, snapshot_for
 from rlightning_comm.weights._transport import point_to_point
@@ -69,18 +69,18 @@ def _boxes(pairs: dict[tuple[int, int], list[Any]], me: int) -> list[Box]:
 def _records(boxes: list[Box], names: dict[str, Named]) -> list[_delta.Record]:
     out = []
     for i, (name, _, lo, hi) in enumerate(boxes):
-        dtype = _delta.word_dtype(names[name].held[0].tensor.dtype)
+        dtype = _changes.word_dtype(names[name].held[0].tensor.dtype)
         numel = 1
         for a, b in zip(lo, hi):
             numel *= b - a
-        out.append(_delta.Record((i,), (_delta.word_count(names[name].held[0].tensor.dtype, numel),), dtype))
+        out.append(_delta.Record((i,), (_changes.word_count(names[name].held[0].tensor.dtype, numel),), dtype))
     return out
 
 
 def _views(boxes: list[Box], names: dict[str, Named]) -> Any:
     def views(record: _delta.Record) -> list[torch.Tensor]:
         name, block, lo, hi = boxes[record.pieces[0]]
-        return [_delta.words(_view(names, name, block, lo, hi, "held"))]
+        return [_changes.words(_view(names, name, block, lo, hi, "held"))]
 
     return views
 
@@ -89,7 +89,7 @@ class Offer(NamedTuple):
     """A holder's deltas, encoded before the members agree on them."""
 
     boxes: list[Box]
-    changes: list[_delta.Change]
+    changes: list[_changes.Change]
     payloads: dict[int, torch.Tensor]  # group rank -> its delta
     base: int
 
@@ -185,7 +185,7 @@ def _words_of(names: dict[str, Named], p: Any) -> tuple[int, torch.dtype]:
     """A piece's words: how many, of which dtype."""
     e = names[p.name]
     dtype = (e.held or e.wanted)[0].tensor.dtype
-    return _delta.word_count(dtype, p.nbytes // dtype.itemsize), _delta.word_dtype(dtype)
+    return _changes.word_count(dtype, p.nbytes // dtype.itemsize), _changes.word_dtype(dtype)
 
 
 def dense_bytes(pieces: list[Any], names: dict[str, Named]) -> int:
@@ -193,7 +193,7 @@ def dense_bytes(pieces: list[Any], names: dict[str, Named]) -> int:
     total = 0
     for p in pieces:
         n, word = _words_of(names, p)
-        total += _delta.sizes(n, n, word.itemsize)[2]
+        total += _changes.sizes(n, n, word.itemsize)[2]
     return total
 
 
@@ -260,7 +260,7 @@ class DeltaMover:
             return self._offer.payloads[dst]
         parts = []
         for p in self._pairs.get((self._me, dst), []):
-            parts += _delta.dense(_delta.flat([_delta.words(self._src_view(p))]))
+            parts += _delta.dense(_changes.flat([_changes.words(self._src_view(p))]))
         return torch.cat(parts)
 
     def _incoming_bytes(self, src: int) -> int:
@@ -361,9 +361,9 @@ class DeltaMover:
         for p, change in zip(pieces, changes):
             view = self._dst_view(p)
             self._touched.add(p.name)
-            into = _delta.writable(view)
-            w = _delta.words(into)
-            _delta.apply([[w]], [w.numel()], change)
+            into = _changes.writable(view)
+            w = _changes.words(into)
+            _changes.apply([[w]], [w.numel()], change)
             if into is not view:
                 view.copy_(into)
             if self.tally is not None:

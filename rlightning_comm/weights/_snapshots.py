@@ -16,7 +16,7 @@ import torch
 
 from rlightning_comm.context import CommContext
 from rlightning_comm.modes import CommMode, ParallelMode
-from rlightning_comm.weights import _delta
+from rlightning_comm.weights import _changes, _delta
 from rlightning_comm.weights._memory import hash_key, kept
 
 Views = Callable[[_delta.Record], list[torch.Tensor]]  # a record's word views, in this call's tensors
@@ -27,7 +27,7 @@ class Offer(NamedTuple):
     than the tensors: then only the changes, for the snapshot) and the change of each record."""
 
     payload: torch.Tensor | None  # uint8
-    changes: list[_delta.Change]
+    changes: list[_changes.Change]
     base: int  # the version it applies to
 
 
@@ -55,15 +55,15 @@ class Snapshot:
         """The version a delta against this snapshot applies to, for a call of ``key``; -1 for none."""
         return self.version if self.version is not None and key == self.key and self.flats else -1
 
-    def changes(self, views: Views) -> tuple[list[torch.Tensor], list[_delta.Change]]:
+    def changes(self, views: Views) -> tuple[list[torch.Tensor], list[_changes.Change]]:
         """Every record's words now and its change since the snapshot (what it takes on once a sync succeeded)."""
         curs, changes = [], []
         for record, snap in zip(self.records, self.flats):
-            cur = _delta.record_words(views(record))
+            cur = _changes.record_words(views(record))
             if cur.device != snap.device:
                 snap = snap.to(cur.device, non_blocking=True)
             curs.append(cur)
-            changes.append(_delta.choose(cur, _delta.diff(cur, snap)))
+            changes.append(_changes.change_of(cur, snap))
         return curs, changes
 
     def offer(self, views: Views, device: torch.device, limit: int) -> Offer:
@@ -83,23 +83,18 @@ class Snapshot:
         fresh = len(self.flats) != len(self.records)
         self.version = None
         for i, record in enumerate(self.records):
-            cur = _delta.record_words(views(record))
+            cur = _changes.record_words(views(record))
             if fresh:
                 pinned = cur.is_cuda and torch.cuda.is_available()
                 self.flats.append(torch.empty(cur.numel(), dtype=cur.dtype, pin_memory=pinned))
             self.flats[i].view(cur.shape).copy_(cur)
         self.version = version
 
-    def advance(self, changes: list[_delta.Change], version: int) -> None:
+    def advance(self, changes: list[_changes.Change], version: int) -> None:
         """After a delta sync that carried ``version`` succeeded: take on each record's change."""
         self.version = None
         for snap, change in zip(self.flats, changes):
-            if change.kind == _delta.SAME:
-                continue
-            if change.pos is None:
-                snap.copy_(change.vals)
-            else:
-                snap.index_copy_(0, change.pos.cpu(), change.vals.cpu())
+            _changes.advance(snap, change)
         self.version = version
 
 
