@@ -8,10 +8,10 @@ or every word (``dense``); :mod:`._delta` says how each is laid out in bytes.
 
 Finding it costs one pass over the words and their snapshot: 8 bytes at a time where the layout allows (a wider compare
 is faster and leaves fewer flags), counted first, so that a record that is mostly changed is taken whole without a
-search, and one of many changes is flagged word by word (a second pass, still sequential) rather than searched. Only a
-few changes are searched for their positions: on the host through numpy's ``packbits`` and a branch-free search of the
-nonzero bytes (torch's ``nonzero`` is several times slower there), on a device with torch ops. A mask is written and
-read with sequential boolean operations, never element by element.
+search, and one of many changes is flagged word by word (a second pass, still sequential). The changes' positions are
+searched on the host through numpy's ``packbits`` and a branch-free search of the nonzero bytes (torch's ``nonzero``
+and numpy's boolean indexing, which branch per element, are several times slower there at a few percent and more),
+on a device with torch ops; their words are then gathered and written by position.
 """
 
 from __future__ import annotations
@@ -84,8 +84,9 @@ def record_words(views: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 class Change(NamedTuple):
-    """What changed in one record: its kind, the positions of its changed words (``sparse``) or a flag per word
-    (``mask``, bool), and the changed words (every word for ``dense``), in row-major order."""
+    """What changed in one record: its kind, the positions of its changed words (``None`` for ``dense``), their new
+    words (every word for ``dense``) in row-major order, and for ``mask`` the flags it was found from (bool, if at
+    hand)."""
 
     kind: int
     pos: torch.Tensor | None
@@ -136,11 +137,11 @@ def pack(m: torch.Tensor) -> torch.Tensor:
     return (padded.view(-1, 8) << _shifts(m.device)).sum(1, dtype=torch.uint8)
 
 
-def unpack(bits: torch.Tensor, n: int) -> torch.Tensor:
-    """The first ``n`` bits of ``bits`` (uint8, little bit order) as bools, on its device."""
+def positions(bits: torch.Tensor) -> torch.Tensor:
+    """The positions of the set bits of ``bits`` (uint8, little bit order), ascending, as int64 on its device."""
     if bits.is_cpu:
-        return torch.from_numpy(np.unpackbits(bits.numpy(), count=n, bitorder="little").view(np.bool_))
-    return ((bits.unsqueeze(1) >> _shifts(bits.device)) & 1).view(-1)[:n].bool()
+        return torch.from_numpy(_set_bits(bits.numpy()))
+    return ((bits.unsqueeze(1) >> _shifts(bits.device)) & 1).view(-1).nonzero().view(-1)
 
 
 def _positions(m: torch.Tensor) -> torch.Tensor:
@@ -162,13 +163,6 @@ def take(t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     offsets = sum(i * s for i, s in zip(index, t.stride()))
     span = sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
     return t.as_strided((span,), (1,)).index_select(0, offsets)
-
-
-def _selected(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The words of ``t`` where ``mask`` (bool, of ``t``'s shape) is set, in row-major order: one sequential pass."""
-    if t.is_cpu:
-        return torch.from_numpy(t.numpy()[mask.numpy()])
-    return torch.masked_select(t, mask)
 
 
 def _wide(t: torch.Tensor) -> int:
@@ -230,10 +224,10 @@ def change_of(cur: torch.Tensor, snap: torch.Tensor) -> Change:
     sparse, mask, dense = sizes(n, k, item)
     if dense <= min(sparse, mask):
         return Change(DENSE, None, cur.reshape(-1))
+    pos = _positions(m)
     if sparse <= mask:
-        pos = _positions(m)
         return Change(SPARSE, pos, take(cur, pos))
-    return Change(MASK, None, _selected(cur, m), m.reshape(-1))
+    return Change(MASK, pos, take(cur, pos), m.reshape(-1))
 
 
 def apply(targets: Sequence[Sequence[torch.Tensor]], record_sizes: Sequence[int], change: Change) -> None:
@@ -244,36 +238,20 @@ def apply(targets: Sequence[Sequence[torch.Tensor]], record_sizes: Sequence[int]
     bounds = np.cumsum([0, *record_sizes]).tolist()
     if change.kind == DENSE:
         cuts = bounds
-    elif change.kind == MASK:
-        m = change.mask
-        cuts = [0] * len(bounds)
-        for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
-            cuts[i + 1] = cuts[i] + _count(m[a:b])
     elif len(targets) == 1:
         cuts = [0, change.pos.numel()]
     else:
         edges = torch.tensor(bounds[1:], dtype=torch.int64, device=change.pos.device)
         cuts = [0, *torch.searchsorted(change.pos, edges).tolist()]
-    for views, a, b, c0, c1 in zip(targets, bounds, bounds[1:], cuts, cuts[1:]):
+    for views, a, c0, c1 in zip(targets, bounds, cuts, cuts[1:]):
         if c1 == c0:
             continue
         vals = change.vals[c0:c1]
         for target in views:
             if change.kind == DENSE:
                 target.copy_(vals.view(target.shape))
-            elif change.kind == MASK:
-                _place(target, change.mask[a:b], vals)
             else:
                 _scatter(target, change.pos[c0:c1] - a, vals)
-
-
-def _place(target: torch.Tensor, mask: torch.Tensor, vals: torch.Tensor) -> None:
-    """``target``'s words where ``mask`` (flat) is set, in row-major order, set to ``vals``: one sequential pass."""
-    mask = mask.view(target.shape)
-    if target.is_cpu and mask.is_cpu and vals.is_cpu:
-        target.numpy()[mask.numpy()] = vals.numpy()
-        return
-    target.masked_scatter_(mask.to(target.device), vals.to(target.device))
 
 
 def _scatter(target: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor) -> None:
@@ -292,7 +270,5 @@ def advance(snap: torch.Tensor, change: Change) -> None:
         return
     if change.kind == DENSE:
         snap.copy_(change.vals)
-    elif change.kind == MASK:
-        _place(snap, change.mask.cpu(), change.vals.cpu())
     else:
         snap.index_copy_(0, change.pos.cpu(), change.vals.cpu())

@@ -32,8 +32,8 @@ from rlightning_comm.weights._changes import (
     Change,
     change_of,
     pack,
+    positions,
     sizes,
-    unpack,
     word_count,
     word_dtype,
 )
@@ -108,7 +108,8 @@ def sections(cur: torch.Tensor, change: Change) -> list[torch.Tensor]:
         return [_header(DENSE, n, n, size, device), _padded(change.vals)]
     pos, vals, k = change.pos, change.vals, change.vals.numel()
     if change.kind == MASK:
-        return [_header(MASK, k, n, size, device), _padded(pack(change.mask)), _padded(vals)]
+        flags = change.mask if change.mask is not None else _flags(pos, n)
+        return [_header(MASK, k, n, size, device), _padded(pack(flags)), _padded(vals)]
     blocks = -(-n // BLOCK)
     if pos.is_cpu:  # numpy's casts wrap: the low 16 bits
         p = pos.numpy()
@@ -119,6 +120,13 @@ def sections(cur: torch.Tensor, change: Change) -> list[torch.Tensor]:
         low = pos & (BLOCK - 1)
         offsets = (low - ((low >> 15) << 16)).to(torch.int16)
     return [_header(SPARSE, k, n, size, device), _padded(counts), _padded(offsets), _padded(vals)]
+
+
+def _flags(pos: torch.Tensor, n: int) -> torch.Tensor:
+    """A flag per word of a record of ``n`` words, set at ``pos``."""
+    m = torch.zeros(n, dtype=torch.bool, device=pos.device)
+    m[pos] = True
+    return m
 
 
 def dense(cur: torch.Tensor) -> list[torch.Tensor]:
@@ -186,11 +194,8 @@ def decode(payload: torch.Tensor, at: int, n: int, word: torch.dtype) -> tuple[C
     values = read(end - _align(k * item), k, word)
     blocks = -(-n // BLOCK)
     if kind == MASK:
-        mask = unpack(read(body, -(-n // 8), torch.uint8), n)
-        if int(mask.sum()) != k:
-            raise ValueError(f"a delta record at byte {at}: its mask does not flag {k} changed words")
-        return Change(MASK, None, values, mask), end
-    if host:
+        pos = positions(read(body, -(-n // 8), torch.uint8))
+    elif host:
         counts = raw[body : body + 4 * blocks].view(np.int32)
         low = raw[body + _align(4 * blocks) : body + _align(4 * blocks) + 2 * k].view(np.uint16)
         if counts.min(initial=0) < 0 or int(counts.sum()) != k:
