@@ -4,8 +4,9 @@ Each round, every source changes a fraction of the elements of each of its tenso
 the element flipped, so every chosen element really changes), outside the timing; then the full sync and the delta sync
 of the same weights, interleaved in rotating order, over two modes of the same ranks (each keeps its own snapshot and
 version record). A round's time is the slowest rank's, from a barrier to every destination holding the new weights.
-Bytes come from the reports; the changed bytes are counted against the previous round's weights (the oracle: a
-comparison of the whole tensors in one process). Every destination is checked bit-identical to its source after every
+Bytes come from the reports; the changed bytes are counted against the previous round's weights (the oracle: the whole
+tensors compared byte by byte in one process), and so are the least their positions cost (per tensor the fewer of 2
+bytes per changed element and one bit per element). Every destination is checked bit-identical to its source after every
 delta sync.
 
 * broadcast: 3 gloo ranks, the model of ``bench_weight_transfer.py`` (a bf16 embedding 16384 x 256, 60 fp32 512 x 512
@@ -69,12 +70,23 @@ def _perturb(tensors, fraction: float, gen) -> None:
             w[idx] ^= 1
 
 
-def _changed_bytes(before, after) -> int:
+def _changed_bytes(before, after) -> tuple[int, int]:
+    """The bytes of the elements that changed (compared byte by byte, per element: not the library's code), and what
+    their positions cost at least: per tensor the fewer of 2 bytes per changed element and one bit per element."""
     import torch
 
-    from rlightning_comm.weights._changes import words
-
-    return sum(int(torch.ne(words(a), words(b)).sum()) * a.element_size() for a, b in zip(before, after) if a.numel())
+    changed = index = 0
+    for a, b in zip(before, after):
+        if not a.numel():
+            continue
+        rows = (
+            a.contiguous().reshape(-1).view(torch.uint8).view(a.numel(), -1)
+            != b.contiguous().reshape(-1).view(torch.uint8).view(a.numel(), -1)
+        ).any(dim=1)
+        k = int(rows.sum())
+        changed += k * a.element_size()
+        index += min(2 * k, -(-a.numel() // 8)) if k < a.numel() else 0
+    return changed, index
 
 
 def _sha(tensors) -> list[str]:
@@ -234,15 +246,15 @@ def _reshard_task(rank: int, nproc: int, rounds: int, fractions: list[float], th
                 report = reports["delta"]
                 kinds = set(report.kinds.values())
                 mine = sum(report.received.values()) if rank >= 2 else 0
-                diff = 0
+                diff = (0, 0)
                 if rank >= 2:
                     diff = _changed_bytes(
                         [want(n, before[n], rank - 2) for n in full], [want(n, full[n], rank - 2) for n in full]
                     )
-                counts = torch.tensor([mine, diff, int(kinds == {"delta"})], dtype=torch.int64)
+                counts = torch.tensor([mine, *diff, int(kinds == {"delta"})], dtype=torch.int64)
                 dist.all_reduce(counts)
-                wire.append(int(counts[0]) if int(counts[2]) == 4 else -int(counts[0]))
-                changed.append(int(counts[1]))
+                wire.append(int(counts[0]) if int(counts[3]) == 4 else -int(counts[0]))
+                changed.append((int(counts[1]), int(counts[2])))
         flags = torch.tensor([int(identical)])
         dist.all_reduce(flags, op=dist.ReduceOp.MIN)
         out[fraction] = {"times": times, "wire": wire, "changed": changed, "identical": bool(flags.item())}
@@ -281,7 +293,7 @@ def _report(case: str, out: list, fractions: list[float], model_bytes: int) -> b
     print(f"\n{case}: model {model_bytes / 2**20:.1f} MiB")
     print(
         "| changed | full ms (median) | delta ms (median) | delta speed vs full (median of per-round ratios) | "
-        "bytes on the wire (delta) | changed bytes | wire / changed | bit-identical |"
+        "bytes on the wire (delta) | changed bytes + their positions | wire / (changed + positions) | bit-identical |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for f in fractions:
@@ -290,7 +302,7 @@ def _report(case: str, out: list, fractions: list[float], model_bytes: int) -> b
         ratio = statistics.median(a / b for a, b in zip(t["full"], t["delta"]))
         wire = statistics.median(abs(w) for w in res["wire"])
         full_rounds = sum(1 for w in res["wire"] if w < 0)
-        changed = statistics.median(res["changed"])
+        changed = statistics.median(c + i for c, i in res["changed"])
         per = f"{wire / changed:.2f}x" if changed else "-"
         note = f" ({full_rounds} rounds full)" if full_rounds else ""
         same = "yes" if res["identical"] else "NO"
