@@ -61,7 +61,7 @@ def _sync(rank: int, held: dict, version: int, options: dict, replies) -> None:
     options = dict(options)
     rename = options.pop("rename", {})
     held = {rename.get(n, n): t for n, t in held.items()}
-    local = [t.tensor if isinstance(t, TensorSlice) else t.to_local() for t in held.values()]
+    local = [t.tensor if isinstance(t, TensorSlice) else getattr(t, "to_local", lambda t=t: t)() for t in held.values()]
     start = time.monotonic()
     try:
         report = reshard_state_dict(held=held, comm_mode=MODE, version=version, **options)
@@ -164,4 +164,37 @@ def replacement(rank: int, folder: str, address: str, orders, replies) -> None:
         ctx.destroy()
     except BaseException:
         replies.put((rank, "error", traceback.format_exc()))
+        raise
+
+
+def whole_trainer(config_dir: str, prompts: list[list[int]], new_tokens: int, members: int, orders, replies) -> None:
+    """A trainer of one process that holds every tensor whole (member 0 of ``members``). Orders: ``("sync", version,
+    perturb)``: perturb the weights (seeded by the version) if asked, reply the Hugging Face model's tokens, then
+    ``reshard_state_dict`` and reply as a trainer rank does."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rlightning_comm import CommContext
+
+    try:
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir), dtype=torch.float32).eval()
+        ctx = CommContext()
+        address = ctx.listen("127.0.0.1:0")
+        replies.put((0, "address", address))
+        ctx.connect(MODE, rank=0, world_size=members, address=address, timeout=60, connect_timeout=BOUND)
+        while (order := orders.get(timeout=BOUND)) is not None:
+            _, version, perturb = order
+            if perturb:
+                gen = torch.Generator().manual_seed(version)
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(torch.randn(p.shape, generator=gen), alpha=0.05)
+            replies.put((0, "tokens", _greedy(model, prompts, new_tokens)))
+            _sync(0, dict(model.named_parameters()), version, {}, replies)
+        ctx.destroy()
+    except BaseException:
+        replies.put((0, "error", traceback.format_exc()))
         raise
