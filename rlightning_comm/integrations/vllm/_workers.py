@@ -5,8 +5,8 @@ outcome over vLLM's own tensor-parallel CPU group before any of them touches the
 workers load a version all together or not at all.
 
 vLLM 0.32's multiprocess executor reads the workers' replies in rank order and stops at the first failure, leaving the
-later workers' replies queued for the next call (vllm-project/vllm#49972): after a failure on several workers, every
-later call of the driver reads a stale reply. So a failure is raised by the engine's last worker only; each other
+later workers' replies queued for the next call (a known vLLM issue): after a failure on several workers, every later
+call of the driver reads a stale reply. So a failure is raised by the engine's last worker only; each other
 worker ends vLLM's weight-update session as vLLM does after an error (:func:`end_session`) and returns.
 """
 
@@ -50,6 +50,7 @@ def fail(engine: Any, error: BaseException | None, errors: list[str | None], tai
         raise restated from error
 
 
+# vllm-project/vllm issue 49972: MultiprocExecutor.collective_rpc stops reading replies at the first failure.
 def end_session(engine: Any) -> bool:
     """On a worker that does not raise: what vLLM's worker does when its ``update_weights`` raises (no session active,
     the engine's target reset). Whether the worker was found (the caller's frames hold it)."""
