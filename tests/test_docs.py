@@ -31,24 +31,10 @@ def test_every_public_name_is_in_the_api_reference():
 
 
 def test_every_reference_directive_names_something_that_exists():
-    import importlib
-    import importlib.util
+    from test_exports import _resolves
 
     for target in sorted(_directives()):
-        parts = target.split(".")
-        for cut in range(len(parts), 0, -1):
-            name = ".".join(parts[:cut])
-            try:
-                obj = importlib.import_module(name)
-            except ModuleNotFoundError as err:
-                if err.name is not None and not name.startswith(err.name):  # it exists, and imports an absent extra
-                    assert cut == len(parts) and importlib.util.find_spec(name), target
-                    break
-                continue
-            for attr in parts[cut:]:
-                assert hasattr(obj, attr), f"docs/reference names {target}, which does not exist"
-                obj = getattr(obj, attr)
-            break
+        assert _resolves(target), f"docs/reference names {target}, which does not exist"
 
 
 def test_every_page_is_in_the_navigation_and_every_nav_entry_exists():
