@@ -9,6 +9,7 @@ raw ``socket``/``TCPStore`` clients that play the stranger.
 from __future__ import annotations
 
 import gc
+import importlib
 import json
 import multiprocessing as mp
 import multiprocessing.connection
@@ -42,9 +43,9 @@ SLACK = 4.0  # what a loaded 2-core machine may add to a bound
 
 
 # ---------------------------------------------------------------------- members
-def _run(fn_name: str, args: tuple, out) -> None:
+def _run(module: str, fn_name: str, args: tuple, kwargs: dict, out) -> None:
     try:
-        globals()[fn_name](out, *args)
+        getattr(importlib.import_module(module), fn_name)(out, *args, **kwargs)
     except BaseException:  # noqa: BLE001 - every failure goes back to the test
         out.send(("failed", fn_name, traceback.format_exc()))
 
@@ -186,9 +187,12 @@ class _Procs:
         self.procs: dict[str, mp.Process] = {}
         self.pipes: dict[str, mp.connection.Connection] = {}
 
-    def start(self, name: str, fn, *args) -> None:
+    def start(self, name: str, fn, *args, **kwargs) -> None:
+        """Run ``fn(pipe, *args, **kwargs)`` (a function of a module the members can import) in a member ``name``."""
         ours, theirs = self._ctx.Pipe()
-        p = self._ctx.Process(target=_run, args=(fn.__name__, args, theirs), daemon=True, name=name)
+        p = self._ctx.Process(
+            target=_run, args=(fn.__module__, fn.__name__, args, kwargs, theirs), daemon=True, name=name
+        )
         p.start()
         theirs.close()
         self.procs[name], self.pipes[name] = p, ours
@@ -440,10 +444,14 @@ def test_arrivals_after_the_group_formed_are_told_who_differs(procs):
         procs.start(f"rank{rank}", _connect_and_report, rank, 3, address)
     for name in ("rank0", "rank1", "rank2"):
         assert procs.next(name, "outcome")[2][0] == "formed"
-    procs.start("bigger", _connect_and_report, 1, 4, address)  # another world size
+    # Another world size: it waits for the next generation (the members may re-form with it), and none opens.
+    t0 = time.monotonic()
+    procs.start("bigger", _connect_and_report, 1, 4, address, connect_timeout=1.5)
     procs.start("second-2", _connect_and_report, 2, 3, address)  # a second claimant of rank 2, alive
-    _, _, (kind, message, _, _) = procs.next("bigger", "outcome")
+    _, _, (kind, message, _, when) = procs.next("bigger", "outcome")
     assert kind == "CommMismatchError" and "world_size differs: 3 on rank 0" in message and "4 on rank 1" in message
+    assert "opened no later generation within connect_timeout" in message, message
+    assert 1.5 <= when - t0 < 1.5 + SLACK, when - t0
     _, _, (kind, message, _, _) = procs.next("second-2", "outcome")
     assert kind == "CommMismatchError" and "rank 2 is taken" in message, message
 

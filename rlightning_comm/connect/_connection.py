@@ -19,24 +19,20 @@ import torch.distributed as dist
 from rlightning_comm import rendezvous
 from rlightning_comm.communicators.base import Communicator
 from rlightning_comm.connect._forming import (
-    Late,
     Opening,
     await_verdict,
-    decide,
     find_generation,
     format_address,
     is_loopback,
-    judge_late,
-    lost_verdict,
     member_info,
     open_generation,
     parse_address,
     post,
     post_verdict,
-    raise_error,
 )
 from rlightning_comm.connect._generation import DESTROY, Connection
 from rlightning_comm.connect._groups import build_group
+from rlightning_comm.connect._judging import Late, decide, judge_late, lost_verdict, raise_error
 from rlightning_comm.connect._liveness import Watch
 from rlightning_comm.errors import CommError, CommTimeoutError, ModeNotBoundError, PeerLostError
 from rlightning_comm.failures import comm_failure
@@ -347,7 +343,7 @@ class Connections:
                 conn.watch.close()  # not counted: rank 0 dropped it already
                 conn.watch = None
             try:
-                judge_late(store, opening, verdict, info, conn.interrupt, mode, self._where(conn))
+                judge_late(store, opening, verdict, info, deadline, conn.interrupt, mode, self._where(conn))
             except Late:
                 after = (opening.nonce, opening.generation)
 
