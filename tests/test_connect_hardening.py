@@ -74,13 +74,13 @@ def _connect_and_report(out, rank: int, world_size: int, address: str, hold: flo
 
 def _dies_in_build(out, rank: int, world_size: int, address: str) -> None:
     """A member that passes the preflight, then dies while the group is built (SIGKILL: no cleanup)."""
-    from rlightning_comm.connect import _connection
+    from rlightning_comm.connect import _groups
 
     def build_group(*args, **kwargs):
         out.send(("dying", rank))
         os.kill(os.getpid(), signal.SIGKILL)
 
-    _connection.build_group = build_group
+    _groups.build_group = build_group
     CommContext().connect(MODE, rank=rank, world_size=world_size, address=address, timeout=60)
 
 
