@@ -50,3 +50,13 @@ def test_every_page_is_in_the_navigation_and_every_nav_entry_exists():
     nav = set(re.findall(r"([\w/-]+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), re.M))
     pages = {str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md")}
     assert pages == nav, f"only in docs/: {sorted(pages - nav)}; only in mkdocs.yml: {sorted(nav - pages)}"
+
+
+def test_benchmarks_is_a_short_report_with_a_command_per_section():
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    lines = text.splitlines()
+    assert len(lines) <= 350, f"BENCHMARKS.md has {len(lines)} lines; it is the current report, at most 350"
+    sections = re.split(r"^## ", text, flags=re.M)[1:]
+    no_command = [s.splitlines()[0] for s in sections if not re.search(r"^    \S", s, re.M) and "GPU" not in s[:10]]
+    assert not no_command, f"sections of BENCHMARKS.md without the command that measures them: {no_command}"
+    assert not re.search(r"\bissue \d+|#\d+\b", text), "BENCHMARKS.md cites the tracker"

@@ -44,24 +44,24 @@ class _Counter:
         from rlightning_comm.weights import _reshard
 
         self.module, self.rounds, self.words, self.texts = _reshard, 0, [], 0
-        self.exchange, self.exchange_texts = _reshard.exchange, _reshard._exchange_texts
+        self.exchange, self.exchange_texts = _reshard.exchange, _reshard.exchange_texts
 
-        def exchange(comm, words, memory):
+        def exchange(comm, words, memory, op):
             self.rounds += 1
             self.words.append(len(words))
-            return self.exchange(comm, words, memory)
+            return self.exchange(comm, words, memory, op)
 
-        def texts(comm, text, memory):
+        def texts(comm, text, memory, op):
             self.texts += 1
-            return self.exchange_texts(comm, text, memory)
+            return self.exchange_texts(comm, text, memory, op)
 
-        _reshard.exchange, _reshard._exchange_texts = exchange, texts
+        _reshard.exchange, _reshard.exchange_texts = exchange, texts
 
     def reset(self) -> None:
         self.rounds, self.words, self.texts = 0, [], 0
 
     def close(self) -> None:
-        self.module.exchange, self.module._exchange_texts = self.exchange, self.exchange_texts
+        self.module.exchange, self.module.exchange_texts = self.exchange, self.exchange_texts
 
 
 # ----------------------------------------------------------------------------------- the geometries
@@ -480,28 +480,35 @@ def _kill_args(member: int):
     return held, wanted
 
 
-def _victim(url: str, connected: bool) -> None:
-    """Member 2, in no world: it dies as it waits for its third chunk, the transfer in flight."""
+def _victim(url: str, connected: bool, point: str) -> None:
+    """Member 2, in no world: it dies as it waits for its third chunk, the transfer in flight (``"midway"``), or once
+    every byte it wants has arrived, before its receipts of the whole transfer (``"before-its-receipts"``)."""
     import os
     import signal
 
     from rlightning_comm.weights._mover import Mover
     from rlightning_comm.weights._reshard import reshard
 
-    original, completed = Mover._complete_chunk, []
+    original, completed, receipt = Mover._complete_chunk, [], Mover._receipt
 
     def complete(self, chunk, launched):
-        completed.append(1)
-        if len(completed) == 3:
+        if point == "midway" and len(completed) == 2:
             os.kill(os.getpid(), signal.SIGKILL)
-        return original(self, chunk, launched)
+        original(self, chunk, launched)
+        completed.append(1)
+
+    def final_receipt(self, peer):
+        if point != "midway" and len(completed) == len(self._s.chunks):  # after the last chunk: a receipt of the whole
+            os.kill(os.getpid(), signal.SIGKILL)
+        return receipt(self, peer)
 
     Mover._complete_chunk = complete
+    Mover._receipt = final_receipt
     held, wanted = _kill_args(2)
     reshard(_kill_group(2, url, connected), held, wanted, 4096)
 
 
-def _killed(rank: int, size: int, url: str, connected: bool) -> dict | None:
+def _killed(rank: int, size: int, url: str, connected: bool, point: str) -> dict | None:
     import subprocess
     import sys
     import time
@@ -513,7 +520,10 @@ def _killed(rank: int, size: int, url: str, connected: bool) -> dict | None:
     member = {0: 0, 1: 1, 2: 3}[rank]
     victim = None
     if rank == 0:
-        code = f"import sys; sys.path[:0] = {sys.path!r}; import test_reshard as t; t._victim({url!r}, {connected!r})"
+        code = (
+            f"import sys; sys.path[:0] = {sys.path!r}; import test_reshard as t; "
+            f"t._victim({url!r}, {connected!r}, {point!r})"
+        )
         victim = subprocess.Popen([sys.executable, "-c", code])
     try:
         comm = _kill_group(member, url, connected)
@@ -537,21 +547,31 @@ def _killed(rank: int, size: int, url: str, connected: bool) -> dict | None:
     return report
 
 
-@pytest.mark.parametrize("connected", [False, True], ids=["group", "connected-mode"])
-def test_a_member_killed_midway_fails_every_survivor_fast_saying_what_it_left(world4, connected) -> None:
+@pytest.mark.parametrize(
+    ("connected", "point"),
+    [(False, "midway"), (True, "midway"), (False, "before-its-receipts")],
+    ids=["group", "connected-mode", "group-before-its-receipts"],
+)
+def test_a_member_killed_midway_fails_every_survivor_fast_saying_what_it_left(world4, connected, point) -> None:
     import re
     import signal
 
     env = {"GLOO_SOCKET_IFNAME": "lo"} if connected else {}
-    holder0, holder1, survivor, _ = world4.run(_killed, connected, timeout=150, env=env)
+    holder0, holder1, survivor, _ = world4.run(_killed, connected, point, timeout=150, env=env)
     assert holder0["victim"] == -signal.SIGKILL, holder0
     # A connected mode's watch names the lost member (PeerLostError); a plain group says a peer is gone (CommError).
     expected = "PeerLostError" if connected else "CommError"
-    for r in (holder0, holder1, survivor):
+    # No member forwards in a reshard: every source waits for each destination's own receipt of the whole transfer, so
+    # a source never returns while a destination it sent to died before confirming, even with every byte delivered.
+    for r in (holder0, holder1):
         assert r["type"] == expected and r["elapsed"] <= BOUND < KILL_TIMEOUT, r
         assert "reshard_state_dict failed midway: " in r["msg"], r
-    for r in (holder0, holder1):
-        assert "destinations at ranks [2, 3] may hold partial weights" in r["msg"], r
+        assert "the transfer with rank 2 failed; destinations at ranks [2, 3] may hold partial weights" in r["msg"], r
+    if point == "before-its-receipts":  # the survivor had everything it wants, and said so: it may return
+        assert survivor["type"] in (None, expected) and survivor["elapsed"] <= BOUND, survivor
+        return
+    assert survivor["type"] == expected and survivor["elapsed"] <= BOUND, survivor
+    assert "reshard_state_dict failed midway: " in survivor["msg"], survivor
     # The survivor had unpacked some buckets: it names what it partly wrote and what it did not touch.
     assert re.search(r"this member's wanted tensors \[.*'w0'.*\] may be partly written", survivor["msg"]), survivor
 

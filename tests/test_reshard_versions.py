@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 from conftest import _world
 from digest_oracle import oracle
+from victims import Rounds, victim_round
 from world import init_world
 
 NAMES = [f"w{i}" for i in range(4)]
@@ -230,43 +227,26 @@ def _kill_sync(member: int, version: int, live: dict | None) -> object:
 def _victim(address: str, round_: int) -> None:
     from rlightning_comm import CommContext
 
-    host, port = address.split("/")[0].rsplit(":", 1)  # listen() may return host:port/secret
-    store = dist.TCPStore(host, int(port), None, False, timedelta(seconds=120))
-    store.set(f"rvkills/ready/{round_}", "1")
-    store.wait([f"rvkills/go/{round_}"], timedelta(seconds=240))
-    ctx = CommContext()
-    ctx.connect(KILL_MODE, rank=VICTIM, world_size=5, address=address, timeout=30)
-    _arm(POINTS[round_])
-    live = {n: torch.zeros(ROWS // WANTERS, COLS) for n in NAMES}
-    try:
-        _kill_sync(VICTIM, round_ + 1, live)
-    finally:
-        store.wait([f"rvkills/done/{round_}"], timedelta(seconds=240))
-        ctx.destroy()
+    with victim_round(address, "rvkills", round_):
+        ctx = CommContext()
+        ctx.connect(KILL_MODE, rank=VICTIM, world_size=5, address=address, timeout=30)
+        _arm(POINTS[round_])
+        live = {n: torch.zeros(ROWS // WANTERS, COLS) for n in NAMES}
+        try:
+            _kill_sync(VICTIM, round_ + 1, live)
+        finally:
+            ctx.destroy()
 
 
 def _kill_rounds(rank: int, size: int, url: str) -> list[dict]:
     ctx = init_world(rank, size, url)
-    victims: list[subprocess.Popen] = []
-    box = [ctx.listen("127.0.0.1:0") if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    address = box[0]
-    host, port = address.split("/")[0].rsplit(":", 1)  # listen() may return host:port/secret
-    store = dist.TCPStore(host, int(port), None, False, timedelta(seconds=200))
     member = MEMBER[rank]
     live = {n: torch.zeros(ROWS // WANTERS, COLS) for n in NAMES} if member >= 2 else None
     out = []
-    try:
-        if rank == 0:
-            for k in range(len(POINTS)):
-                code = f"import sys; sys.path[:0] = {sys.path!r}; import {__name__} as t; t._victim({address!r}, {k})"
-                victims.append(subprocess.Popen([sys.executable, "-c", code]))
+    with Rounds(ctx, rank, __name__, len(POINTS), "rvkills") as rounds:
         for k in range(len(POINTS)):
-            if rank == 0:
-                store.wait([f"rvkills/ready/{k}"], timedelta(seconds=180))
-                store.set(f"rvkills/go/{k}", "1")
-            store.wait([f"rvkills/go/{k}"], timedelta(seconds=200))
-            ctx.connect(KILL_MODE, rank=member, world_size=5, address=address, timeout=30)
+            rounds.open(k)
+            ctx.connect(KILL_MODE, rank=member, world_size=5, address=rounds.address, timeout=30)
             start = time.monotonic()
             try:
                 _kill_sync(member, k + 1, live)
@@ -276,16 +256,7 @@ def _kill_rounds(rank: int, size: int, url: str) -> list[dict]:
             held = {n: oracle(t) for n, t in live.items()} if live is not None else None
             result.update(elapsed=time.monotonic() - start, held=held, version=ctx.get_weight_version(KILL_MODE))
             out.append(result)
-            dist.barrier()
-            if rank == 0:
-                store.set(f"rvkills/done/{k}", "1")
-                victims[k].wait(timeout=60)
-                out[-1]["victim"] = victims[k].returncode
-    finally:
-        for v in victims:
-            if v.poll() is None:
-                v.kill()  # by its pid: ours
-                v.wait(timeout=10)
+            result["victim"] = rounds.close(k)
     return out
 
 

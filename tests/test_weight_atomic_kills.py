@@ -13,15 +13,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import subprocess
-import sys
 import time
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 from conftest import _world
 from digest_oracle import oracles
+from victims import Rounds, victim_round
 from world import init_world
 
 POINTS = ["none", "handshake", "data", "staged", "voted", "decided", "applying"]
@@ -84,43 +81,26 @@ def _victim(address: str, round_: int) -> None:
     """A victim engine: waits for its round, joins the mode as member 2, dies at the round's point."""
     from rlightning_comm import CommContext, broadcast_state_dict
 
-    host, port = address.split("/")[0].rsplit(":", 1)  # listen() returns host:port/secret
-    store = dist.TCPStore(host, int(port), None, False, timedelta(seconds=120))
-    store.set(f"kills/ready/{round_}", "1")  # torch and the library are imported: it joins within the mode's timeout
-    store.wait([f"kills/go/{round_}"], timedelta(seconds=240))
-    ctx = CommContext()
-    ctx.connect(MODE, rank=VICTIM, world_size=5, address=address, timeout=30)
-    _arm(POINTS[round_])
-    try:
-        broadcast_state_dict(_state(0), MODE, src=0, bucket_bytes=BUCKET, version=round_ + 1, atomic=True)
-    finally:
-        store.wait([f"kills/done/{round_}"], timedelta(seconds=240))
-        ctx.destroy()
+    with victim_round(address, "kills", round_):
+        ctx = CommContext()
+        ctx.connect(MODE, rank=VICTIM, world_size=5, address=address, timeout=30)
+        _arm(POINTS[round_])
+        try:
+            broadcast_state_dict(_state(0), MODE, src=0, bucket_bytes=BUCKET, version=round_ + 1, atomic=True)
+        finally:
+            ctx.destroy()
 
 
 def _rounds(rank: int, size: int, url: str) -> list[dict]:
     from rlightning_comm import broadcast_state_dict
 
     ctx = init_world(rank, size, url)
-    victims: list[subprocess.Popen] = []
-    box = [ctx.listen("127.0.0.1:0") if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    address = box[0]
-    host, port = address.split("/")[0].rsplit(":", 1)  # listen() returns host:port/secret
-    store = dist.TCPStore(host, int(port), None, False, timedelta(seconds=200))
     out = []
-    try:
-        if rank == 0:
-            for k in range(len(POINTS)):
-                code = f"import sys; sys.path[:0] = {sys.path!r}; import {__name__} as t; t._victim({address!r}, {k})"
-                victims.append(subprocess.Popen([sys.executable, "-c", code]))
+    with Rounds(ctx, rank, __name__, len(POINTS), "kills") as rounds:
         live = _state(0)
         for k in range(len(POINTS)):
-            if rank == 0:  # the victim may still be importing torch on this loaded machine: wait for it, bounded
-                store.wait([f"kills/ready/{k}"], timedelta(seconds=180))
-                store.set(f"kills/go/{k}", "1")
-            store.wait([f"kills/go/{k}"], timedelta(seconds=200))
-            ctx.connect(MODE, rank=MEMBER[rank], world_size=5, address=address, timeout=30)
+            rounds.open(k)
+            ctx.connect(MODE, rank=MEMBER[rank], world_size=5, address=rounds.address, timeout=30)
             state = _state(k + 1) if rank == 0 else live
             start = time.monotonic()
             try:
@@ -132,16 +112,7 @@ def _rounds(rank: int, size: int, url: str) -> list[dict]:
             if result["type"] is None:
                 result["report"] = dataclasses.asdict(report)
             out.append(result)
-            dist.barrier()  # every survivor is done with round k before its victim may go
-            if rank == 0:
-                store.set(f"kills/done/{k}", "1")
-                victims[k].wait(timeout=60)
-                out[-1]["victim"] = victims[k].returncode
-    finally:
-        for v in victims:
-            if v.poll() is None:
-                v.kill()  # by its pid: ours
-                v.wait(timeout=10)
+            result["victim"] = rounds.close(k)  # every survivor is done with round k before its victim may go
     return out
 
 

@@ -1,8 +1,9 @@
-"""A relay that dies mid-transfer, in a gloo group with no watch (no connected mode): every member fails within seconds.
+"""A member of a relay that dies mid-transfer, in a gloo group with no watch (no connected mode): every member fails
+within seconds, the source too when the victim is the end of the chain (the receipts travel back up it).
 
-The group: the source (group rank 0, world rank 0), the victim (group rank 1, a process of its own, first in the chain),
-and two engines downstream of it (group ranks 2 and 3, world ranks 1 and 2). The group's timeout is long: nobody may
-wait it out.
+The group: the source (group rank 0, world rank 0), the victim (a process of its own: group rank 1, first in the chain,
+or group rank 3, last) and two engines (world ranks 1 and 2, the other group ranks). The group's timeout is long: nobody
+may wait it out.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 import time
 from datetime import timedelta
 
+import pytest
 import torch
 from world import init_world
 
@@ -23,10 +25,18 @@ TENSORS, ELEMENTS, BUCKET = 24, 512, 4096
 UNITS = 12  # 24 tensors of 2 KiB in buckets of 4 KiB
 
 
-def _options(version: int):
+# Where the victim dies in version 2: its group rank, whether the sync verifies.
+POINTS = {
+    "first-relay-midway": (1, False),  # the first relay, once its third unit has arrived, before forwarding it
+    "end-before-its-receipt": (3, False),  # the end of the chain, every unit in, before its receipt of the whole
+    "end-in-the-verification": (3, True),  # the end of the chain, data phase done, in the digests' round
+}
+
+
+def _options(version: int, verify: bool):
     from rlightning_comm.weights._versions import SyncOptions
 
-    return SyncOptions(version, False, False, None, None, "RELAY")
+    return SyncOptions(version, verify, False, None, None, "RELAY")
 
 
 def _state(rank: int) -> dict[str, torch.Tensor]:
@@ -46,27 +56,31 @@ def _group(rank: int, url: str):
     return GlooCommunicator(group, range(4), "RELAY", timeout=TIMEOUT, rank=rank)
 
 
-def _victim(url: str) -> None:
-    """Group rank 1, the first relay: takes version 1 whole, then dies once the third unit of version 2 has arrived,
-    before forwarding it."""
-    from rlightning_comm.weights import _pipeline
+def _victim(url: str, point: str) -> None:
+    """Takes version 1 whole, then dies at ``point`` of version 2 (see ``POINTS``)."""
+    from rlightning_comm.weights import _commit, _pipeline
     from rlightning_comm.weights._broadcast import transfer
 
+    member, verify = POINTS[point]
     original, seen = _pipeline.Pipeline._complete, []
 
     def complete(self, entry):
         seen.append(1)
-        if len(seen) == UNITS + 3:
+        if member == 1 and len(seen) == UNITS + 3:
             os.kill(os.getpid(), signal.SIGKILL)
-        return original(self, entry)
+        out = original(self, entry)
+        if len(seen) == 2 * UNITS and not verify:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
 
     _pipeline.Pipeline._complete = complete
-    comm = _group(1, url)
-    for version in (1, 2):
-        transfer(comm, _state(1), 0, BUCKET, False, _options(version), "chain")
+    comm = _group(member, url)
+    transfer(comm, _state(member), 0, BUCKET, False, _options(1, verify), "chain")
+    _commit.Sync._settle = lambda self, mine: os.kill(os.getpid(), signal.SIGKILL)
+    transfer(comm, _state(member), 0, BUCKET, False, _options(2, verify), "chain")
 
 
-def _run(rank: int, size: int, url: str) -> dict:
+def _run(rank: int, size: int, url: str, point: str) -> dict:
     from rlightning_comm.weights._broadcast import transfer
 
     ctx = init_world(rank, size, url)
@@ -74,15 +88,16 @@ def _run(rank: int, size: int, url: str) -> dict:
         return {}
     victim = None
     if rank == 0:
-        code = f"import sys; sys.path[:0] = {sys.path!r}; import {__name__} as t; t._victim({url!r})"
+        code = f"import sys; sys.path[:0] = {sys.path!r}; import {__name__} as t; t._victim({url!r}, {point!r})"
         victim = subprocess.Popen([sys.executable, "-c", code])
     start, out = time.monotonic(), {}
     try:
-        comm = _group({0: 0, 1: 2, 2: 3}[rank], url)
-        transfer(comm, _state(rank), 0, BUCKET, False, _options(1), "chain")
+        member, verify = POINTS[point]
+        comm = _group({0: 0, 1: 2, 2: 3}[rank] if member == 1 else rank, url)
+        transfer(comm, _state(rank), 0, BUCKET, False, _options(1, verify), "chain")
         out = {"before": ctx.get_weight_version("RELAY")}
         start = time.monotonic()
-        transfer(comm, _state(rank), 0, BUCKET, False, _options(2), "chain")
+        transfer(comm, _state(rank), 0, BUCKET, False, _options(2, verify), "chain")
         out["type"] = None
     except RuntimeError as err:
         out.update(type=type(err).__name__, msg=str(err))
@@ -100,13 +115,21 @@ def _run(rank: int, size: int, url: str) -> dict:
     return out
 
 
-def test_a_relay_killed_midway_fails_every_member_within_seconds(world4) -> None:
-    source, second, third, _ = world4.run(_run, timeout=120)
+@pytest.mark.parametrize("point", list(POINTS))
+def test_a_relay_killed_midway_fails_every_member_within_seconds(world4, point) -> None:
+    source, second, third, _ = world4.run(_run, point, timeout=120)
     assert source["victim"] == -signal.SIGKILL, source
     for r in (source, second, third):
         assert r["type"] in ("CommError", "CommTimeoutError") and r["elapsed"] < BOUND < TIMEOUT, r
+    if POINTS[point][1]:  # every member had all its bytes: the digests' round is what fails
+        for r in (source, second, third):
+            assert "the verification did not complete; this member's weights are unverified" in r["msg"], r
+            assert r is source or (r["before"] == 1 and r["after"] is None), r  # unverified: no version
+        return
+    for r in (source, second, third):
         assert "broadcast_state_dict failed midway" in r["msg"], r
-    assert "the transfer to rank 1 failed" in source["msg"], source
+    # The source sends to the first of the chain only; its receipt of the whole transfer is the whole chain's.
+    assert "the transfer to rank 1 failed (the first of the relay: it or a member after it was lost)" in source["msg"]
     for r in (second, third):
         assert "units had arrived" in r["msg"] or "units had completed" in r["msg"], r
         # Partly written, not atomic: the version it held is forgotten (its weights are no one version now).

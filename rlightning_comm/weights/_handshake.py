@@ -11,111 +11,26 @@ word each shares those verdicts. A problem on any rank is then exchanged as text
 raises the same error before any weight moves, and the group stays in step.
 
 Everything here calls the mode's own process group directly (not the communicator's methods, which stats or debug mode
-may wrap), so it works on a group outside torch's world and uses no store. Over gloo with host tensors a round is two
-hops of point-to-point messages through group rank 0, run in the calling threads; a gloo all-gather hands its work to a
-worker thread and runs a ring, which took about twice as long on 3 ranks here. Other backends all-gather; on CUDA on a
-stream of the handshake's own, read back through pinned memory, so the host waits for the handshake's few bytes only and
-never for the work the caller queued on its stream.
+may wrap), so it works on a group outside torch's world and uses no store: the rounds are :mod:`._rounds`'s, and the
+manifest's broadcasts go the same way.
 """
 
 from __future__ import annotations
 
 import json
-import struct
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import AllgatherOptions
 
-from rlightning_comm.failures import LAUNCH_ERRORS
 from rlightning_comm.weights._assemble import assemble, relay_routes
 from rlightning_comm.weights._commit import Sync
 from rlightning_comm.weights._inputs import Problem, describe, mismatch, named_tensors, overlapping, uncovered
 from rlightning_comm.weights._memory import Kept, kept
 from rlightning_comm.weights._plan import Entry, build_plan, deliveries
+from rlightning_comm.weights._rounds import ERRORS, exchange, on_device, raise_shared, rounds
 from rlightning_comm.weights._transport import point_to_point
 from rlightning_comm.weights._versions import SyncOptions
-
-HANDSHAKE_TAG = 0x5755  # the point-to-point tag of the exchange over gloo (the data's is the next-lower one)
-_ERRORS: dict[str, type[Exception]] = {
-    cls.__name__: cls for cls in (TypeError, ValueError, RuntimeError, NotImplementedError)
-}
-
-
-def _on_device(comm: Any, memory: Kept, run: Any) -> torch.Tensor:
-    """``run(device)``, a collective that returns a tensor on ``comm``'s device, and that tensor on the host.
-
-    On CUDA on the handshake's own stream: the collective then waits for nothing the caller queued, and the host waits
-    for its result only.
-    """
-    device = comm.device
-    if device.type == "cpu":
-        return run(device)
-    if device.type != "cuda":
-        return run(device).cpu()
-    if memory.stream is None:
-        memory.stream = torch.cuda.Stream(device=device)
-    with torch.cuda.stream(memory.stream):
-        out = run(device)
-        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
-        host.copy_(out, non_blocking=True)
-        memory.stream.synchronize()
-    return host
-
-
-def exchange(comm: Any, words: list[int], memory: Kept) -> list[list[int]]:
-    """Every member's ``words`` (the same count on each), in group-rank order, on every member: one round of the
-    handshake."""
-    n = len(words)
-    mine = torch.tensor(words, dtype=torch.int64)
-    if not point_to_point(comm):
-
-        def gather(device: torch.device) -> torch.Tensor:
-            rows = torch.empty(comm.world_size, n, dtype=torch.int64, device=device)
-            comm._run(
-                "broadcast_state_dict",
-                lambda: comm.group.allgather([list(rows.unbind())], [mine.to(device)], AllgatherOptions()),
-            )
-            return rows
-
-        return _on_device(comm, memory, gather).tolist()
-    rows = torch.empty(comm.world_size, n, dtype=torch.int64)
-    group, peers = comm.group, range(1, comm.world_size)
-    try:
-        if comm.rank == 0:
-            rows[0] = mine
-            for work in [group.recv([rows[peer]], peer, HANDSHAKE_TAG) for peer in peers]:
-                work.wait()
-            works = [group.send([rows], peer, HANDSHAKE_TAG) for peer in peers]
-        else:
-            works = [group.send([mine], 0, HANDSHAKE_TAG), group.recv([rows], 0, HANDSHAKE_TAG)]
-        for work in works:
-            work.wait()
-    except LAUNCH_ERRORS as err:
-        raise comm._failure("broadcast_state_dict", err) from err
-    return rows.tolist()
-
-
-def _exchange_texts(comm: Any, text: str | None, memory: Kept) -> list[str | None]:
-    """Every member's ``text`` (``None``: none), in group-rank order: two rounds (the lengths, then the padded
-    bytes)."""
-    data = b"" if text is None else text.encode()
-    lengths = [row[0] for row in exchange(comm, [len(data) if text is not None else -1], memory)]
-    width = -(-max(max(lengths), 0) // 8)
-    if width == 0:
-        return ["" if n == 0 else None for n in lengths]
-    rows = exchange(comm, list(struct.unpack(f"<{width}q", data.ljust(8 * width, b"\0"))), memory)
-    return [None if n < 0 else struct.pack(f"<{width}q", *row)[:n].decode() for row, n in zip(rows, lengths)]
-
-
-def raise_shared(comm: Any, problem: Problem, memory: Kept) -> None:
-    """Exchange every member's problem and raise the first one's type, naming every rank that has one (call on every
-    member, after a round showed one)."""
-    texts = _exchange_texts(comm, None if problem is None else f"{problem[0].__name__}\0{problem[1]}", memory)
-    found = [(rank, *text.split("\0", 1)) for rank, text in zip(comm.ranks, texts) if text is not None]
-    detail = "; ".join(f"rank {rank}: {msg}" for rank, _, msg in found)
-    raise _ERRORS.get(found[0][1], RuntimeError)(f"broadcast_state_dict: nothing was transferred; {detail}")
 
 
 def broadcast_manifest(
@@ -135,10 +50,10 @@ def broadcast_manifest(
 
         return run
 
-    n = int(_on_device(comm, memory, bcast(size))[0])
+    n = int(on_device(comm, memory, bcast(size))[0])
     buffer = bytearray(payload) if offer is not None else bytearray(n)
     data = torch.frombuffer(buffer, dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
-    received = _on_device(comm, memory, bcast(data))
+    received = on_device(comm, memory, bcast(data))
     if offer is not None:
         return offer
     if received.data_ptr() != data.data_ptr():
@@ -189,7 +104,7 @@ def _inspect(
             None,
             [],
             [],
-            (type(err) if type(err) in _ERRORS.values() else RuntimeError, f"its tensors could not be read: {err}"),
+            (type(err) if type(err) in ERRORS.values() else RuntimeError, f"its tensors could not be read: {err}"),
         )
 
 
@@ -289,9 +204,19 @@ def agree(
         kept_plan = memory.plans[src] = (*kept_plan[:2], deliveries(plan))
     leaves = {r for r, row in enumerate(rows) if row[9] and not options.atomic and r != comm._group_rank_of[src]}
     routes = relay_routes(comm, FANOUTS[rows[0][-1]], sends, src, leaves)
-    rounds = (lambda words: exchange(comm, words, memory), lambda text: _exchange_texts(comm, text, memory))
     memory.unfinished = assemble(
-        comm, plan, kept_plan[2], src, items, load, sends, routes, options, memory, cached, rounds
+        comm,
+        plan,
+        kept_plan[2],
+        src,
+        items,
+        load,
+        sends,
+        routes,
+        options,
+        memory,
+        cached,
+        rounds(comm, memory, "broadcast_state_dict"),
     )
     return memory.unfinished
 

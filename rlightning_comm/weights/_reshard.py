@@ -21,18 +21,16 @@ from rlightning_comm.context import CommContext
 from rlightning_comm.errors import CommError
 from rlightning_comm.modes import CommMode, ParallelMode
 from rlightning_comm.weights._commit import Sync, mode_store
-from rlightning_comm.weights._handshake import _ERRORS, _exchange_texts, exchange
 from rlightning_comm.weights._memory import hash_key, kept
 from rlightning_comm.weights._mover import OP, Mover
 from rlightning_comm.weights._report import WeightSyncReport
+from rlightning_comm.weights._rounds import exchange, exchange_texts, raise_shared, rounds
 from rlightning_comm.weights._schedule import Schedule, build_schedule
 from rlightning_comm.weights._slices import Block, Named, collect, metadata
 from rlightning_comm.weights._tally import Tally
 from rlightning_comm.weights._versions import SyncOptions
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20
-
-# Per communicator: (the plan's key, this member's schedule). Dies with the communicator.
 
 
 def reshard_state_dict(
@@ -151,7 +149,6 @@ def reshard(
         tally = Tally(comm, {n: e.global_shape for n, e in names.items()}) if options.verify else None
         mover = Mover(comm, schedule, names, memory.slots)
         mover.tally, mover.staging = tally, live is not None
-        rounds = (lambda words: exchange(comm, words, memory), lambda text: _exchange_texts(comm, text, memory))
         sync = Sync(
             comm,
             mover,
@@ -162,7 +159,7 @@ def reshard(
             tally,
             live,
             cached,
-            rounds,
+            rounds(comm, memory, OP),
             OP,
             applies=bool(schedule.wanted_names),
             coordinator=ranks[0],
@@ -187,13 +184,6 @@ def _staged(names: dict[str, Named]) -> tuple[dict[str, Named], tuple[list, list
     return out, (live, staged)
 
 
-def _raise_shared(comm: Any, problem: Any, memory: Any) -> None:
-    texts = _exchange_texts(comm, None if problem is None else f"{problem[0].__name__}\0{problem[1]}", memory)
-    found = [(rank, *text.split("\0", 1)) for rank, text in zip(comm.ranks, texts) if text is not None]
-    detail = "; ".join(f"rank {rank}: {msg}" for rank, _, msg in found)
-    raise _ERRORS.get(found[0][1], RuntimeError)(f"{OP}: nothing was transferred; {detail}")
-
-
 def _agree(
     comm: Any, held: Any, wanted: Any, bucket_bytes: Any, memory: Any, options: SyncOptions
 ) -> tuple[dict[str, Named], Schedule, bool, tuple[list, list] | None, list[int]]:
@@ -213,9 +203,9 @@ def _agree(
     kept_plan = memory.reshard_plan
     kept_key = kept_plan[0] if kept_plan is not None else (0, 0)
     words = [int(problem is not None), bucket_bytes if problem is None else 0, *mine, *kept_key, int(wants), int(holds)]
-    rows = exchange(comm, [*words, *options.words()], memory)
+    rows = exchange(comm, [*words, *options.words()], memory, OP)
     if any(row[0] for row in rows):
-        _raise_shared(comm, problem, memory)
+        raise_shared(comm, problem, memory, OP)
     ranks = comm.ranks
     wanters = [r for r, row in zip(ranks, rows) if row[6]]
     holders = {r for r, row in zip(ranks, rows) if row[7]}
@@ -224,7 +214,7 @@ def _agree(
     key = hash_key((tuple(tuple(row[2:4]) for row in rows), bucket))
     if kept_plan is not None and all(tuple(row[4:6]) == key for row in rows):
         return names, kept_plan[1], True, live, wanters
-    metas = [json.loads(t) for t in _exchange_texts(comm, text, memory)]
+    metas = [json.loads(t) for t in exchange_texts(comm, text, memory, OP)]
     memory.reshard_plan = None
     try:
         schedule = build_schedule(metas, bucket, comm.ranks, comm.rank)

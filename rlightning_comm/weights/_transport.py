@@ -31,8 +31,11 @@ to the next once it has arrived (a bucket from its staging buffer while it unpac
 itself). Every hop is a source-destination pair as
 above: the "posted" message, a receipt per bucket before the sender reuses
 its buffer, one for the whole transfer; a relay waits for a bucket's forward before it frees the buffer, and takes its
-units in order (a relay forwards unit k only once its successor has taken unit k - 2). Any member of a chain that fails
-closes the group's connections, so everything downstream and upstream of it fails at once too.
+units in order (a relay forwards unit k only once its successor has taken unit k - 2). A relay sends its receipt of the
+whole transfer only once its successor's has come (and its forwards have completed), so the receipts travel back up the
+chain and the source's one receipt says that every member of it has everything: the source never returns while a member
+further down is lost (one small message per hop, back to back, at the end). Any member of a chain that fails closes the
+group's connections, so everything downstream and upstream of it fails at once too.
 
 A transfer that fails midway raises the failure (``CommError`` or ``CommTimeoutError``) with what this rank knows about
 the weights it left: on a destination whether its tensors were partly written (and how many buckets a ``load`` callable
@@ -92,6 +95,11 @@ class Transfer:
         route: With ``sends``, where this rank receives from and sends to (group ranks: the predecessor or ``None`` on
             the source, and the successors); ``None``: a star, the source sending to every destination.
     """
+
+    end_to_end = True
+    """Whether a relay acknowledges the whole transfer only once its successors have (what makes the source's return
+    mean that every destination has everything). Off only to measure what it costs:
+    ``benchmarks/bench_weight_versions.py``."""
 
     def __init__(
         self,
@@ -189,8 +197,14 @@ class Transfer:
         units = len(self._plan.units)
         if not self._is_source:
             return self._left()
-        ranks = self._comm.ranks
-        where = "" if self._failed_peer is None else f"the transfer to rank {ranks[self._failed_peer]} failed; "
+        ranks, peer = self._comm.ranks, self._failed_peer
+        where = "" if peer is None else f"the transfer to rank {ranks[peer]} failed; "
+        if peer is not None and self._relay and peer == self._peers[0]:
+            # Its receipt of the whole transfer is the rest of the chain's: the one lost may be further down.
+            where = (
+                f"the transfer to rank {ranks[peer]} failed (the first of the relay: it or a member after it was "
+                "lost); "
+            )
         if not self._launched:
             return f"{where}the source had sent nothing (0 of {units} units): no destination was written"
         dsts = [ranks[r] for r in self._dsts]
@@ -308,12 +322,19 @@ class Transfer:
             self._wait(works)
         while self._pending:
             complete(self._pending.popleft())
+        downstream = self._relay and self._peers and self._from is not None
+        if downstream and self.end_to_end:
+            self._wait_downstream()  # before this member's receipt, which thus says everyone after it has everything
         if self._sends and self._from is not None:
-            self._outbox += self._token()  # the receipt of the whole transfer
-        if self._relay and self._peers and self._from is not None:
-            # The successors' receipts of the whole transfer, then the in-place pieces forwarded to them.
-            forwards, self._forwards = self._forwards, []
-            self._wait(self._tokens() + [work for works in forwards for work in works], sent=True)
+            self._outbox += self._token()  # the receipt of the whole transfer (in a chain: of the rest of the chain's)
+        if downstream and not self.end_to_end:
+            self._wait_downstream()
         posted, self._outbox = self._outbox, []
         for work in posted:
             work.wait()
+
+    def _wait_downstream(self) -> None:
+        """On a relay: wait for its successors' receipts of the whole transfer, then for the in-place pieces it
+        forwarded to them."""
+        forwards, self._forwards = self._forwards, []
+        self._wait(self._tokens() + [work for works in forwards for work in works], sent=True)
