@@ -257,6 +257,37 @@ def test_generations_free_their_communicators_and_buffers():
     assert all(r() is None for r in refs)
 
 
+def test_a_group_build_waits_for_its_peers_until_told_to_stop_or_its_timeout():
+    """gloo's rendezvous waits on the store through one that ends the wait when the build should stop (its generation
+    was lost, the interpreter exits): a build left behind ends at once, not at the group's timeout."""
+    from rlightning_comm.connect._groups import build_group
+
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False, use_libuv=True)
+    why: list[str] = []
+    outcome: list = []
+
+    def build(key: str, timeout: float) -> None:
+        store = dist.PrefixStore(key, server)
+        try:
+            build_group("gloo", store, 0, 2, timeout, "127.0.0.1", key, lambda: why[0] if why else None)
+        except RuntimeError as err:  # member 1 never comes
+            outcome.append((err, time.monotonic()))
+
+    thread = threading.Thread(target=build, args=("stopped", 60.0))
+    thread.start()
+    time.sleep(0.3)  # it waits for member 1's address
+    why.append("the generation was lost")
+    told = time.monotonic()
+    thread.join(10)
+    assert not thread.is_alive() and outcome and "the generation was lost" in str(outcome[0][0]), outcome
+    assert outcome[0][1] - told < 1.0, outcome[0][1] - told
+    why.clear()
+    t0 = time.monotonic()
+    build("alone", 0.5)
+    assert isinstance(outcome[1][0], dist.DistStoreError) and "timed out after 0.5 s" in str(outcome[1][0])
+    assert 0.5 <= outcome[1][1] - t0 < 0.5 + SLACK
+
+
 def test_rank_0_closing_its_watch_tells_every_member_it_closed():
     """Rank 0's watch tells every member it closes before its thread closes a socket: the first member's answer (it
     closes its end) must not make rank 0's thread cut the others off, which they would take for rank 0's death."""
