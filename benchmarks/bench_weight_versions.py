@@ -6,14 +6,19 @@ plain sync, and seeding a newcomer from a peer, on 1 to 4 engines, in one run pe
 round, two warm-up rounds first); a round's time for a way is the slowest rank's:
 
 * star: ``broadcast_state_dict(state, fanout="star")``: the source sends every unit to every engine;
-* relay: ``fanout="chain"``: the source sends each unit once, the engines forward it down a chain;
+* relay: ``fanout="chain"``: the source sends each unit once, the engines forward it down a chain; a relay acknowledges
+  the whole transfer only once its successor has, so the trainer returns only when the last engine holds everything;
+* early: the relay with that end-to-end receipt turned off (``Transfer.end_to_end``, a switch for this measurement
+  only): each relay acknowledges as soon as it holds everything, and the trainer may return while engines further down
+  the chain are still receiving (or dead). What the guarantee costs: the trainer's own call time, relay against early;
 * verify: the relay with ``verify=True`` (per-tensor digests computed as the bytes pass, one more round);
 * atomic: the relay with ``atomic=True`` and a version (staging, verify, the commit through the world's store);
 * seed: engine 1 sends the model to engine E over a group of the two (the trainer takes no part); with E = 1, the
   trainer's sync to engine 1 over the same kind of group ("seed" then stands for "a sync from the trainer");
 * limit: one ``torch.distributed.broadcast`` of a flat buffer of the same bytes over the whole group.
 
-Trainer egress is counted from the reports (``sum(report.sent.values())`` on rank 0), not from time.
+Trainer egress is counted from the reports (``sum(report.sent.values())`` on rank 0), not from time. With one engine
+there is no relay (relay, early and star are one path).
 
     python benchmarks/bench_weight_versions.py [--engines 1,2,3,4] [--rounds 7]
 """
@@ -49,6 +54,7 @@ def _task(rank: int, nproc: int, rounds: int) -> dict:
     import torch.distributed as dist
 
     from rlightning_comm import CommContext, broadcast_state_dict
+    from rlightning_comm.weights._transport import Transfer
 
     torch.set_num_threads(1)
     engines = nproc - 1
@@ -71,6 +77,13 @@ def _task(rank: int, nproc: int, rounds: int) -> dict:
 
         return run
 
+    def early() -> None:
+        Transfer.end_to_end = False  # on every rank: only the relays' order changes
+        try:
+            broadcast_state_dict(state, "SYNC", src=0, fanout="chain")
+        finally:
+            Transfer.end_to_end = True
+
     def atomic() -> None:
         version[0] += 1
         broadcast_state_dict(state, "SYNC", src=0, fanout="chain", version=version[0], atomic=True)
@@ -85,6 +98,7 @@ def _task(rank: int, nproc: int, rounds: int) -> dict:
     ways = {
         "star": sync("star", fanout="star"),
         "relay": sync("relay", fanout="chain"),
+        "early": early,
         "verify": sync("verify", fanout="chain", verify=True),
         "atomic": atomic,
         "seed": seed,
@@ -92,18 +106,21 @@ def _task(rank: int, nproc: int, rounds: int) -> dict:
     }
     names = list(ways)
     times: dict[str, list[float]] = {name: [] for name in names}
+    trainer: dict[str, list[float]] = {name: [] for name in names}  # rank 0's own call time
     for r in range(rounds + 2):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             dist.barrier(group=group)
             t0 = time.perf_counter()
             ways[name]()
-            elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            mine = time.perf_counter() - t0
+            elapsed = torch.tensor([mine], dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
             if r >= 2:
                 times[name].append(elapsed.item())
+                trainer[name].append(mine)
     reference = _model(seed=0)
     identical = all(torch.equal(state[k], reference[k]) for k in reference)
-    return {"times": times, "egress": egress, "bytes": total, "identical": identical}
+    return {"times": times, "trainer": trainer, "egress": egress, "bytes": total, "identical": identical}
 
 
 def main() -> None:
@@ -119,9 +136,15 @@ def main() -> None:
         "| atomic vs relay | seed from a peer ms | relay vs limit | bit-identical |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
+    receipts = []
     for engines in (int(e) for e in args.engines.split(",")):
         out = run_ranks(_task, engines + 1, args.rounds)[0]
-        t, mib = out["times"], 2**20
+        t, mib, own = out["times"], 2**20, out["trainer"]
+        receipts.append(
+            f"| {engines} | {statistics.median(own['relay']) * 1e3:.1f} | {statistics.median(own['early']) * 1e3:.1f} "
+            f"| {statistics.median(x / y for x, y in zip(own['relay'], own['early'])):.2f}x "
+            f"| {statistics.median(x / y for x, y in zip(t['relay'], t['early'])):.2f}x |"
+        )
 
         def med(name: str, t: dict = t) -> float:
             return statistics.median(t[name]) * 1e3
@@ -135,6 +158,13 @@ def main() -> None:
             f"| {ratio('atomic', 'relay'):.2f}x time | {med('seed'):.1f} | {ratio('limit', 'relay'):.2f}x "
             f"| {'yes' if out['identical'] else 'NO'} |"
         )
+    print()
+    print(
+        "| engines | trainer's call, relay (ms) | trainer's call, early (ms) | trainer's call, relay vs early (x time) "
+        "| slowest rank, relay vs early (x time) |"
+    )
+    print("|---|---|---|---|---|")
+    print("\n".join(receipts))
     print()
     wall = time.perf_counter() - started
     print(f"model {out['bytes'] / 2**20:.1f} MiB; wall {wall:.0f} s; load after: {os.getloadavg()}")

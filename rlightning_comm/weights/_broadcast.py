@@ -101,7 +101,8 @@ def broadcast_state_dict(
     each destination (point to point); other backends broadcast them. Each rank stages at most two buckets. Tensors the
     source holds more than once (tied weights) travel once. With two or more destinations that can forward
     (``fanout="chain"``, the default point to point), the source sends each piece once, to the first destination, and
-    each destination forwards it to the next while it receives the following one.
+    each destination forwards it to the next while it receives the following one; the receipts travel back up the
+    chain, so the source returns only once every destination holds everything, as with the star.
 
     With ``version``, a destination records the version it committed (:meth:`CommContext.get_weight_version`), and a
     sync is refused on every member before any byte moves when a destination has committed this version or a later one,
