@@ -195,3 +195,20 @@ def test_words_at_any_offset_compare_alike() -> None:
             _roundtrip(cur[lo:hi], snap[lo:hi], target[lo:hi])
             assert np.array_equal(_bytes(target[lo:hi]), _bytes(cur[lo:hi])), (dtype, lo, hi)
             assert np.array_equal(_bytes(target[:lo]), _bytes(snap[:lo])), (dtype, lo, hi)  # nothing else written
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.02, 0.3, 1.0])
+def test_without_numpy_the_host_takes_torch_ops_alike(monkeypatch, fraction: float) -> None:
+    """The library runs without numpy: the bit work then goes through torch ops on the host, with the same bytes."""
+    gen = torch.Generator().manual_seed(13)
+    cases = []
+    for dtype in (torch.bfloat16, torch.float32, torch.int8, torch.complex64):
+        snap = _random((3, 70_001), dtype, gen)
+        cases.append((snap, _changed(snap, fraction, gen)))
+    with_numpy = [torch.cat(_delta.encode(_changes.words(c).view(-1), _changes.words(s).view(-1))[0]) for s, c in cases]
+    monkeypatch.setattr(_changes, "np", None)
+    for (snap, cur), expected in zip(cases, with_numpy):
+        target = snap.clone()
+        sections, _ = _roundtrip(cur, snap, target)
+        assert np.array_equal(_bytes(target), _bytes(cur)), (cur.dtype, fraction)
+        assert torch.equal(torch.cat(sections), expected), (cur.dtype, fraction)  # the same bytes either way

@@ -17,10 +17,14 @@ on a device with torch ops; their words are then gathered and written by positio
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-import numpy as np
 import torch
+
+try:  # the host's fast path; without numpy (the library runs without it) torch ops on the host too
+    import numpy as np
+except ImportError:  # pragma: no cover - exercised by the suite's test without numpy
+    np = None
 
 BLOCK_BITS = 16
 BLOCK = 1 << BLOCK_BITS  # words per block of a sparse record: a position within its block fits 16 bits
@@ -115,7 +119,12 @@ def _shifts(device: torch.device) -> torch.Tensor:
     return s
 
 
-def _set_bits(bits: np.ndarray) -> np.ndarray:
+def on_host(t: torch.Tensor) -> bool:
+    """Whether ``t``'s bit work goes through numpy (a host tensor, numpy importable)."""
+    return t.is_cpu and np is not None
+
+
+def _set_bits(bits: Any) -> Any:
     """The positions of the set bits of ``bits`` (little bit order), ascending, as int64.
 
     numpy's ``nonzero`` of a bool array writes its indices without a branch; of other dtypes it branches per element
@@ -129,7 +138,7 @@ def _set_bits(bits: np.ndarray) -> np.ndarray:
 
 def pack(m: torch.Tensor) -> torch.Tensor:
     """``m`` (bool) as bits in row-major order, little bit order, padded with zeros: ``ceil(numel / 8)`` bytes."""
-    if m.is_cpu:
+    if on_host(m):
         return torch.from_numpy(np.packbits(m.numpy().reshape(-1), bitorder="little"))
     n = m.numel()
     padded = torch.zeros(_align(n), dtype=torch.uint8, device=m.device)
@@ -139,20 +148,20 @@ def pack(m: torch.Tensor) -> torch.Tensor:
 
 def positions(bits: torch.Tensor) -> torch.Tensor:
     """The positions of the set bits of ``bits`` (uint8, little bit order), ascending, as int64 on its device."""
-    if bits.is_cpu:
+    if on_host(bits):
         return torch.from_numpy(_set_bits(bits.numpy()))
     return ((bits.unsqueeze(1) >> _shifts(bits.device)) & 1).view(-1).nonzero().view(-1)
 
 
 def _positions(m: torch.Tensor) -> torch.Tensor:
     """The flat positions of the set flags of ``m`` (bool), ascending, as int64."""
-    if m.is_cpu:
+    if on_host(m):
         return torch.from_numpy(_set_bits(np.packbits(m.numpy().reshape(-1), bitorder="little")))
     return m.reshape(-1).nonzero().view(-1)
 
 
 def _count(m: torch.Tensor) -> int:
-    return int(np.count_nonzero(m.numpy())) if m.is_cpu else int(m.sum())
+    return int(np.count_nonzero(m.numpy())) if on_host(m) else int(m.sum())
 
 
 def take(t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -235,7 +244,9 @@ def apply(targets: Sequence[Sequence[torch.Tensor]], record_sizes: Sequence[int]
     the views that each take piece ``i``'s words (a tensor and the tensors tied to it)."""
     if change.kind == SAME:
         return
-    bounds = np.cumsum([0, *record_sizes]).tolist()
+    bounds = [0]
+    for n in record_sizes:
+        bounds.append(bounds[-1] + n)
     if change.kind == DENSE:
         cuts = bounds
     elif len(targets) == 1:

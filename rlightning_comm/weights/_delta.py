@@ -16,9 +16,8 @@ read through numpy (a dozen small torch calls per record cost more than a small 
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 
 from rlightning_comm.weights._changes import (
@@ -31,6 +30,8 @@ from rlightning_comm.weights._changes import (
     SPARSE,
     Change,
     change_of,
+    np,
+    on_host,
     pack,
     positions,
     sizes,
@@ -111,7 +112,7 @@ def sections(cur: torch.Tensor, change: Change) -> list[torch.Tensor]:
         flags = change.mask if change.mask is not None else _flags(pos, n)
         return [_header(MASK, k, n, size, device), _padded(pack(flags)), _padded(vals)]
     blocks = -(-n // BLOCK)
-    if pos.is_cpu:  # numpy's casts wrap: the low 16 bits
+    if on_host(pos):  # numpy's casts wrap: the low 16 bits
         p = pos.numpy()
         counts = torch.from_numpy(np.bincount(p >> BLOCK_BITS, minlength=blocks).astype(np.int32))
         offsets = torch.from_numpy(p.astype(np.uint16))
@@ -147,10 +148,10 @@ def _padded(t: torch.Tensor) -> torch.Tensor:
     return b if not pad else torch.cat([b, b.new_zeros(pad)])
 
 
-_NUMPY: dict[torch.dtype, np.dtype] = {}
+_NUMPY: dict[torch.dtype, Any] = {}
 
 
-def _np(word: torch.dtype) -> np.dtype:
+def _np(word: torch.dtype) -> Any:
     d = _NUMPY.get(word)
     if d is None:
         d = _NUMPY[word] = torch.empty(0, dtype=word).numpy().dtype
@@ -168,7 +169,7 @@ def decode(payload: torch.Tensor, at: int, n: int, word: torch.dtype) -> tuple[C
     size = payload.numel()
     if at % 8 or at + HEADER > size:
         raise ValueError(f"a delta record at byte {at} of {size}: out of range")
-    host = payload.is_cpu
+    host = on_host(payload)
     raw = payload.numpy() if host else None
     head = (
         raw[at : at + HEADER].view(np.int64).tolist() if host else payload[at : at + HEADER].view(torch.int64).tolist()
@@ -203,6 +204,8 @@ def decode(payload: torch.Tensor, at: int, n: int, word: torch.dtype) -> tuple[C
         pos = torch.from_numpy(np.repeat(np.arange(blocks, dtype=np.int64) << BLOCK_BITS, counts) + low)
     else:
         counts = read(body, blocks, torch.int32).long()
+        if bool((counts < 0).any()) or int(counts.sum()) != k:
+            raise ValueError(f"a delta record at byte {at}: its blocks do not hold {k} changed words")
         low = read(body + _align(4 * blocks), k, torch.int16).long() & (BLOCK - 1)
         pos = torch.repeat_interleave(torch.arange(blocks, device=payload.device) << BLOCK_BITS, counts) + low
     if pos.numel() != k or (k and int(pos[-1]) >= n):
