@@ -21,7 +21,8 @@ from rlightning_comm.context import CommContext
 from rlightning_comm.errors import CommError
 from rlightning_comm.modes import CommMode, ParallelMode
 from rlightning_comm.weights._commit import Sync, mode_store
-from rlightning_comm.weights._delta_reshard import DeltaMover, decide, possible, prepare, refresh
+from rlightning_comm.weights._delta_mover import DeltaMover
+from rlightning_comm.weights._delta_reshard import decide, possible, prepare, refresh
 from rlightning_comm.weights._memory import hash_key, kept
 from rlightning_comm.weights._mover import OP, Mover
 from rlightning_comm.weights._report import WeightSyncReport
