@@ -29,31 +29,21 @@ import time
 
 from _common import machine, run_ranks
 
-LAYERS, WIDTH, VOCAB, EMBED = 60, 512, 16384, 256
-R_LAYERS, R_WIDTH = 8, 1024
+R_WIDTH = 1024  # bench_reshard.py's width
 
 
 def _broadcast_model(seed: int) -> dict:
-    import torch
+    """bench_weight_transfer.py's model."""
+    from bench_weight_transfer import _model
 
-    gen = torch.Generator().manual_seed(seed)
-    state = {"embed.weight": torch.randn(VOCAB, EMBED, generator=gen).to(torch.bfloat16)}
-    for i in range(LAYERS):
-        state[f"layers.{i}.weight"] = torch.randn(WIDTH, WIDTH, generator=gen)
-        state[f"layers.{i}.bias"] = torch.randn(WIDTH, generator=gen)
-    return state
+    return _model(seed)
 
 
 def _reshard_model(seed: int) -> dict:
-    import torch
+    """bench_reshard.py's model."""
+    from bench_reshard import _full
 
-    gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for i in range(R_LAYERS):
-        out[f"l{i}.up"] = torch.randn(R_WIDTH, R_WIDTH, generator=gen)
-        out[f"l{i}.down"] = torch.randn(R_WIDTH, R_WIDTH, generator=gen)
-        out[f"l{i}.bias"] = torch.randn(R_WIDTH, generator=gen)
-    return out
+    return _full(seed)
 
 
 def _perturb(tensors, fraction: float, gen) -> None:

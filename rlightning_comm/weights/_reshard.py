@@ -163,7 +163,7 @@ def reshard(
         tally = Tally(comm, {n: e.global_shape for n, e in names.items()}) if options.verify else None
         kinds, delivered = decide(options, delta[1], ranks, wanters) if options.delta else ({}, {})
         if "delta" in kinds.values():
-            mover = DeltaMover(comm, schedule, names, delta[0], kinds, delta[1], live)
+            mover = DeltaMover(comm, schedule, names, memory.slots, delta[0], kinds, delta[1], live)
             sent, received = mover.traffic()
         else:
             mover = Mover(comm, schedule, names, memory.slots)
