@@ -366,3 +366,52 @@ def test_reshard_delta_is_bit_identical_and_decided_per_destination(world4) -> N
                 assert rows[0]["delivered"][rank] == rows[rank]["received"], label
             if kinds.get(rank) == "delta":
                 assert rows[rank]["received"] < rows[rank]["wanted_bytes"] / 3, (label, rows[rank])
+
+
+def _reshard_failure(rank: int, size: int, url: str) -> dict:
+    """Two good delta syncs, then one in which engine rank 3's connections break as its delta moves."""
+    import time
+
+    from rlightning_comm import CommError, TensorSlice, reshard_state_dict
+    from rlightning_comm.failures import close_gloo_group
+    from rlightning_comm.weights import _delta_mover
+
+    ctx = init_world(rank, size, url)
+    ctx.init_group([0, 1, 2, 3], MODE)
+    gen = torch.Generator().manual_seed(3)
+    full = torch.randn(16, 8, generator=gen)
+    held = {"w": TensorSlice(full[8 * rank : 8 * rank + 8].clone(), (8 * rank, 0), (16, 8))} if rank < 2 else None
+    wanted = {"w": torch.zeros(16, 8)} if rank >= 2 else None
+    for version in (1, 2):
+        if held is not None:
+            held["w"].tensor[0, version] += 1
+        reshard_state_dict(held=held, wanted=wanted, comm_mode=MODE, version=version, delta=True)
+    if rank == 3:
+        original = _delta_mover.DeltaMover._run
+
+        def broken(self):
+            close_gloo_group(self._comm.group)  # as a dead member's peers see it: every connection closed
+            return original(self)
+
+        _delta_mover.DeltaMover._run = broken
+    if held is not None:
+        held["w"].tensor[1, 1] += 1
+    start = time.monotonic()
+    try:
+        report = reshard_state_dict(held=held, wanted=wanted, comm_mode=MODE, version=3, delta=True)
+        outcome = {"error": None, "kinds": dict(report.kinds)}
+    except CommError as err:
+        outcome = {"error": str(err)}
+    outcome.update(elapsed=time.monotonic() - start, version=ctx.get_weight_version(MODE))
+    return outcome
+
+
+def test_a_delta_reshard_that_fails_midway_fails_every_member_fast_and_forgets_the_version(world4) -> None:
+    results = world4.run(_reshard_failure, timeout=60)
+    for rank, r in enumerate(results):
+        assert r["elapsed"] < 10, (rank, r)
+    assert results[3]["error"] is not None and "reshard_state_dict failed midway" in results[3]["error"], results[3]
+    assert results[3]["version"] is None  # partly written or not, it holds no version: its next sync is full
+    for rank in (0, 1):  # each trainer sends to rank 3: its transfer fails, and says which destinations it served
+        assert results[rank]["error"] is not None and "may hold partial weights" in results[rank]["error"], results
+    assert results[2]["error"] is not None or results[2]["version"] == 3, results[2]  # done before the break, or not
