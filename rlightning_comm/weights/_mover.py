@@ -23,9 +23,9 @@ import torch.distributed as dist
 
 from rlightning_comm.errors import CommError
 from rlightning_comm.failures import LAUNCH_ERRORS, close_gloo_group
-from rlightning_comm.weights._plan import dtype_of
 from rlightning_comm.weights._schedule import Bucket, Piece, Schedule
 from rlightning_comm.weights._slices import Block, Named
+from rlightning_comm.weights._staging import copy_pieces, typed
 from rlightning_comm.weights._transport import point_to_point
 
 OP = "reshard_state_dict"
@@ -79,18 +79,16 @@ class Mover:
         return buffer[:nbytes]
 
     def _pack(self, bucket: Bucket, buffer: torch.Tensor, pack: bool) -> None:
-        for p in bucket.pieces:
-            view = self._src_view(p) if pack else self._dst_view(p)
-            typed = buffer[p.at : p.at + p.nbytes].view(dtype_of(self._names[p.name].dtype)).view(view.shape)
-            if pack:
-                typed.copy_(view)
-                if self.tally is not None:
-                    self.tally.sent(p.dst, p.name, typed, p.lo)
-            else:
-                self._touched.add(p.name)
-                view.copy_(typed)
-                if self.tally is not None:
-                    self.tally.received(p.name, typed, p.lo)
+        views = [(p, self._src_view(p) if pack else self._dst_view(p)) for p in bucket.pieces]
+        if not pack:
+            self._touched.update(p.name for p in bucket.pieces)
+        copy_pieces(buffer, views, pack)
+        if self.tally is not None:
+            for p, view in views:
+                if pack:
+                    self.tally.sent(p.dst, p.name, typed(buffer, p, view), p.lo)
+                else:
+                    self.tally.received(p.name, typed(buffer, p, view), p.lo)
 
     # ------------------------------------------------------------------ point to point
     def _launch(self, post: Any) -> list[Any]:
