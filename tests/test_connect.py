@@ -36,7 +36,8 @@ from rlightning_comm import (
     collective,
 )
 from rlightning_comm.communicators import _rooted, _tensor_collectives
-from rlightning_comm.connect._forming import compare, member_info
+from rlightning_comm.connect._forming import member_info
+from rlightning_comm.connect._judging import compare
 
 MODE = "WEIGHT_SYNC"
 

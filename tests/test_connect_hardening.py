@@ -9,6 +9,7 @@ raw ``socket``/``TCPStore`` clients that play the stranger.
 from __future__ import annotations
 
 import gc
+import importlib
 import json
 import multiprocessing as mp
 import multiprocessing.connection
@@ -42,9 +43,9 @@ SLACK = 4.0  # what a loaded 2-core machine may add to a bound
 
 
 # ---------------------------------------------------------------------- members
-def _run(fn_name: str, args: tuple, out) -> None:
+def _run(module: str, fn_name: str, args: tuple, kwargs: dict, out) -> None:
     try:
-        globals()[fn_name](out, *args)
+        getattr(importlib.import_module(module), fn_name)(out, *args, **kwargs)
     except BaseException:  # noqa: BLE001 - every failure goes back to the test
         out.send(("failed", fn_name, traceback.format_exc()))
 
@@ -73,13 +74,13 @@ def _connect_and_report(out, rank: int, world_size: int, address: str, hold: flo
 
 def _dies_in_build(out, rank: int, world_size: int, address: str) -> None:
     """A member that passes the preflight, then dies while the group is built (SIGKILL: no cleanup)."""
-    from rlightning_comm.connect import _connection
+    from rlightning_comm.connect import _groups
 
     def build_group(*args, **kwargs):
         out.send(("dying", rank))
         os.kill(os.getpid(), signal.SIGKILL)
 
-    _connection.build_group = build_group
+    _groups.build_group = build_group
     CommContext().connect(MODE, rank=rank, world_size=world_size, address=address, timeout=60)
 
 
@@ -186,9 +187,12 @@ class _Procs:
         self.procs: dict[str, mp.Process] = {}
         self.pipes: dict[str, mp.connection.Connection] = {}
 
-    def start(self, name: str, fn, *args) -> None:
+    def start(self, name: str, fn, *args, **kwargs) -> None:
+        """Run ``fn(pipe, *args, **kwargs)`` (a function of a module the members can import) in a member ``name``."""
         ours, theirs = self._ctx.Pipe()
-        p = self._ctx.Process(target=_run, args=(fn.__name__, args, theirs), daemon=True, name=name)
+        p = self._ctx.Process(
+            target=_run, args=(fn.__module__, fn.__name__, args, kwargs, theirs), daemon=True, name=name
+        )
         p.start()
         theirs.close()
         self.procs[name], self.pipes[name] = p, ours
@@ -251,6 +255,37 @@ def test_generations_free_their_communicators_and_buffers():
     ctx.destroy()
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+def test_a_group_build_waits_for_its_peers_until_told_to_stop_or_its_timeout():
+    """gloo's rendezvous waits on the store through one that ends the wait when the build should stop (its generation
+    was lost, the interpreter exits): a build left behind ends at once, not at the group's timeout."""
+    from rlightning_comm.connect._groups import build_group
+
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False, use_libuv=True)
+    why: list[str] = []
+    outcome: list = []
+
+    def build(key: str, timeout: float) -> None:
+        store = dist.PrefixStore(key, server)
+        try:
+            build_group("gloo", store, 0, 2, timeout, "127.0.0.1", key, lambda: why[0] if why else None)
+        except RuntimeError as err:  # member 1 never comes
+            outcome.append((err, time.monotonic()))
+
+    thread = threading.Thread(target=build, args=("stopped", 60.0))
+    thread.start()
+    time.sleep(0.3)  # it waits for member 1's address
+    why.append("the generation was lost")
+    told = time.monotonic()
+    thread.join(10)
+    assert not thread.is_alive() and outcome and "the generation was lost" in str(outcome[0][0]), outcome
+    assert outcome[0][1] - told < 1.0, outcome[0][1] - told
+    why.clear()
+    t0 = time.monotonic()
+    build("alone", 0.5)
+    assert isinstance(outcome[1][0], dist.DistStoreError) and "timed out after 0.5 s" in str(outcome[1][0])
+    assert 0.5 <= outcome[1][1] - t0 < 0.5 + SLACK
 
 
 def test_rank_0_closing_its_watch_tells_every_member_it_closed():
@@ -440,10 +475,14 @@ def test_arrivals_after_the_group_formed_are_told_who_differs(procs):
         procs.start(f"rank{rank}", _connect_and_report, rank, 3, address)
     for name in ("rank0", "rank1", "rank2"):
         assert procs.next(name, "outcome")[2][0] == "formed"
-    procs.start("bigger", _connect_and_report, 1, 4, address)  # another world size
+    # Another world size: it waits for the next generation (the members may re-form with it), and none opens.
+    t0 = time.monotonic()
+    procs.start("bigger", _connect_and_report, 1, 4, address, connect_timeout=1.5)
     procs.start("second-2", _connect_and_report, 2, 3, address)  # a second claimant of rank 2, alive
-    _, _, (kind, message, _, _) = procs.next("bigger", "outcome")
+    _, _, (kind, message, _, when) = procs.next("bigger", "outcome")
     assert kind == "CommMismatchError" and "world_size differs: 3 on rank 0" in message and "4 on rank 1" in message
+    assert "opened no later generation within connect_timeout" in message, message
+    assert 1.5 <= when - t0 < 1.5 + SLACK, when - t0
     _, _, (kind, message, _, _) = procs.next("second-2", "outcome")
     assert kind == "CommMismatchError" and "rank 2 is taken" in message, message
 

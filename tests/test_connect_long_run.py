@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 GENERATIONS = 100
 WARM = range(10, 30)  # after warm-up (allocator, lazily started threads)
 LAST = range(GENERATIONS - 20, GENERATIONS)
@@ -55,25 +57,27 @@ def test_a_hundred_generations_of_kill_and_replace_grow_nothing():
     assert "PeerLostError" in done.stderr and "terminate called" not in done.stderr, done.stderr[-5000:]
 
 
-def test_a_process_ends_cleanly_after_losses_while_forming_and_an_uncaught_peer_lost_error(tmp_path):
-    """Through the interpreter's own exit: a group build left behind by a loss and an uncaught PeerLostError abort
-    nothing ("terminate called", a fatal error)."""
+@pytest.mark.parametrize("flags", [[], ["--exit-during-a-break"]], ids=["plain", "exit-during-a-break"])
+def test_a_process_ends_cleanly_after_losses_while_forming_and_an_uncaught_peer_lost_error(tmp_path, flags):
+    """Through the interpreter's own exit: a group build left behind by a loss (it stops with its generation) and an
+    uncaught PeerLostError abort nothing ("terminate called", a fatal error), also when the watch is still handling the
+    loss in a native call as the interpreter exits."""
     program = Path(__file__).with_name("connect_exit.py")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
 
-    def start(role):
+    def start(role, *args):
         return subprocess.Popen(
-            [sys.executable, "-X", "dev", str(program), role, str(tmp_path)],
+            [sys.executable, "-X", "dev", str(program), role, str(tmp_path), *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             env=env,
         )
 
-    host, victim = start("host"), start("victim")
+    host, victim = start("host", *flags), start("victim")
     member = None
     try:
-        assert host.stdout.readline() == "lost 1 while forming\n"
+        assert host.stdout.readline() == "lost 1 while forming; builds left 0\n"
         member = start("member")
         assert member.stdout.readline() == "formed\n" and host.stdout.readline() == "formed\n"
         member.kill()

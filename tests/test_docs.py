@@ -31,22 +31,23 @@ def test_every_public_name_is_in_the_api_reference():
 
 
 def test_every_reference_directive_names_something_that_exists():
-    import importlib
+    from test_exports import _resolves
 
     for target in sorted(_directives()):
-        parts = target.split(".")
-        for cut in range(len(parts), 0, -1):
-            try:
-                obj = importlib.import_module(".".join(parts[:cut]))
-            except ModuleNotFoundError:
-                continue
-            for attr in parts[cut:]:
-                assert hasattr(obj, attr), f"docs/reference names {target}, which does not exist"
-                obj = getattr(obj, attr)
-            break
+        assert _resolves(target), f"docs/reference names {target}, which does not exist"
 
 
 def test_every_page_is_in_the_navigation_and_every_nav_entry_exists():
     nav = set(re.findall(r"([\w/-]+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), re.M))
     pages = {str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md")}
     assert pages == nav, f"only in docs/: {sorted(pages - nav)}; only in mkdocs.yml: {sorted(nav - pages)}"
+
+
+def test_benchmarks_is_a_short_report_with_a_command_per_section():
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    lines = text.splitlines()
+    assert len(lines) <= 350, f"BENCHMARKS.md has {len(lines)} lines; it is the current report, at most 350"
+    sections = re.split(r"^## ", text, flags=re.M)[1:]
+    no_command = [s.splitlines()[0] for s in sections if not re.search(r"^    \S", s, re.M) and "GPU" not in s[:10]]
+    assert not no_command, f"sections of BENCHMARKS.md without the command that measures them: {no_command}"
+    assert not re.search(r"\bissue \d+|#\d+\b", text), "BENCHMARKS.md cites the tracker"

@@ -141,13 +141,19 @@ MODULE_PATHS = [
 
 
 def _resolves(dotted: str) -> bool:
+    """Whether ``dotted`` names a module or an attribute of one; a module of the package that imports an extra absent
+    here (vLLM, for the backend) counts when its file exists."""
     import importlib
+    import importlib.util
 
     parts = dotted.split(".")
     for cut in range(len(parts), 0, -1):
+        name = ".".join(parts[:cut])
         try:
-            obj = importlib.import_module(".".join(parts[:cut]))
-        except ModuleNotFoundError:
+            obj = importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            if err.name is not None and not name.startswith(err.name):  # it exists, and imports an absent extra
+                return cut == len(parts) and importlib.util.find_spec(name) is not None
             continue
         for attr in parts[cut:]:
             if not hasattr(obj, attr):

@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "rlightning_comm"
 # The layers, lowest first. A module may import from a lower layer, or from its own package; the leaves (layer 0) may
 # import each other (the cycle test keeps that one way).
 LAYERS = {
-    0: {"_compat", "_env", "errors", "modes", "config", "failures", "rendezvous", "topology", "bandwidth"},
+    0: {"_compat", "_env", "_shutdown", "errors", "modes", "config", "failures", "rendezvous", "topology", "bandwidth"},
     1: {"communicators"},
     2: {"debug", "stats", "connect"},
     3: {"context"},

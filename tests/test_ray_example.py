@@ -78,7 +78,11 @@ def test_library_never_imports_ray() -> None:
     code = (
         "import importlib, pkgutil, sys, rlightning_comm\n"
         "for m in pkgutil.walk_packages(rlightning_comm.__path__, 'rlightning_comm.'):\n"
-        "    importlib.import_module(m.name)\n"
+        "    try:\n"
+        "        importlib.import_module(m.name)\n"
+        "    except ModuleNotFoundError as err:  # the vLLM backend's modules, where vLLM is absent\n"
+        "        if err.name.split('.')[0] != 'vllm':\n"
+        "            raise\n"
         "print(sorted(n for n in sys.modules if n == 'ray' or n.startswith('ray.')))\n"
     )
     out = subprocess.run(

@@ -181,3 +181,23 @@ def test_qkv_rows_match_vllm_partitioning(world, kv, heads):
         assert out["q"].offsets == (rank * heads // world * hd, 0) and out["q"].global_shape == (heads * hd, 5)
         assert out["k"].offsets == out["v"].offsets == (first_kv * hd, 0)
         assert out["k"].tensor.shape[0] == kv_local * hd and out["v"].global_shape == (kv * hd, 5)
+
+
+@pytest.mark.parametrize(("world", "vocab", "padding"), [(2, 1000, 64), (4, 100, 64), (2, 128, 64), (3, 90, 10)])
+def test_vocab_parallel_rows_match_vllm_padding(world, vocab, padding):
+    padded = -(-vocab // padding) * padding
+    rows = padded // world
+    covered = []
+    for rank in range(world):
+        local = torch.zeros(rows, 3)
+        out = layouts.vocab_parallel(local, rank, world, vocab, padding=padding)
+        # vLLM's VocabParallelEmbedding: rank r's org rows are [r * rows, min((r + 1) * rows, vocab)), padding after.
+        start, end = min(rank * rows, vocab), min((rank + 1) * rows, vocab)
+        assert out.offsets == (start, 0) and out.global_shape == (vocab, 3)
+        assert out.tensor.shape == (end - start, 3) and out.tensor.data_ptr() == local.data_ptr()
+        covered += range(start, end)
+    assert covered == list(range(vocab))
+    with pytest.raises(ValueError, match="expected 512 rows"):
+        layouts.vocab_parallel(torch.zeros(500, 3), 0, 2, 1000)
+    with pytest.raises(ValueError, match="not divisible by the tensor-parallel size 3"):
+        layouts.vocab_parallel(torch.zeros(5, 3), 0, 3, 1000)

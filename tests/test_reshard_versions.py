@@ -148,6 +148,7 @@ def test_reshard_versions_verify_and_atomic_on_every_member() -> None:
         msg = c["stale"]["msg"]
         assert c["stale"]["type"] == "CommMismatchError", (rank, c["stale"])
         assert "version 1 refused" in msg and all(f"rank {r} has committed version 1" in msg for r in (1, 2, 3)), msg
+        assert "not committed" not in msg, msg  # a refusal says why, not that a sync failed
         assert c["stale_held"] == c["v1_held"], rank
     # Verified, not atomic, a byte corrupted on rank 3: every member names the tensor; rank 3 forgets its version.
     for rank, c in enumerate(cases):

@@ -186,3 +186,49 @@ def test_recording_from_many_threads_loses_nothing():
         w.join(timeout=60)
     row = rec.snapshot()["M"]["all_reduce"]
     assert (row["count"], row["bytes"]) == (threads * per_thread, 3 * threads * per_thread)
+
+
+_EXIT_DURING_A_WAIT = """
+import queue, threading, time
+from datetime import timedelta
+import torch.distributed as dist
+from rlightning_comm.stats import _recorder
+
+class SlowWork:  # a work whose wait is a native call that releases the GIL, as gloo's and NCCL's do
+    def wait(self):
+        try:
+            dist.HashStore().wait(["never"], timedelta(seconds=0.5))
+        except RuntimeError:
+            pass
+
+class SlowFinalisation:  # the interpreter's finalisation lasts a second: the wait returns into it
+    def __del__(self, time=time):
+        time.sleep(1.0)
+
+import gc
+gc.disable()
+cycle = SlowFinalisation()
+cycle.cycle = cycle
+works = queue.SimpleQueue()
+threading.Thread(target=_recorder._watch_works, args=(works,), daemon=True).start()
+works.put((SlowWork(), lambda: None))
+time.sleep(0.1)
+print("exiting", flush=True)
+"""
+
+
+def test_the_stats_watcher_does_not_return_into_the_interpreters_finalisation(tmp_path):
+    """The stats thread waits on async works (gloo's reduce_scatter has no future): a wait that returned while the
+    interpreter finalises would abort the process ("terminate called without an active exception"); the exit waits for
+    it instead."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    done = subprocess.run(
+        [sys.executable, "-X", "dev", "-c", _EXIT_DURING_A_WAIT], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert done.returncode == 0 and done.stdout == "exiting\n", (done.returncode, done.stderr[-3000:])
+    assert "terminate called" not in done.stderr and "Fatal Python error" not in done.stderr, done.stderr[-3000:]

@@ -1,5 +1,6 @@
-"""examples/vllm_engine_sync.py as its docstring shows it: an FSDP2 trainer and a vLLM CPU engine, exact tokens after
-each of two syncs at a bucket size that splits every layer. Skipped where vLLM is not installed."""
+"""examples/vllm_engine_sync.py as its docstring shows it: a 3-rank FSDP2 trainer into a vLLM CPU engine of
+tensor_parallel_size=2 through the "rlightning" backend, exact tokens after each of two syncs (an optimizer step before
+each) and the bytes within their bounds. Skipped where vLLM is not installed."""
 
 from __future__ import annotations
 
@@ -29,5 +30,5 @@ def test_the_example_gives_exact_tokens_twice() -> None:
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-5000:]}"
     rounds = [line for line in proc.stdout.splitlines() if line.startswith("round ")]
-    assert len(rounds) == 2 and all("27 of 27 tensors received" in r and "== Hugging Face's" in r for r in rounds)
+    assert len(rounds) == 2 and all("== Hugging Face's" in r for r in rounds), proc.stdout
     assert "OK" in proc.stdout.splitlines()

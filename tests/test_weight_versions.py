@@ -187,6 +187,7 @@ def test_a_stale_version_is_refused_on_every_member_before_anything_moves(cases)
         assert "version 1 refused" in c["stale"]["msg"] and all(
             f"rank {r} has committed version 1" in c["stale"]["msg"] for r in (1, 2, 3)
         ), c["stale"]["msg"]
+        assert "not committed" not in c["stale"]["msg"], c["stale"]["msg"]  # a refusal says why, not that a sync failed
         if rank:
             assert c["stale_held"] == c["v1_held"]  # untouched, though the source changed
         assert c["bad_version"]["type"] == "TypeError" and "rank 1: version must be an int" in c["bad_version"]["msg"]

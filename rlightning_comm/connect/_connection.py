@@ -19,30 +19,25 @@ import torch.distributed as dist
 from rlightning_comm import rendezvous
 from rlightning_comm.communicators.base import Communicator
 from rlightning_comm.connect._forming import (
-    Late,
     Opening,
     await_verdict,
-    decide,
     find_generation,
     format_address,
     is_loopback,
-    judge_late,
-    lost_verdict,
     member_info,
     open_generation,
     parse_address,
     post,
     post_verdict,
-    raise_error,
 )
 from rlightning_comm.connect._generation import DESTROY, Connection
-from rlightning_comm.connect._groups import build_group
+from rlightning_comm.connect._groups import build_on_thread
+from rlightning_comm.connect._judging import Late, decide, judge_late, lost_verdict, raise_error
 from rlightning_comm.connect._liveness import Watch
 from rlightning_comm.errors import CommError, CommTimeoutError, ModeNotBoundError, PeerLostError
 from rlightning_comm.failures import comm_failure
 
 _PREFIX = "rlightning_comm/connect"
-_BUILD_POLL = 0.05  # how often the wait for the group's build looks whether the generation was lost meanwhile
 
 
 class _Hosted:
@@ -162,8 +157,16 @@ class Connections:
                 store, opening, verdict = self._join(conn, mode, host, port, secret, info, deadline, liveness)
             conn.generation = verdict["generation"]
             conn.name = f"connected/{mode}/{opening.nonce[:8]}/{opening.generation}"
-            conn.group = self._build(
-                conn, cls.backend, dist.PrefixStore(f"{opening.generation}/group", store), rank, world_size, host
+            conn.group = build_on_thread(
+                cls.backend,
+                dist.PrefixStore(f"{opening.generation}/group", store),
+                rank,
+                world_size,
+                conn.timeout,
+                host if is_loopback(host) else None,
+                conn.name,
+                conn.server,
+                conn.interrupt,
             )
         except BaseException as err:
             lost = conn.lost  # what the watch saw, before closing marks this process as the one that left
@@ -197,37 +200,6 @@ class Connections:
         # A member lost after this process built the group: the generation formed, and its communicator refuses every
         # call (PeerLostError), as after any loss.
         return comm
-
-    def _build(self, conn: Connection, backend: str, store: dist.Store, rank: int, size: int, host: str) -> Any:
-        """The group, built on a thread of its own so that a loss seen by the watch meanwhile ends the wait.
-
-        After a loss the thread is left to end at the group's timeout (what it built then goes unused). It holds what it
-        waits on, rank 0's store server included: destroyed under it (by ``destroy()``, or at the interpreter's exit),
-        the server would fail its wait with a C++ exception in a thread Python is finalising, which aborts the process.
-        """
-
-        done: dict[str, Any] = {}
-
-        def build(server: dist.TCPStore | None) -> None:  # the thread's frame holds the server while it runs
-            try:
-                done["group"] = build_group(
-                    backend, store, rank, size, conn.timeout, host if is_loopback(host) else None, conn.name
-                )
-            except BaseException as err:  # noqa: BLE001 - handed to the caller
-                done["error"] = err
-
-        thread = threading.Thread(
-            target=build, args=(conn.server,), name=f"rlightning-comm-build {conn.name}", daemon=True
-        )
-        thread.start()
-        while True:
-            thread.join(_BUILD_POLL)
-            if not thread.is_alive():
-                break
-            conn.interrupt()
-        if "error" in done:
-            raise done["error"]
-        return done["group"]
 
     @staticmethod
     def _where(conn: Connection) -> str:
@@ -347,7 +319,7 @@ class Connections:
                 conn.watch.close()  # not counted: rank 0 dropped it already
                 conn.watch = None
             try:
-                judge_late(store, opening, verdict, info, conn.interrupt, mode, self._where(conn))
+                judge_late(store, opening, verdict, info, deadline, conn.interrupt, mode, self._where(conn))
             except Late:
                 after = (opening.nonce, opening.generation)
 

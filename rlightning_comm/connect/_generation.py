@@ -9,6 +9,7 @@ runs when the backend raised, turns what they raise into :class:`PeerLostError`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from rlightning_comm._shutdown import native_call
 from rlightning_comm.communicators.base import Communicator
 from rlightning_comm.connect._forming import Opening
 from rlightning_comm.connect._groups import break_group
@@ -95,10 +97,9 @@ class Connection:
             self.lost = (member, what)
             self.lost_at = time.monotonic()
         if self.store is not None and member is not None:  # late arrivals claiming its rank go to the next generation
-            try:
-                self.store.set(f"{self.key}/lost", json.dumps(member))
-            except RuntimeError:
-                pass  # the store is closing (destroy)
+            with native_call() as allowed, contextlib.suppress(RuntimeError):  # RuntimeError: the store is closing
+                if allowed:
+                    self.store.set(f"{self.key}/lost", json.dumps(member))
         self._refuse()
         if self.group is not None:
             if member is not None and what.startswith(_ORDERLY):
@@ -118,10 +119,12 @@ class Connection:
             if self._broken:
                 return
             self._broken = True
-        try:
-            break_group(group)
-        except Exception:  # noqa: BLE001 - destroyed meanwhile: nothing is in flight on it any more
-            pass
+        with native_call() as allowed:  # on the watch's thread, or the grace's timer: see rlightning_comm._shutdown
+            try:
+                if allowed:
+                    break_group(group)
+            except Exception:  # noqa: BLE001 - destroyed meanwhile: nothing is in flight on it any more
+                pass
 
     def interrupt(self) -> None:
         """Raise :class:`PeerLostError` if this generation was lost (called by the forming's waits)."""

