@@ -9,6 +9,10 @@ barrier to every engine rank holding its shards):
 * library: ``reshard_state_dict`` (steady state: the plan kept);
 * limit: each trainer sends each engine rank exactly the bytes the plan sends it, as one ready contiguous buffer, with
   raw ``isend``/``irecv`` (no packing, no handshake);
+* pieces: hand-written raw ``isend``/``irecv`` of the very pieces the library moves: each contiguous block straight from
+  the trainer's tensor into the engine's, each strided block (the row-parallel matrices' column halves) packed by the
+  trainer into a buffer first, the biases in one buffer per pair; no agreement and no receipts. What the same bytes in
+  the same messages cost, with the one copy a strided block needs;
 * verify, atomic: the library with ``verify=True``, and with ``atomic=True`` and a new version each round;
 * gather + broadcast: the status quo: trainer rank 1 sends its rows to trainer rank 0 (raw ``send``/``recv`` per
   tensor), rank 0 ``broadcast_state_dict``s the full model to both engine ranks, each copies its shard out of it.
@@ -111,6 +115,39 @@ def _task(rank: int, nproc: int, rounds: int, bucket_bytes: int, threads: int) -
     def library() -> None:
         reshard_state_dict(held=held, wanted=wanted, comm_mode="RESHARD", bucket_bytes=bucket_bytes)
 
+    half = WIDTH // 2
+    downs = [n for n in full if n.endswith(".down")]
+    packed = {e: torch.empty(len(downs), half, half) for e in (2, 3)} if rank < 2 else None
+    biases = {peer: torch.empty(len(downs), half) for peer in (0, 1, 2, 3) if (peer < 2) != (rank < 2)}
+
+    def pieces() -> None:
+        works = []
+        if rank < 2:
+            for e in (2, 3):
+                c = (e - 2) * half
+                if e - 2 == rank:  # the column-parallel rows this trainer holds: straight from its tensors
+                    works += [dist.isend(held[n].tensor, dst=e) for n in full if n.endswith(".up")]
+                for k, n in enumerate(downs):  # a column half of the trainer's rows: packed, then sent
+                    packed[e][k].copy_(held[n].tensor[:, c : c + half])
+                    works.append(dist.isend(packed[e][k], dst=e))
+                for k, n in enumerate(n for n in full if n.endswith(".bias")):
+                    biases[e][k].copy_(held[n].tensor)
+                works.append(dist.isend(biases[e], dst=e))
+        else:
+            for src in (0, 1):
+                if src == rank - 2:
+                    works += [dist.irecv(engine[n], src=src) for n in full if n.endswith(".up")]
+                works += [dist.irecv(engine[n][src * half : (src + 1) * half], src=src) for n in downs]
+                works.append(dist.irecv(biases[src], src=src))
+            for w in works:
+                w.wait()
+            works = []
+            for src in (0, 1):
+                for k, n in enumerate(n for n in full if n.endswith(".bias")):
+                    engine[n][src * half : (src + 1) * half].copy_(biases[src][k])
+        for w in works:
+            w.wait()
+
     gathered = {n: torch.empty_like(t) for n, t in full.items()} if rank in (0, 2, 3) else None
 
     def gather_broadcast() -> None:
@@ -148,7 +185,12 @@ def _task(rank: int, nproc: int, rounds: int, bucket_bytes: int, threads: int) -
             held=held, wanted=wanted, comm_mode="RESHARD", bucket_bytes=bucket_bytes, version=version[0], atomic=True
         )
 
-    for name, way in (("gather_broadcast", gather_broadcast), ("verify", verify), ("atomic", atomic)):
+    for name, way in (
+        ("gather_broadcast", gather_broadcast),
+        ("verify", verify),
+        ("atomic", atomic),
+        ("pieces", pieces),
+    ):
         for t in engine.values():
             t.zero_()
         way()
@@ -156,6 +198,7 @@ def _task(rank: int, nproc: int, rounds: int, bucket_bytes: int, threads: int) -
     ways = {
         "library": library,
         "limit": limit,
+        "pieces": pieces,
         "verify": verify,
         "atomic": atomic,
         "gather_broadcast": gather_broadcast,
@@ -272,6 +315,8 @@ def main() -> None:
         vs = statistics.median(t / lib for t, lib in zip(samples, times["library"]))
         same = "-" if name == "limit" else ("yes" if all(o["identical"][name] for o in out[2:]) else "NO")
         print(f"| {name} | {statistics.median(samples) * 1e3:.1f} | {min(samples) * 1e3:.1f} | {vs:.2f}x | {same} |")
+    pieces = statistics.median(lim / t for lim, t in zip(times["limit"], times["pieces"]))
+    print(f"\nthe hand-written pieces against the limit (median of per-round ratios): {pieces:.2f}x")
     plan = planner()
     print()
     print(

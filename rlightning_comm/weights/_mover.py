@@ -2,10 +2,16 @@
 
 Over gloo on host tensors every message is point to point. The buckets move chunk by chunk through two staging buffers
 (chunk ``j`` through buffer ``j % 2``: the next chunk is filled and launched before the current one is waited for); the
-pieces that travel in place are launched after the first chunk, on a tag of their own. A destination sends each source a
-receipt (one small message) once everything from it has arrived, and, for a bucket whose staging buffer the source
-reuses later, once that bucket has; a source waits for the receipt before waiting for its sends: gloo does not fail a
-send whose receiver died, while a receive from a dead peer fails at once. A member that fails lets its sends to the live
+pieces that travel in place are launched after the first chunk, on a tag of their own. Nothing is copied but what is
+strided: a piece contiguous on both sides travels straight from one tensor into the other, a piece contiguous on one
+side is staged on the other only (:mod:`._schedule`), and small pieces share buckets. A destination unpacks each staged
+bucket as it arrives and waits for what arrives in place only at the end, source by source, the last message first (a
+pair's messages on a tag complete in order: it wakes about once per source, not once per piece). It sends each source a
+receipt (one small message) once everything from it has arrived, and one per chunk for the buckets whose staging buffer
+the source reuses later (after the pair's last such bucket of the chunk: a pair's buckets arrive in order); a source
+waits for the receipt before waiting for its sends: gloo does not fail a send whose receiver died, while a receive from
+a dead peer fails at once. So a source never returns while a destination it sent to died before confirming (no member
+forwards what it received: every byte goes from a holder to a wanter). A member that fails lets its sends to the live
 members finish (a receive cut mid-message waits out the group's timeout; at most a second) and closes the group's
 connections, so every member's next wait fails within milliseconds. Other backends (NCCL) move each phase as one grouped
 ``batch_isend_irecv`` on the mode's group.
@@ -23,9 +29,9 @@ import torch.distributed as dist
 
 from rlightning_comm.errors import CommError
 from rlightning_comm.failures import LAUNCH_ERRORS, close_gloo_group
-from rlightning_comm.weights._plan import dtype_of
 from rlightning_comm.weights._schedule import Bucket, Piece, Schedule
 from rlightning_comm.weights._slices import Block, Named
+from rlightning_comm.weights._staging import copy_pieces, typed
 from rlightning_comm.weights._transport import point_to_point
 
 OP = "reshard_state_dict"
@@ -53,6 +59,8 @@ class Mover:
         self._direct: list[tuple[int, Any]] = []  # the in-place pieces' sends: waited after the final receipts
         self._touched: set[str] = set()  # names whose wanted bytes may have changed here
         self._failed_peer: int | None = None
+        # On a destination, what arrives in place and is waited at the end: (source, receive, piece).
+        self._late: list[tuple[int, Any, Piece]] = []
         self.tally: Any = None  # a Tally fed with every piece as it passes (verify=True)
         self.staging = False  # the wanted tensors are an atomic sync's staging, not the live slices
         wanted = [b.tensor for n in names.values() for b in n.wanted]
@@ -79,18 +87,16 @@ class Mover:
         return buffer[:nbytes]
 
     def _pack(self, bucket: Bucket, buffer: torch.Tensor, pack: bool) -> None:
-        for p in bucket.pieces:
-            view = self._src_view(p) if pack else self._dst_view(p)
-            typed = buffer[p.at : p.at + p.nbytes].view(dtype_of(self._names[p.name].dtype)).view(view.shape)
-            if pack:
-                typed.copy_(view)
-                if self.tally is not None:
-                    self.tally.sent(p.dst, p.name, typed, p.lo)
-            else:
-                self._touched.add(p.name)
-                view.copy_(typed)
-                if self.tally is not None:
-                    self.tally.received(p.name, typed, p.lo)
+        views = [(p, self._src_view(p) if pack else self._dst_view(p)) for p in bucket.pieces]
+        if not pack:
+            self._touched.update(p.name for p in bucket.pieces)
+        copy_pieces(buffer, views, pack)
+        if self.tally is not None:
+            for p, view in views:
+                if pack:
+                    self.tally.sent(p.dst, p.name, typed(buffer, p, view), p.lo)
+                else:
+                    self.tally.received(p.name, typed(buffer, p, view), p.lo)
 
     # ------------------------------------------------------------------ point to point
     def _launch(self, post: Any) -> list[Any]:
@@ -163,16 +169,10 @@ class Mover:
 
     def _run(self) -> None:
         me, s = self._me, self._s
-        incoming: list[tuple[int, Any]] = []
-        direct_sources: dict[int, None] = {}
-        direct_dests: dict[int, None] = {}
-        # Every pair that moves anything ends with the destination's receipt of the whole transfer.
-        direct_sources.update((peer, None) for peer in s.received)
-        direct_dests.update((peer, None) for peer in s.sent)
         for p in s.direct:  # the receives first: a source's bytes then find them posted
             if p.dst == me:
                 self._touched.add(p.name)  # written as its bytes arrive
-                incoming.append(self._recv(self._bytes(self._dst_view(p)), p.src, _DIRECT_TAG))
+                self._late.append((*self._recv(self._bytes(self._dst_view(p)), p.src, _DIRECT_TAG), p))
         # Chunk j moves through buffer j % 2: chunk j + 1 is filled and launched before chunk j is waited for. The first
         # chunk goes before the pieces in place: its buckets (small tensors, strided blocks) would otherwise wait for
         # this member to write every large piece.
@@ -189,20 +189,27 @@ class Mover:
             pending = (s.chunks[j], launched)
         if pending is not None:
             self._complete_chunk(*pending)
-        # Wait for the last receive from each source first: a pair's messages complete in order.
-        for peer, work in reversed(incoming):
-            self._wait(peer, work)
-        for p in s.direct:
-            if p.dst == me:
-                self._received_whole(p)
-        for peer in direct_sources:
-            self._receipt(peer)
-        finals = [self._recv(torch.empty(1, dtype=torch.uint8), peer, _RECEIPT_TAG) for peer in direct_dests]
+        # Every pair that moves anything ends with the destination's receipt of the whole transfer, sent to each source
+        # once everything from it has arrived.
+        finals = [self._recv(torch.empty(1, dtype=torch.uint8), peer, _RECEIPT_TAG) for peer in s.sent]
+        self._arrived()
         for peer, work in finals:
             self._wait(peer, work)  # every piece from here has arrived there: the sends have completed
         self._sends += self._direct
         self._direct = []
         self._wait_sends()
+
+    def _arrived(self) -> None:
+        """On a destination: wait for what arrives in place (its pieces in place, and the buckets it need not unpack
+        nor acknowledge alone), source by source, each one's last receive on a tag first (a tag's messages of one pair
+        complete in order: this thread wakes about once per source); then its receipt of the whole transfer."""
+        late, self._late = self._late, []
+        for peer in self._s.received:
+            mine = [entry for entry in late if entry[0] == peer]
+            for _, work, p in reversed(mine):
+                self._wait(peer, work)
+                self._received_whole(p)
+            self._receipt(peer)
 
     def _launch_chunk(self, chunk: tuple[Bucket, ...], slot: int) -> list[tuple[Any, ...]]:
         """Fill and launch this member's buckets of one chunk; what to wait for, per bucket."""
@@ -234,6 +241,9 @@ class Mover:
         me, sent = self._me, []
         for bucket, (first, second) in zip(chunk, launched):
             if bucket.src == me:
+                continue
+            if second is None and not bucket.receipt:  # in place here, owed no receipt alone: waited at the end
+                self._late.append((*first, bucket.pieces[0]))
                 continue
             self._wait(*first)
             if bucket.receipt:

@@ -14,44 +14,18 @@ are copied out on the host), instead of one synchronous copy per piece.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 from typing import Any
 
 import torch
 
 from rlightning_comm.weights._inputs import plain, same_view
-from rlightning_comm.weights._plan import Piece, Plan, Unit, dtype_of
+from rlightning_comm.weights._plan import Plan, Unit, dtype_of
+from rlightning_comm.weights._staging import copy_pieces
 from rlightning_comm.weights._transport import Transfer
 
 
 def _view(tensor: torch.Tensor, where: tuple[Any, ...]) -> torch.Tensor:
     return tensor[where] if where else tensor
-
-
-def _typed(buffer: torch.Tensor, piece: Piece, like: torch.Tensor) -> torch.Tensor:
-    """The bytes of ``piece`` in ``buffer``, viewed with ``like``'s dtype and shape."""
-    return buffer[piece.at : piece.at + piece.nbytes].view(like.dtype).view(like.shape)
-
-
-def _copy_pieces(buffer: torch.Tensor, views: list[tuple[Piece, torch.Tensor]], pack: bool) -> None:
-    """Copy each piece's view into ``buffer`` (``pack``) or out of it.
-
-    Between plain host bytes a single-threaded ``memmove`` on the pieces' addresses, with no tensor made per piece:
-    torch's ``copy_`` would split a large copy over its intra-op threads, which on a host whose cores are all busy (the
-    ranks of one machine, each with its own thread pool) costs several times a plain copy, and making two views per
-    piece cost as much as copying a small one. Anything else (strided, conjugate or negative views, other devices)
-    through ``copy_``, which reads and writes logical values.
-    """
-    base = buffer.data_ptr() if buffer.is_cpu else None
-    for piece, view in views:
-        if base is not None and view.is_cpu and plain(view):
-            bucket, own = base + piece.at, view.data_ptr()
-            to, from_ = (bucket, own) if pack else (own, bucket)
-            ctypes.memmove(to, from_, piece.nbytes)
-        elif pack:
-            _typed(buffer, piece, view).copy_(view)
-        else:
-            view.copy_(_typed(buffer, piece, view))
 
 
 class Pipeline(Transfer):
@@ -145,25 +119,25 @@ class Pipeline(Transfer):
         tensors = self._tensors
         views = [(piece, _view(tensors[piece.index], piece.where)) for piece in unit.pieces]
         if staged.is_cpu:
-            _copy_pieces(staged, views, pack)
+            copy_pieces(staged, views, pack)
             return
         on_host = [pv for pv in views if pv[1].is_cpu]
         if on_host:
             views = [pv for pv in views if not pv[1].is_cpu]
             mirror = self._mirror(slot, staged.numel())
             if pack:  # the host pieces into the pinned buffer, then one copy to the device (then the device pieces)
-                _copy_pieces(mirror, on_host, True)
+                copy_pieces(mirror, on_host, True)
                 staged.copy_(mirror, non_blocking=True)
                 event = torch.Event(device=staged.device)
                 event.record()
                 self._mirrors[slot] = (self._mirrors[slot][0], event)
-        _copy_pieces(staged, views, pack)
+        copy_pieces(staged, views, pack)
         if on_host and not pack:  # one copy to the pinned buffer, wait for it, then the host pieces out of it
             mirror.copy_(staged, non_blocking=True)
             event = torch.Event(device=staged.device)
             event.record()
             event.synchronize()
-            _copy_pieces(mirror, on_host, False)
+            copy_pieces(mirror, on_host, False)
 
     def _slot(self, nbytes: int, block: bool) -> torch.Tensor | None:
         """A free staging buffer's first ``nbytes`` bytes; waits for the older unit that holds it unless not

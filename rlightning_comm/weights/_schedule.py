@@ -50,7 +50,8 @@ class Bucket(NamedTuple):
     inplace: str = ""
     src_at: int = 0  # where it lies in the source's staging buffer for its chunk
     dst_at: int = 0  # and in the destination's
-    receipt: bool = True  # whether the destination acknowledges it alone (the source reuses its buffer later)
+    receipt: bool = True  # whether the destination acknowledges it: the pair's last bucket of a chunk whose buffer
+    # the source reuses later (its receipt covers every bucket of the pair in the chunk)
 
     def at(self, member: int) -> int:
         """Where this bucket lies in ``member``'s staging buffer for its chunk."""
@@ -342,8 +343,9 @@ def build_schedule(metas: Sequence[Sequence[Any]], bucket_bytes: int, ranks: Seq
             fill[m] = at[m] + bucket.nbytes
     if current:
         every.append(current)
-    # A source needs a bucket's own receipt only to reuse its buffer: in its last two chunks the receipt of the whole
-    # transfer (one per pair, at the end) covers it, one round trip fewer per bucket.
+    # A source needs a receipt only to reuse its buffer, and one per pair and chunk covers every bucket the pair moves
+    # in it (a pair's buckets arrive in order): the pair's last staged bucket of the chunk is acknowledged alone. In the
+    # source's last two chunks the receipt of the whole transfer (one per pair, at the end) covers them.
     count: dict[int, int] = {}
     index: list[dict[int, int]] = []
     for chunk in every:
@@ -351,13 +353,13 @@ def build_schedule(metas: Sequence[Sequence[Any]], bucket_bytes: int, ranks: Seq
         index.append({m: count.get(m, 0) for m in mine_here})
         for m in mine_here:
             count[m] = count.get(m, 0) + 1
+    acknowledged = []
+    for chunk, where in zip(every, index):
+        last = {(b.src, b.dst): k for k, b in enumerate(chunk) if b.staged(b.src) and where[b.src] + 2 < count[b.src]}
+        acknowledged.append(set(last.values()))
     chunks = tuple(
-        tuple(
-            b._replace(receipt=b.staged(b.src) and where[b.src] + 2 < count[b.src])
-            for b in chunk
-            if me in (b.src, b.dst)
-        )
-        for chunk, where in zip(every, index)
+        tuple(b._replace(receipt=k in owed) for k, b in enumerate(chunk) if me in (b.src, b.dst))
+        for chunk, where, owed in zip(every, index, acknowledged)
         if me in where
     )
     mine = [p for p in direct if me in (p.src, p.dst)]
