@@ -318,12 +318,12 @@ def test_geometries_are_bit_identical_to_the_sliced_full_tensors(world4) -> None
         assert sum(sum(x.values()) for x in received) == wanted_by_engines
         assert set(sent[0]) == set(sent[1]) == {2, 3}
     # The plan: made on the first call (the fingerprint round, then the metadata), kept on the second (the fingerprint
-    # round of 13 words: 6 for the plan, whether the member wants and holds, 5 for versions and verification; nothing
-    # else).
+    # round of 17 words: 6 for the plan, whether the member wants and holds, 9 for versions, verification and deltas;
+    # nothing else).
     for r in reports:
         cached0, rounds0, texts0 = r["fsdp_tp0"][2:4] + (r["fsdp_tp0"][5],)
         assert (cached0, rounds0, texts0) == (False, 1, 1), r["fsdp_tp0"]
-        assert r["fsdp_tp1"][2:] == (True, 1, [13], 0), r["fsdp_tp1"]
+        assert r["fsdp_tp1"][2:] == (True, 1, [17], 0), r["fsdp_tp1"]
     # TP2 -> TP4: ranks 0, 1 hold and want: each copies its own columns and receives the other half of its rows.
     for rank in range(4):
         sent, received = reports[rank]["tp2_tp4"]

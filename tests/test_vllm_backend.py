@@ -270,3 +270,26 @@ def test_a_trainer_rank_killed_mid_update_leaves_the_atomic_engine_on_its_versio
     assert s.llm.collective_rpc("weight_version") == [3, 3]
     _unchanged(s, 3)
     assert s.tokens[3] != s.tokens[2]
+
+
+def test_delta_updates_send_only_what_changed_and_give_the_exact_tokens(session) -> None:
+    """``"delta": True`` in update_info reaches every worker's reshard_state_dict (the trainer ranks, the replacement
+    among them, pass it too): the first such update is full, the next (nothing changed since: the trainer ranks hold
+    version 3's weights) a delta of headers only, reloaded from the buffers the worker kept; the tokens exact both
+    times."""
+    s = session
+    seen = []
+    for version in (4, 5):
+        error, _, replies = s.sync({"version": version, "delta": True}, version, {"delta": True})
+        assert error is None and all(r[0] == "synced" for r in replies.values()), (error, replies)
+        s.llm.reset_prefix_cache()
+        assert s.engine_tokens() == s.tokens[3], version
+        workers = s.llm.collective_rpc("weight_sync_report")
+        seen.append(
+            [(sorted(set(w["kinds"].values())), sum(w["received"].values()), w["wanted_bytes"]) for w in workers]
+        )
+    assert [kinds for kinds, _, _ in seen[0]] == [["full"], ["full"]], seen
+    assert all(received == wanted for _, received, wanted in seen[0]), seen  # a full sync: every byte each keeps
+    assert [kinds for kinds, _, _ in seen[1]] == [["delta"], ["delta"]], seen
+    assert all(received < wanted / 20 for _, received, wanted in seen[1]), seen  # nothing changed: headers only
+    assert s.llm.collective_rpc("weight_version") == [5, 5]

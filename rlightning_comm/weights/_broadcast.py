@@ -80,6 +80,7 @@ def broadcast_state_dict(
     staging_device: torch.device | str | None = None,
     record_as: CommMode | ParallelMode | str | None = None,
     fanout: str | None = None,
+    delta: bool = False,
 ) -> WeightSyncReport | StateDictTransfer | None:
     """Copy every tensor of ``state_dict`` from rank ``src`` into the same-named tensors of every other rank of
     ``comm_mode``.
@@ -113,6 +114,16 @@ def broadcast_state_dict(
     call ``load`` once, with every tensor) only once the source has recorded "commit" in the mode's store: a death, a
     timeout or a mismatch before that point leaves every destination's live tensors as they were ("version 7 not
     committed; live weights are version 6"), and after it every surviving destination commits.
+
+    With ``delta`` (and a ``version``), the source sends only the elements that changed since the version every
+    destination holds: it keeps a copy of what it last sent (one copy of its tensors, on the host), compares its tensors
+    with it bit for bit (as integers: NaN payloads and signed zeros too), and sends the changed elements' positions and
+    bytes; each destination writes them into its tensors in place and ends bit-identical to the source. The first
+    sync, and any in which a destination holds another version (a newcomer, a restart, a failed sync), other tensors
+    than the ones the last sync wrote, or the delta would not be smaller, is full, for every destination alike (the
+    relay forwards one payload), decided on every member before any byte moves. ``report.kinds`` says which each
+    destination got and ``report.delivered`` how many bytes. A ``load`` callable cannot take a delta (refused on every
+    member).
 
     A ``load`` callable (a destination only) has the shape of vLLM's ``model.load_weights(weights)``:
     ``load(named_tensors)``, where ``named_tensors`` is a list of ``(name, tensor)`` pairs, each tensor contiguous with
@@ -170,6 +181,9 @@ def broadcast_state_dict(
         fanout: ``"chain"`` (relay), ``"star"`` (the source sends to every destination), or ``None``: a chain when the
             units move point to point and two or more destinations can forward (a ``load`` callable outside an atomic
             sync cannot: the source sends to it directly). Every member passes the same.
+        delta: Send only what changed since the last sync (needs ``version``; see above). ``False`` keeps nothing and
+            frees what an earlier ``delta=True`` kept: a later ``delta=True`` starts with a full sync. Every member
+            passes the same.
 
     Returns:
         The :class:`WeightSyncReport` (bytes sent and received per peer, version, digests); with ``async_op`` a
@@ -184,7 +198,7 @@ def broadcast_state_dict(
         CommTimeoutError, CommError: a transfer (a send, receive or broadcast) failed, or a peer never joined.
     """
     comm = CommContext().get_communicator(comm_mode)
-    options = SyncOptions(version, verify, atomic, staging_device, record_as, comm.mode)
+    options = SyncOptions(version, verify, atomic, staging_device, record_as, comm.mode, delta)
     return transfer(comm, state_dict, src, bucket_bytes, async_op, options, fanout)
 
 

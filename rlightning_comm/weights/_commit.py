@@ -184,6 +184,7 @@ class Sync:
         # A key of this sync alone (the source's random word, agreed in the handshake): a store that outlived an earlier
         # context on the same group name holds no decision under it.
         self._key = f"{options.key:x}"
+        self.succeeded: Callable[[], None] | None = None  # called once the sync succeeded on this member
 
     @property
     def done(self) -> bool:
@@ -220,6 +221,8 @@ class Sync:
             elif self._applies:
                 commit(self._options)
             self._report = report
+            if self.succeeded is not None:
+                self.succeeded()
             return report
         finally:
             self._done = True

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from rlightning_comm.weights._assemble import assemble, relay_routes
 from rlightning_comm.weights._commit import Sync
+from rlightning_comm.weights._delta_broadcast import LOAD_REFUSED, assemble_delta, decide, full, prepare
 from rlightning_comm.weights._inputs import Problem, describe, mismatch, named_tensors, overlapping, uncovered
 from rlightning_comm.weights._memory import Kept, kept
 from rlightning_comm.weights._plan import Entry, build_plan, deliveries
@@ -141,6 +142,13 @@ def agree(
         memory.hashes(mine, bucket_bytes, is_source) if problem is None and items is not None else ((0, 0), (0, 0))
     )
     kept_key = kept_plan[0] if kept_plan else (0, 0)
+    if problem is None and options.delta and load is not None:
+        problem = (ValueError, LOAD_REFUSED)
+    offer = None
+    if problem is None and options.delta:  # the source encodes its delta before the exchange: its size rides on it
+        offer = prepare(comm, memory, options, is_source, items, kept_plan, plan_key)
+    elif not options.delta:
+        memory.drop_delta()  # delta=False keeps nothing: a later delta=True starts with a full sync
     if shared and (kept_plan is None or uncovered(shared, kept_plan[1]) is not None):
         kept_key = (0, 0)  # tensors that share memory are checked against the source's manifest: have it sent
     words = [
@@ -204,6 +212,11 @@ def agree(
         kept_plan = memory.plans[src] = (*kept_plan[:2], deliveries(plan))
     leaves = {r for r, row in enumerate(rows) if row[9] and not options.atomic and r != comm._group_rank_of[src]}
     routes = relay_routes(comm, FANOUTS[rows[0][-1]], sends, src, leaves)
+    if decide(options, comm.ranks, src):
+        small = rounds(comm, memory, "broadcast_state_dict")
+        sync = assemble_delta(comm, plan, src, items, offer, sends, routes, options, memory, cached, small)
+        memory.unfinished = sync
+        return sync
     memory.unfinished = assemble(
         comm,
         plan,
@@ -218,6 +231,8 @@ def agree(
         cached,
         rounds(comm, memory, "broadcast_state_dict"),
     )
+    if options.delta:
+        full(memory.unfinished, comm, plan, src, items, options, memory, kept_plan[0], offer)
     return memory.unfinished
 
 

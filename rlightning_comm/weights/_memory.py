@@ -1,4 +1,5 @@
-"""What a communicator keeps between weight-sync calls: plans, staging buffers, hashes, an unwaited transfer.
+"""What a communicator keeps between weight-sync calls: plans, staging buffers, hashes, an unwaited transfer, and for
+``delta=True`` a source's snapshot of what it last sent and a destination's note of what it last received.
 
 It lives on the communicator (an attribute), so it goes with the communicator's generation, never outlives it.
 """
@@ -28,6 +29,15 @@ class Kept:
         self.stream: Any = None  # the handshake's own CUDA stream
         self.staged: tuple[Any, list[torch.Tensor]] | None = None  # an atomic sync's staging: (its key, the tensors)
         self.reshard_plan: tuple[tuple[int, int], Any] | None = None  # reshard_state_dict's: (its key, the schedule)
+        # delta=True: what this member last sent (a _snapshots.Snapshot, on the host), and what it last received: (the
+        # version, the identity of the tensors that hold it); None when the next delta sync must be full.
+        self.snapshot: Any = None
+        self.held: tuple[int, tuple[int, int]] | None = None
+        self.inbox: Any = None  # a delta destination's receive buffer, kept between calls
+
+    def drop_delta(self) -> None:
+        """Forget everything kept for delta syncs: the next one from or to this member is full."""
+        self.snapshot = self.held = self.inbox = None
 
     def hashes(
         self, manifest: list[Entry], bucket_bytes: int, is_source: bool

@@ -30,6 +30,11 @@ class WeightSyncReport:
             against corruption and mix-ups, not a cryptographic hash. Empty otherwise.
         plan_cached: Whether the plan of an earlier call on the mode was reused (its metadata unchanged: the members
             exchanged only a fingerprint of it) rather than agreed anew.
+        kinds: With ``delta=True``, how each destination (its rank in the mode) got this call's tensors: ``"delta"``
+            (only the elements that changed since the version it held, written in place) or ``"full"``; on every
+            member, every destination of the call. Empty with ``delta=False``.
+        delivered: With ``delta=True``, the bytes of tensor data each destination received over the wire (a delta's
+            encoded changes, or the full tensors), on every member for every destination. Empty with ``delta=False``.
     """
 
     sent: Mapping[int, int] = field(default_factory=dict)
@@ -37,6 +42,8 @@ class WeightSyncReport:
     version: int | None = None
     digests: dict[str, int] = field(default_factory=dict)
     plan_cached: bool = False
+    kinds: Mapping[int, str] = field(default_factory=dict)
+    delivered: Mapping[int, int] = field(default_factory=dict)
 
     @property
     def bytes_sent(self) -> int:

@@ -21,6 +21,8 @@ from rlightning_comm.context import CommContext
 from rlightning_comm.errors import CommError
 from rlightning_comm.modes import CommMode, ParallelMode
 from rlightning_comm.weights._commit import Sync, mode_store
+from rlightning_comm.weights._delta_mover import DeltaMover
+from rlightning_comm.weights._delta_reshard import decide, possible, prepare, refresh
 from rlightning_comm.weights._memory import hash_key, kept
 from rlightning_comm.weights._mover import OP, Mover
 from rlightning_comm.weights._report import WeightSyncReport
@@ -43,6 +45,7 @@ def reshard_state_dict(
     verify: bool = False,
     atomic: bool = False,
     staging_device: torch.device | str | None = None,
+    delta: bool = False,
 ) -> WeightSyncReport | None:
     """Write every block each member wants with the bytes of the members that hold it, with no gather.
 
@@ -79,6 +82,15 @@ def reshard_state_dict(
     the mode's store): a death or a mismatch before that point leaves every live slice as it was ("version 7 not
     committed; live weights are version 6").
 
+    With ``delta`` (and a ``version``), each holder sends each destination only the elements of its pieces that changed
+    since the version that destination holds: it keeps a copy of every block it sends (on the host: one copy of its
+    shard, or of the part of it it sends), compares bit for bit, and sends the changed elements; the destination writes
+    them in place. Decided per destination, on every member, before any byte moves: a destination gets a full sync when
+    it holds another version than its holders' copies (a newcomer, a restart, a failed sync) or other tensors than the
+    last sync wrote, when a holder's delta to it would not be smaller, and whenever the plan is made anew (the first
+    call, or changed metadata: other blocks, or ``atomic`` switched on or off where staging lays a block out otherwise).
+    ``report.kinds`` and ``report.delivered`` say which each destination got, and how many bytes.
+
     Args:
         held: What this member can send: a mapping of names to a tensor (the whole tensor), a ``DTensor`` (its local
             shard, where its placements put it: FSDP2's parameters, tensor-parallel ``Shard``/``Replicate``, uneven
@@ -95,6 +107,8 @@ def reshard_state_dict(
             one more copy of this member's wanted slices, allocated for the call.
         staging_device: Where an atomic destination stages: ``None`` or the communicator's device (the only one
             supported here).
+        delta: Send only what changed since the last sync (needs ``version``; see above). ``False`` keeps nothing and
+            frees what an earlier ``delta=True`` kept. Every member passes the same.
 
     Returns:
         A :class:`WeightSyncReport` (bytes sent and received per peer, whether the plan was reused, the version; with
@@ -112,7 +126,7 @@ def reshard_state_dict(
     source may not modify its tensors, nor a destination read or write its slices.
     """
     comm = CommContext().get_communicator(comm_mode)
-    options = SyncOptions(version, verify, atomic, staging_device, None, comm.mode)
+    options = SyncOptions(version, verify, atomic, staging_device, None, comm.mode, delta)
     return reshard(comm, held, wanted, bucket_bytes, options)
 
 
@@ -139,7 +153,7 @@ def reshard(
             memory.unfinished.finish()
             memory.unfinished = None
         try:
-            names, schedule, cached, live, wanters = _agree(comm, held, wanted, bucket_bytes, memory, options)
+            names, schedule, cached, live, wanters, delta = _agree(comm, held, wanted, bucket_bytes, memory, options)
         except CommError as err:  # a member lost in the handshake: nothing moved
             failed = options.not_committed(OP, err)
             if failed is None:
@@ -147,15 +161,21 @@ def reshard(
             raise failed from err
         ranks = comm.ranks
         tally = Tally(comm, {n: e.global_shape for n, e in names.items()}) if options.verify else None
-        mover = Mover(comm, schedule, names, memory.slots)
+        kinds, delivered = decide(options, delta[1], ranks, wanters) if options.delta else ({}, {})
+        if "delta" in kinds.values():
+            mover = DeltaMover(comm, schedule, names, memory.slots, delta[0], kinds, delta[1], live)
+            sent, received = mover.traffic()
+        else:
+            mover = Mover(comm, schedule, names, memory.slots)
+            sent, received = schedule.sent, schedule.received
         mover.tally, mover.staging = tally, live is not None
         sync = Sync(
             comm,
             mover,
             options,
             ranks[0],
-            {ranks[r]: n for r, n in sorted(schedule.sent.items())},
-            {ranks[r]: n for r, n in sorted(schedule.received.items())},
+            {ranks[r]: n for r, n in sorted(sent.items())},
+            {ranks[r]: n for r, n in sorted(received.items())},
             tally,
             live,
             cached,
@@ -166,6 +186,10 @@ def reshard(
             check=tally,
             destinations=wanters,
         )
+        if options.delta:
+            sync._report.kinds, sync._report.delivered = kinds, delivered
+            key = (memory.reshard_plan[0], delta[2])
+            refresh(sync, comm, memory, options, names, schedule, key, delta[0], delta[3])
         sync.start()
         return sync.finish()
 
@@ -186,13 +210,15 @@ def _staged(names: dict[str, Named]) -> tuple[dict[str, Named], tuple[list, list
 
 def _agree(
     comm: Any, held: Any, wanted: Any, bucket_bytes: Any, memory: Any, options: SyncOptions
-) -> tuple[dict[str, Named], Schedule, bool, tuple[list, list] | None, list[int]]:
-    """This member's blocks and schedule, whether the schedule was kept, its ``(live, staged)`` tensors (atomic) and
-    the ranks that want something; or the same error on every member."""
+) -> tuple[dict[str, Named], Schedule, bool, tuple[list, list] | None, list[int], tuple[Any, ...]]:
+    """This member's blocks and schedule, whether the schedule was kept, its ``(live, staged)`` tensors (atomic), the
+    ranks that want something, and for ``delta=True`` (this member's offer, every member's pair words, its metadata's
+    hash, its live wanted tensors); or the same error on every member."""
     names, problem = collect(held, wanted, comm.device)
     problem = problem or options.problem
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         problem = problem or (ValueError, f"bucket_bytes must be a positive int; got {bucket_bytes!r}")
+    live_wanted = [b.tensor for _, e in sorted(names.items()) for b in e.wanted] if options.delta else []
     live = None
     if problem is None and options.atomic is True:
         names, live = _staged(names)  # the plan is made for the staging tensors: the live ones wait for the commit
@@ -203,6 +229,11 @@ def _agree(
     kept_plan = memory.reshard_plan
     kept_key = kept_plan[0] if kept_plan is not None else (0, 0)
     words = [int(problem is not None), bucket_bytes if problem is None else 0, *mine, *kept_key, int(wants), int(holds)]
+    offer, pairs = None, [0, 0, -1] * comm.world_size
+    if problem is None and options.delta:  # each holder encodes its deltas before the exchange; their sizes follow
+        offer, pairs = prepare(comm, memory, options, names, kept_plan, mine, live_wanted)
+    elif not options.delta:
+        memory.drop_delta()  # delta=False keeps nothing: a later delta=True starts with a full sync
     rows = exchange(comm, [*words, *options.words()], memory, OP)
     if any(row[0] for row in rows):
         raise_shared(comm, problem, memory, OP)
@@ -212,8 +243,12 @@ def _agree(
     options.check(ranks, [row[8:] for row in rows], ranks[0], OP, set(wanters), holders)
     bucket = rows[0][1]
     key = hash_key((tuple(tuple(row[2:4]) for row in rows), bucket))
-    if kept_plan is not None and all(tuple(row[4:6]) == key for row in rows):
-        return names, kept_plan[1], True, live, wanters
+    cached = kept_plan is not None and all(tuple(row[4:6]) == key for row in rows)
+    delta = (offer, [], mine, live_wanted)
+    if cached and possible(options, wanters):  # the pair words only when a delta can happen: a round of their own
+        delta = (offer, exchange(comm, pairs, memory, OP), mine, live_wanted)
+    if cached:
+        return names, kept_plan[1], True, live, wanters, delta
     metas = [json.loads(t) for t in exchange_texts(comm, text, memory, OP)]
     memory.reshard_plan = None
     try:
@@ -221,4 +256,4 @@ def _agree(
     except ValueError as err:  # the same on every member: the metadata is
         raise ValueError(f"{OP}: nothing was transferred; {err}") from None
     memory.reshard_plan = (key, schedule)
-    return names, schedule, False, live, wanters
+    return names, schedule, False, live, wanters, delta

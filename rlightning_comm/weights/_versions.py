@@ -21,7 +21,10 @@ from rlightning_comm.errors import CommError, CommMismatchError
 from rlightning_comm.modes import mode_name
 
 Problem = tuple[type[Exception], str] | None
-WORDS = 5  # requested version, committed version, verify, atomic, a random key for this sync's decision
+# requested version, committed version, verify, atomic, a random key for this sync's decision, delta, and for a delta
+# the version this member's snapshot holds (a sender), the one its tensors hold (a receiver) and the bytes of a sender's
+# delta; -1 for none
+WORDS = 9
 
 
 class SyncOptions:
@@ -34,12 +37,29 @@ class SyncOptions:
         staging_device: Where an atomic sync's destinations stage (``None``: each tensor's own device).
         record_as: The mode whose version record a destination updates (``None``: the sync's own mode).
         mode: The sync's own mode.
+        delta: Whether only the elements that changed since the last sync move (``delta=True``).
     """
 
-    def __init__(self, version: Any, verify: Any, atomic: Any, staging_device: Any, record_as: Any, mode: str) -> None:
+    def __init__(
+        self,
+        version: Any,
+        verify: Any,
+        atomic: Any,
+        staging_device: Any,
+        record_as: Any,
+        mode: str,
+        delta: Any = False,
+    ) -> None:
         self.version = version
         self.verify = verify
         self.atomic = atomic
+        self.delta = delta
+        self.base = -1  # a sender's: the version its snapshot holds (set by the transfer kind before words())
+        self.held = -1  # a receiver's: the version its tensors are known to hold
+        self.offer = -1  # a sender's: the bytes of its delta
+        self.bases: dict[int, int] = {}  # every member's base, held and offer, after check()
+        self.helds: dict[int, int] = {}
+        self.offers: dict[int, int] = {}
         self.staging_device: torch.device | None = None
         self.problem: Problem = None
         self.committed: dict[int, int | None] = {}  # every member's committed version, after check()
@@ -49,9 +69,17 @@ class SyncOptions:
             wrong.append((TypeError, f"version must be an int or None; got {type(version).__name__} {version!r}"))
         elif version is not None and not 0 <= version < 2**62:
             wrong.append((ValueError, f"version must be in 0..2**62-1; got {version}"))
-        for label, value in (("verify", verify), ("atomic", atomic)):
+        for label, value in (("verify", verify), ("atomic", atomic), ("delta", delta)):
             if not isinstance(value, bool):
                 wrong.append((TypeError, f"{label} must be a bool; got {type(value).__name__} {value!r}"))
+        if delta is True and version is None:
+            wrong.append(
+                (
+                    ValueError,
+                    "delta=True needs a version: a delta applies to the version a destination committed, so each sync "
+                    "carries one (version=...); got version=None",
+                )
+            )
         if staging_device is not None:
             try:
                 self.staging_device = torch.device(staging_device)
@@ -65,6 +93,7 @@ class SyncOptions:
         if wrong:
             self.problem = (wrong[0][0], "; ".join(msg for _, msg in wrong))
         self.verify = bool(verify is True or atomic is True)
+        self.delta = delta is True
 
     @property
     def settles(self) -> bool:
@@ -81,6 +110,10 @@ class SyncOptions:
             int(ok and self.verify),
             int(ok and self.atomic is True),
             secrets.randbits(62),
+            int(ok and self.delta is True),
+            self.base if ok and self.delta is True else -1,
+            self.held if ok and self.delta is True else -1,
+            self.offer if ok and self.delta is True else -1,
         ]
 
     def check(
@@ -105,7 +138,10 @@ class SyncOptions:
         """
         self.committed = {rank: (None if row[1] < 0 else row[1]) for rank, row in zip(ranks, rows)}
         self.key = rows[ranks.index(src)][4]
-        for index, label in ((0, "version"), (2, "verify"), (3, "atomic")):
+        self.bases = {rank: row[6] for rank, row in zip(ranks, rows)}
+        self.helds = {rank: row[7] for rank, row in zip(ranks, rows)}
+        self.offers = {rank: row[8] for rank, row in zip(ranks, rows)}
+        for index, label in ((0, "version"), (2, "verify"), (3, "atomic"), (5, "delta")):
             if len({row[index] for row in rows}) > 1:
 
                 def shown(v: int, index: int = index) -> str:

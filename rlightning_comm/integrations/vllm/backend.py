@@ -111,6 +111,7 @@ class RLightningWeightTransferEngine(WeightTransferEngine[RLightningInitInfo, RL
         super().__init__(*args, **kwargs)
         self._init: RLightningInitInfo | None = None
         self._layout: WorkerLayout | None = None
+        self._kept: tuple[dict, list] | None = None  # delta=True: the receive buffers, kept between updates
         self.last_sync: dict[str, Any] | None = None  # what the last update_weights did (WeightSyncWorker reads it)
 
     # ------------------------------------------------------------------ joining the mode
@@ -205,7 +206,7 @@ class RLightningWeightTransferEngine(WeightTransferEngine[RLightningInitInfo, RL
                 raise RuntimeError("the rlightning backend is not connected: call init_weight_transfer_engine first")
             if update_info.problem is not None:
                 _refuse(init.mode, update_info.problem)  # raises on every member, the trainers included
-            wanted, loads = self._layout.allocate()
+            wanted, loads = self._buffers(update_info.options.get("delta") is True)
             report = reshard_state_dict(
                 wanted=wanted, comm_mode=init.mode, version=update_info.version, **update_info.options
             )
@@ -236,6 +237,16 @@ class RLightningWeightTransferEngine(WeightTransferEngine[RLightningInitInfo, RL
             "load_s": done - received,
             "total_s": done - start,
         }
+
+    def _buffers(self, delta: bool) -> tuple[dict, list]:
+        """The buffers to receive into: with ``delta``, the same ones every update (they hold the version the last
+        update brought, which a delta applies to; vLLM's loaders only read them), else fresh ones."""
+        if not delta:
+            self._kept = None
+            return self._layout.allocate()
+        if self._kept is None:
+            self._kept = self._layout.allocate()
+        return self._kept
 
     def finish_weight_update(self) -> None:
         """Nothing left to do: :meth:`receive_weights` loaded the weights once every worker had its blocks."""

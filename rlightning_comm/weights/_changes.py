@@ -1,0 +1,285 @@
+"""Which words of a tensor changed since its snapshot, and writing changes into tensors: the bit work of a delta sync.
+
+A tensor is compared as its integer *words* (the integer dtype of its element size: ``int16`` for ``bfloat16``,
+``int32`` for ``float32``, ``uint8`` for ``bool``; two ``int64`` per 16-byte element), so the comparison is of bits:
+NaN payloads, ``-0.0`` and ``+0.0`` differ as their bytes do, never as their values. A record's change (:class:`Change`)
+is the cheapest of: nothing (``same``), the positions of the few changed words (``sparse``), a flag per word (``mask``),
+or every word (``dense``); :mod:`._delta` says how each is laid out in bytes.
+
+Finding it costs one pass over the words and their snapshot: 8 bytes at a time where the layout allows (a wider compare
+is faster and leaves fewer flags), counted first, so that a record that is mostly changed is taken whole without a
+search, and one of many changes is flagged word by word (a second pass, still sequential). The changes' positions are
+searched on the host through numpy's ``packbits`` and a branch-free search of the nonzero bytes (torch's ``nonzero``
+and numpy's boolean indexing, which branch per element, are several times slower there at a few percent and more),
+on a device with torch ops; their words are then gathered and written by position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+try:  # the host's fast path; without numpy (the library runs without it) torch ops on the host too
+    import numpy as np
+except ImportError:  # pragma: no cover - exercised by the suite's test without numpy
+    np = None
+
+BLOCK_BITS = 16
+BLOCK = 1 << BLOCK_BITS  # words per block of a sparse record: a position within its block fits 16 bits
+HEADER = 32  # bytes of a record's header: kind, changed words, words, the record's bytes (int64 each)
+SAME, SPARSE, MASK, DENSE = 0, 1, 2, 3
+KINDS = ("same", "sparse", "mask", "dense")
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def word_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The integer dtype a tensor of ``dtype`` is compared as (16-byte elements: two ``int64`` each)."""
+    return _WORDS.get(dtype.itemsize, torch.int64)
+
+
+def word_count(dtype: torch.dtype, numel: int) -> int:
+    """How many words a tensor of ``dtype`` and ``numel`` elements has."""
+    return numel * (dtype.itemsize // 8) if dtype.itemsize > 8 else numel
+
+
+def words(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s memory as integer words, of ``t``'s shape (a 0-d tensor as one word; 16-byte elements: the last dimension
+    doubled), sharing its memory where its layout allows (a tensor with a lazy conjugate or negation is resolved first,
+    into a copy: its words are its values')."""
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    if t.dim() == 0:
+        t = t.reshape(1)
+    if t.element_size() > 8 and t.stride(-1) != 1:
+        t = t.contiguous()
+    return t.view(word_dtype(t.dtype))
+
+
+def writable(t: torch.Tensor) -> torch.Tensor:
+    """A tensor whose words (:func:`words`) share memory with it and hold ``t``'s values: ``t`` itself, or (a lazy
+    conjugate or negation, a 16-byte element whose last dimension is strided) a copy to write into and copy back."""
+    if t.is_conj() or t.is_neg() or (t.element_size() > 8 and t.dim() and t.stride(-1) != 1):
+        return t.resolve_conj().resolve_neg().contiguous()
+    return t
+
+
+def flat(views: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The words of ``views`` (word views, in order) as one flat tensor: the memory itself for one contiguous view, a
+    copy otherwise."""
+    if len(views) == 1:
+        v = views[0]
+        return v.view(-1) if v.is_contiguous() else v.reshape(-1)
+    return torch.cat([v.reshape(-1) for v in views])
+
+
+def record_words(views: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The words of a record's pieces to compare: one piece as it is where its rows are contiguous (a strided block is
+    compared where it lies, not copied), else the pieces' words flat (a copy)."""
+    if len(views) == 1:
+        v = views[0]
+        if v.is_contiguous():
+            return v.view(-1)
+        if v.dim() > 1 and v.stride(-1) == 1:
+            return v
+    return flat(views)
+
+
+class Change(NamedTuple):
+    """What changed in one record: its kind, the positions of its changed words (``None`` for ``dense``), their new
+    words (every word for ``dense``) in row-major order, and for ``mask`` the flags it was found from (bool, if at
+    hand)."""
+
+    kind: int
+    pos: torch.Tensor | None
+    vals: torch.Tensor
+    mask: torch.Tensor | None = None
+
+
+def sizes(n: int, k: int, itemsize: int) -> tuple[int, int, int]:
+    """The bytes of a record of ``n`` words with ``k`` changed, encoded ``sparse``, ``mask`` and ``dense``."""
+    values = _align(k * itemsize)
+    return (
+        HEADER + _align(4 * -(-n // BLOCK)) + _align(2 * k) + values,
+        HEADER + _align(-(-n // 8)) + values,
+        HEADER + _align(n * itemsize),
+    )
+
+
+def _align(n: int) -> int:
+    return -(-n // 8) * 8
+
+
+def _shifts(device: torch.device) -> torch.Tensor:
+    s = _SHIFTS.get(device)
+    if s is None:
+        s = _SHIFTS[device] = torch.arange(8, dtype=torch.uint8, device=device)
+    return s
+
+
+def on_host(t: torch.Tensor) -> bool:
+    """Whether ``t``'s bit work goes through numpy (a host tensor, numpy importable)."""
+    return t.is_cpu and np is not None
+
+
+def _set_bits(bits: Any) -> Any:
+    """The positions of the set bits of ``bits`` (little bit order), ascending, as int64.
+
+    numpy's ``nonzero`` of a bool array writes its indices without a branch; of other dtypes it branches per element
+    (several times slower where a few percent are set): the bytes are searched as bools, then only the nonzero ones
+    unpacked (into 0 or 1 per bit: bools as they are).
+    """
+    nz = np.flatnonzero(bits != 0)
+    j = np.flatnonzero(np.unpackbits(bits[nz], bitorder="little").view(np.bool_))
+    return (nz[j >> 3] << 3) | (j & 7)
+
+
+def pack(m: torch.Tensor) -> torch.Tensor:
+    """``m`` (bool) as bits in row-major order, little bit order, padded with zeros: ``ceil(numel / 8)`` bytes."""
+    if on_host(m):
+        return torch.from_numpy(np.packbits(m.numpy().reshape(-1), bitorder="little"))
+    n = m.numel()
+    padded = torch.zeros(_align(n), dtype=torch.uint8, device=m.device)
+    padded[:n] = m.reshape(-1)
+    return (padded.view(-1, 8) << _shifts(m.device)).sum(1, dtype=torch.uint8)
+
+
+def positions(bits: torch.Tensor) -> torch.Tensor:
+    """The positions of the set bits of ``bits`` (uint8, little bit order), ascending, as int64 on its device."""
+    if on_host(bits):
+        return torch.from_numpy(_set_bits(bits.numpy()))
+    return ((bits.unsqueeze(1) >> _shifts(bits.device)) & 1).view(-1).nonzero().view(-1)
+
+
+def _positions(m: torch.Tensor) -> torch.Tensor:
+    """The flat positions of the set flags of ``m`` (bool), ascending, as int64."""
+    if on_host(m):
+        return torch.from_numpy(_set_bits(np.packbits(m.numpy().reshape(-1), bitorder="little")))
+    return m.reshape(-1).nonzero().view(-1)
+
+
+def _count(m: torch.Tensor) -> int:
+    return int(np.count_nonzero(m.numpy())) if on_host(m) else int(m.sum())
+
+
+def take(t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The words of ``t`` (any strides) at its flat (row-major) positions ``pos``."""
+    if t.is_contiguous():
+        return t.reshape(-1).index_select(0, pos)
+    index = torch.unravel_index(pos, t.shape)
+    offsets = sum(i * s for i, s in zip(index, t.stride()))
+    span = sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
+    return t.as_strided((span,), (1,)).index_select(0, offsets)
+
+
+def _wide(t: torch.Tensor) -> int:
+    """How many of ``t``'s words make an 8-byte word, where its rows and their starts allow (else 1)."""
+    item = t.element_size()
+    if item >= 8 or t.dim() == 0 or (t.shape[-1] * item) % 8:
+        return 1
+    if (t.storage_offset() * item) % 8 or any((s * item) % 8 for s in t.stride()[:-1]) or t.stride(-1) != 1:
+        return 1
+    return 8 // item
+
+
+def diff(cur: torch.Tensor, snap: torch.Tensor) -> torch.Tensor:
+    """The flat (row-major) positions of the words of ``cur`` that differ from ``snap``, ascending, as int64 on
+    ``cur``'s device. ``cur`` is a record's words (:func:`record_words`), ``snap`` its snapshot (flat, contiguous)."""
+    snap = snap.view(cur.shape)
+    wide = min(_wide(cur), _wide(snap))
+    if wide == 1:
+        return _positions(torch.ne(cur, snap))
+    return _refine(cur, snap, wide, torch.ne(cur.view(torch.int64), snap.view(torch.int64)))
+
+
+def _refine(cur: torch.Tensor, snap: torch.Tensor, wide: int, flags: torch.Tensor) -> torch.Tensor:
+    """The positions of the changed words, from the flags of the changed 8-byte words: only those are compared word by
+    word."""
+    c64, s64 = cur.view(torch.int64), snap.view(torch.int64)
+    at = _positions(flags)
+    j = _positions((take(c64, at) ^ take(s64, at)).view(cur.dtype) != 0)
+    shift = wide.bit_length() - 1
+    return (at.index_select(0, j >> shift) << shift) | (j & (wide - 1))
+
+
+def change_of(cur: torch.Tensor, snap: torch.Tensor) -> Change:
+    """The change of a record (its words ``cur``, its snapshot ``snap``) in its cheapest kind (the fewest bytes).
+
+    The 8-byte compare counts the changed 8-byte words ``k64``: the changed words are between ``k64`` and ``wide *
+    k64``. A record whose ``dense`` bytes are no more than its others' at ``k64`` is taken whole; one whose ``sparse``
+    bytes are fewest even at ``wide * k64`` has its changes searched; any other is flagged word by word, and its kind
+    chosen from the exact count.
+    """
+    n, item = cur.numel(), cur.element_size()
+    snap = snap.view(cur.shape)
+    wide = min(_wide(cur), _wide(snap))
+    if wide > 1:
+        flags = torch.ne(cur.view(torch.int64), snap.view(torch.int64))
+        k64 = _count(flags)
+        if k64 == 0:
+            return Change(SAME, cur.new_empty(0, dtype=torch.int64), cur.new_empty(0))
+        low, high = sizes(n, k64, item), sizes(n, min(n, wide * k64), item)
+        if low[2] <= min(low[:2]):
+            return Change(DENSE, None, cur.reshape(-1))
+        if high[0] <= min(low[1:]):
+            pos = _refine(cur, snap, wide, flags)
+            return Change(SPARSE, pos, take(cur, pos))
+    m = torch.ne(cur, snap)
+    k = _count(m)
+    if k == 0:
+        return Change(SAME, cur.new_empty(0, dtype=torch.int64), cur.new_empty(0))
+    sparse, mask, dense = sizes(n, k, item)
+    if dense <= min(sparse, mask):
+        return Change(DENSE, None, cur.reshape(-1))
+    pos = _positions(m)
+    if sparse <= mask:
+        return Change(SPARSE, pos, take(cur, pos))
+    return Change(MASK, pos, take(cur, pos), m.reshape(-1))
+
+
+def apply(targets: Sequence[Sequence[torch.Tensor]], record_sizes: Sequence[int], change: Change) -> None:
+    """Write ``change`` (of one record) into the word views of its pieces (any strides), in place: ``targets[i]`` are
+    the views that each take piece ``i``'s words (a tensor and the tensors tied to it)."""
+    if change.kind == SAME:
+        return
+    bounds = [0]
+    for n in record_sizes:
+        bounds.append(bounds[-1] + n)
+    if change.kind == DENSE:
+        cuts = bounds
+    elif len(targets) == 1:
+        cuts = [0, change.pos.numel()]
+    else:
+        edges = torch.tensor(bounds[1:], dtype=torch.int64, device=change.pos.device)
+        cuts = [0, *torch.searchsorted(change.pos, edges).tolist()]
+    for views, a, c0, c1 in zip(targets, bounds, cuts, cuts[1:]):
+        if c1 == c0:
+            continue
+        vals = change.vals[c0:c1]
+        for target in views:
+            if change.kind == DENSE:
+                target.copy_(vals.view(target.shape))
+            else:
+                _scatter(target, change.pos[c0:c1] - a, vals)
+
+
+def _scatter(target: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor) -> None:
+    """``target``'s words at flat (row-major) positions ``pos`` set to ``vals``, in place, whatever its strides."""
+    if pos.device != target.device:
+        pos, vals = pos.to(target.device), vals.to(target.device)
+    if target.is_contiguous():
+        target.view(-1).index_copy_(0, pos, vals)
+    else:
+        target.index_put_(torch.unravel_index(pos, target.shape), vals)
+
+
+def advance(snap: torch.Tensor, change: Change) -> None:
+    """A snapshot's words (flat) take on ``change``."""
+    if change.kind == SAME:
+        return
+    if change.kind == DENSE:
+        snap.copy_(change.vals)
+    else:
+        snap.index_copy_(0, change.pos.cpu(), change.vals.cpu())
