@@ -4,7 +4,8 @@ A :class:`Snapshot` holds one flat run of words per record (:mod:`._delta`) of w
 shard, nothing it does not send. It is made (or refreshed) once a sync that carried a version succeeded everywhere, so
 its version is the one every destination of that sync committed; a failed sync leaves it at the version it was, and a
 destination that holds another version (a newcomer, a restart, a failed sync: its version is forgotten) gets a full
-sync. It is kept in the communicator's memory (:mod:`._memory`), so it goes with the communicator's generation.
+sync. It is kept in the communicator's memory (:mod:`._memory`), so it goes with the communicator's generation, and so
+does the comparison's scratch it holds (a flag per 8 bytes of its largest record, at most one per word).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class Snapshot:
         self.key = key
         self.records = records
         self.flats: list[torch.Tensor] = []
+        self.scratch = _changes.Scratch()  # the comparison's flags: a bool per 8 bytes of its largest record, or less
         self.version: int | None = None  # None until a sync that carried a version succeeded
 
     def base(self, key: Any) -> int:
@@ -63,7 +65,7 @@ class Snapshot:
             if cur.device != snap.device:
                 snap = snap.to(cur.device, non_blocking=True)
             curs.append(cur)
-            changes.append(_changes.change_of(cur, snap))
+            changes.append(_changes.change_of(cur, snap, self.scratch))
         return curs, changes
 
     def offer(self, views: Views, device: torch.device, limit: int) -> Offer:
