@@ -209,10 +209,22 @@ def take(t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """The words of ``t`` (any strides) at its flat (row-major) positions ``pos``."""
     if t.is_contiguous():
         return t.reshape(-1).index_select(0, pos)
-    index = torch.unravel_index(pos, t.shape)
-    offsets = sum(i * s for i, s in zip(index, t.stride()))
+    return _base(t).index_select(0, _offsets(t, pos))
+
+
+def _base(t: torch.Tensor) -> torch.Tensor:
+    """The memory ``t`` spans, flat, from its first element."""
     span = sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
-    return t.as_strided((span,), (1,)).index_select(0, offsets)
+    return t.as_strided((span,), (1,))
+
+
+def _offsets(t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The offsets in :func:`_base` of ``t``'s flat (row-major) positions ``pos`` (a block of rows: two integer ops)."""
+    if t.dim() == 2:
+        rows, cols = pos.div(t.shape[1], rounding_mode="floor"), pos.remainder(t.shape[1])
+        return rows * t.stride(0) + (cols if t.stride(1) == 1 else cols * t.stride(1))
+    index = torch.unravel_index(pos, t.shape)
+    return sum(i * s for i, s in zip(index, t.stride()))
 
 
 WIDTH = 4  # bytes compared at a time, at most: narrower words are compared in groups of this many bytes
@@ -318,7 +330,7 @@ def _scatter(target: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor) -> Non
     if target.is_contiguous():
         target.view(-1).index_copy_(0, pos, vals)
     else:
-        target.index_put_(torch.unravel_index(pos, target.shape), vals)
+        _base(target).index_copy_(0, _offsets(target, pos), vals)
 
 
 def advance(snap: torch.Tensor, change: Change) -> None:
