@@ -262,6 +262,15 @@ def _refine(cur: torch.Tensor, snap: torch.Tensor, wide: int, flags: torch.Tenso
     return (at.index_select(0, j >> shift) << shift) | (j & (wide - 1)), now.view(cur.dtype).index_select(0, j)
 
 
+def _ne(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` set where ``a`` and ``b`` (words of one shape) differ; on the host through numpy, whose loops take a
+    strided block (a column block of a shard) at about the speed of a contiguous one (torch's took twice as long)."""
+    if on_host(a):
+        np.not_equal(a.numpy(), b.numpy(), out=out.numpy())
+        return out
+    return torch.ne(a, b, out=out)
+
+
 def change_of(cur: torch.Tensor, snap: torch.Tensor, scratch: Scratch | None = None) -> Change:
     """The change of a record (its words ``cur``, its snapshot ``snap``) in its cheapest kind (the fewest bytes).
 
@@ -275,7 +284,13 @@ def change_of(cur: torch.Tensor, snap: torch.Tensor, scratch: Scratch | None = N
     snap = snap.view(cur.shape)
     wide = min(_wide(cur), _wide(snap))
     a, b = (cur.view(_WORDS[WIDTH]), snap.view(_WORDS[WIDTH])) if wide > 1 else (cur, snap)
-    flags = torch.ne(a, b) if scratch is None else torch.ne(a, b, out=scratch.flags(a.shape, a.device))
+    flags = _ne(
+        a,
+        b,
+        torch.empty(a.shape, dtype=torch.bool, device=a.device)
+        if scratch is None
+        else scratch.flags(a.shape, a.device),
+    )
     k = _count(flags)
     if k == 0:
         return Change(SAME, cur.new_empty(0, dtype=torch.int64), cur.new_empty(0))
