@@ -72,8 +72,8 @@ class Snapshot:
     def changes(self, views: Views) -> tuple[list[torch.Tensor], list[_changes.Change]]:
         """Every record's words now and its change since the snapshot (what it takes on once a sync succeeded).
 
-        A record's scattered changes on the host are written into the snapshot at once, while its words are in cache
-        (later they cost another pass over the memory), the words they replace kept to undo them: they stand once the
+        A record's few scattered changes (``sparse``) on the host are written into the snapshot at once, while its words
+        are in cache (later they cost another pass over the memory), the words they replace kept to undo them: they stand once the
         sync succeeded (:meth:`advance`), else they are undone before the snapshot is next used.
         """
         self._settle()
@@ -84,7 +84,7 @@ class Snapshot:
             if not host:
                 snap = snap.to(cur.device, non_blocking=True)
             change = _changes.change_of(cur, snap, self.scratch)
-            if host and change.kind in (_changes.SPARSE, _changes.MASK):
+            if host and change.kind == _changes.SPARSE:  # a mask's many changes: a pass either way, kept for later
                 self.pending[i] = (change.pos, snap.index_select(0, change.pos))
                 snap.index_copy_(0, change.pos, change.vals)
             curs.append(cur)
