@@ -275,41 +275,46 @@ def change_of(cur: torch.Tensor, snap: torch.Tensor, scratch: Scratch | None = N
     """The change of a record (its words ``cur``, its snapshot ``snap``) in its cheapest kind (the fewest bytes).
 
     One pass compares the words, :data:`WIDTH` bytes at a time where the layout allows, into ``scratch``'s flags (a
-    fresh buffer without one). A record whose ``dense`` bytes are no more than its others' even at the fewest changes
-    the flags allow is taken whole; any other has its flagged wider words compared word by word (in time of the
-    changes), which gives the exact count of changed words, and its kind is chosen from that (a ``mask``'s flags are
-    packed from the positions).
+    fresh buffer without one), and counts them. A record whose ``dense`` bytes are no more than its others' even at the
+    fewest changes the flags allow is taken whole. One that is ``sparse`` even at the most has only its flagged wider
+    words compared word by word (in time of the changes: the exact count, the positions and the new words at once);
+    any other is compared word by word in a second pass (its changes are many: searched, the refine would cost more).
+    The kind is chosen from the exact count, a ``mask``'s flags packed at once (the scratch is used again).
     """
     n, item = cur.numel(), cur.element_size()
     snap = snap.view(cur.shape)
     wide = min(_wide(cur), _wide(snap))
     a, b = (cur.view(_WORDS[WIDTH]), snap.view(_WORDS[WIDTH])) if wide > 1 else (cur, snap)
-    flags = _ne(
-        a,
-        b,
-        torch.empty(a.shape, dtype=torch.bool, device=a.device)
-        if scratch is None
-        else scratch.flags(a.shape, a.device),
-    )
+    flags = _ne(a, b, _buffer(scratch, a))
     k = _count(flags)
     if k == 0:
         return Change(SAME, cur.new_empty(0, dtype=torch.int64), cur.new_empty(0))
-    low = sizes(n, k, item)  # the fewest changed words: k, and exactly k word by word
+    low = sizes(n, k, item)  # the fewest changed words: k (exactly k word by word)
     if low[2] <= min(low[:2]):
         return Change(DENSE, None, cur.reshape(-1))
+    if wide > 1 and sizes(n, min(n, wide * k), item)[0] > min(low[1:]):  # not surely sparse: word by word
+        wide, flags = 1, _ne(cur, snap, _buffer(scratch, cur))
+        k = _count(flags)
+        sparse, mask, dense = sizes(n, k, item)
+        if dense <= min(sparse, mask):
+            return Change(DENSE, None, cur.reshape(-1))
     if wide > 1:
         pos, vals = _refine(cur, snap, wide, flags)
-        k = pos.numel()
     else:
         pos = _positions(flags)
         vals = take(cur, pos)
-    sparse, mask, dense = sizes(n, k, item)
+    sparse, mask, dense = sizes(n, pos.numel(), item)
     if dense <= min(sparse, mask):
         return Change(DENSE, None, cur.reshape(-1))
     if sparse <= mask:
         return Change(SPARSE, pos, vals)
-    # word by word the flags are exact: packed now, before the scratch is used again
     return Change(MASK, pos, vals, pack(flags) if wide == 1 else bits_at(pos, n))
+
+
+def _buffer(scratch: Scratch | None, like: torch.Tensor) -> torch.Tensor:
+    if scratch is None:
+        return torch.empty(like.shape, dtype=torch.bool, device=like.device)
+    return scratch.flags(like.shape, like.device)
 
 
 def apply(targets: Sequence[Sequence[torch.Tensor]], record_sizes: Sequence[int], change: Change) -> None:

@@ -72,9 +72,9 @@ class Snapshot:
     def changes(self, views: Views) -> tuple[list[torch.Tensor], list[_changes.Change]]:
         """Every record's words now and its change since the snapshot (what it takes on once a sync succeeded).
 
-        A record's few scattered changes (``sparse``) on the host are written into the snapshot at once, while its words
-        are in cache (later they cost another pass over the memory), the words they replace kept to undo them: they stand once the
-        sync succeeded (:meth:`advance`), else they are undone before the snapshot is next used.
+        A record's few scattered changes (``sparse``) on the host are written into the snapshot at once, while its
+        words are in cache (later they cost another pass over the memory), the words they replace kept to undo them:
+        they stand once the sync succeeded (:meth:`advance`), else they are undone before the snapshot is next used.
         """
         self._settle()
         curs, changes = [], []
