@@ -2,13 +2,12 @@
 
 Before the agreement's one exchange each holder compares every distinct block it sends (a *box*: a block of one of its
 held tensors, sent to one or more members) with its snapshot (:mod:`._snapshots`) and encodes each box's changes once.
-Its pair words (on that exchange: every call's carries them) say, per member, the bytes the kept plan sends it (plain,
-and in a delta's format) and the bytes of its delta for it (the boxes of that pair, in the plan's order); each wanter
-states the version its tensors hold. Every member decides the same from every member's words, per destination: a delta
-when every member that sends it something holds a snapshot of the version it holds and offered a smaller delta; else
-full. When no destination takes a delta the plan's own data phase runs (:class:`~._mover.Mover`); otherwise
-:class:`~._delta_mover.DeltaMover`. Once the sync succeeded a holder's snapshot takes on its changes and a wanter notes
-the version its tensors hold.
+Its pair words say, per member, the bytes the kept plan sends it (plain, and in a delta's format) and the bytes of its
+delta for it (the boxes of that pair, in the plan's order); each wanter states the version its tensors hold. Every
+member decides the same from every member's words, per destination: a delta when every member that sends it something
+holds a snapshot of the version it holds and offered a smaller delta; else full. When no destination takes a delta the
+plan's own data phase runs (:class:`~._mover.Mover`); otherwise :class:`~._delta_mover.DeltaMover`. Once the sync
+succeeded a holder's snapshot takes on its changes and a wanter notes the version its tensors hold.
 """
 
 from __future__ import annotations
@@ -134,7 +133,7 @@ def prepare(
 
 def possible(options: SyncOptions, wanters: list[int]) -> bool:
     """Whether a destination may take a delta (some wanter holds a version some holder's snapshot holds): then the
-    pair words on the exchange are read. The same on every member."""
+    members exchange their pair words, in a round of their own. The same on every member."""
     bases = {b for b in options.bases.values() if b >= 0}
     return options.delta and any(options.helds[w] in bases for w in wanters)
 

@@ -234,20 +234,19 @@ def _agree(
         offer, pairs = prepare(comm, memory, options, names, kept_plan, mine, live_wanted)
     elif not options.delta:
         memory.drop_delta()  # delta=False keeps nothing: a later delta=True starts with a full sync
-    versions = options.words()
-    # the pair words ride on the one exchange (every call's: every member sends the same count), no round of their own
-    rows = exchange(comm, [*words, *versions, *pairs], memory, OP)
-    tail = 8 + len(versions)
+    rows = exchange(comm, [*words, *options.words()], memory, OP)
     if any(row[0] for row in rows):
         raise_shared(comm, problem, memory, OP)
     ranks = comm.ranks
     wanters = [r for r, row in zip(ranks, rows) if row[6]]
     holders = {r for r, row in zip(ranks, rows) if row[7]}
-    options.check(ranks, [row[8:tail] for row in rows], ranks[0], OP, set(wanters), holders)
+    options.check(ranks, [row[8:] for row in rows], ranks[0], OP, set(wanters), holders)
     bucket = rows[0][1]
     key = hash_key((tuple(tuple(row[2:4]) for row in rows), bucket))
     cached = kept_plan is not None and all(tuple(row[4:6]) == key for row in rows)
-    delta = (offer, [row[tail:] for row in rows] if cached and possible(options, wanters) else [], mine, live_wanted)
+    delta = (offer, [], mine, live_wanted)
+    if cached and possible(options, wanters):  # the pair words only when a delta can happen: a round of their own
+        delta = (offer, exchange(comm, pairs, memory, OP), mine, live_wanted)
     if cached:
         return names, kept_plan[1], True, live, wanters, delta
     metas = [json.loads(t) for t in exchange_texts(comm, text, memory, OP)]
