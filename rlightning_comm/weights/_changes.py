@@ -220,9 +220,8 @@ def _base(t: torch.Tensor) -> torch.Tensor:
 
 def _offsets(t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """The offsets in :func:`_base` of ``t``'s flat (row-major) positions ``pos`` (a block of rows: two integer ops)."""
-    if t.dim() == 2:
-        rows, cols = pos.div(t.shape[1], rounding_mode="floor"), pos.remainder(t.shape[1])
-        return rows * t.stride(0) + (cols if t.stride(1) == 1 else cols * t.stride(1))
+    if t.dim() == 2 and t.stride(1) == 1:  # row r, column c: at r * stride + c = pos + r * (stride - columns)
+        return pos + pos.div(t.shape[1], rounding_mode="floor") * (t.stride(0) - t.shape[1])
     index = torch.unravel_index(pos, t.shape)
     return sum(i * s for i, s in zip(index, t.stride()))
 
