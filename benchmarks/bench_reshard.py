@@ -13,6 +13,9 @@ barrier to every engine rank holding its shards):
   the trainer's tensor into the engine's, each strided block (the row-parallel matrices' column halves) packed by the
   trainer into a buffer first, the biases in one buffer per pair; no agreement and no receipts. What the same bytes in
   the same messages cost, with the one copy a strided block needs;
+* protocol: the pieces with what the library's protocol adds, by hand: before them one round of 17 words per rank
+  through rank 0 (the agreement of a kept plan), after them one receipt per pair that the trainer waits for (what the
+  library's Python and bookkeeping leave out);
 * verify, atomic: the library with ``verify=True``, and with ``atomic=True`` and a new version each round;
 * gather + broadcast: the status quo: trainer rank 1 sends its rows to trainer rank 0 (raw ``send``/``recv`` per
   tensor), rank 0 ``broadcast_state_dict``s the full model to both engine ranks, each copies its shard out of it.
@@ -20,8 +23,8 @@ barrier to every engine rank holding its shards):
 Bytes come from the reports, checked against the engines' wanted bytes; every engine shard is checked bit-identical to
 the full model sliced first. Then the planner in one process: 1,000 tensors, 8 holders (2 data-parallel replicas x 4
 FSDP row shards), 16 wanters (2 engine replicas x TP 8, half the tensors column-, half row-parallel): the plan's time
-(cold), and the local cost of a repeat call (reading the arguments and hashing their metadata; the repeat then exchanges
-one fingerprint).
+(cold), and the local cost of a repeat call (reading the arguments and comparing their metadata with the kept plan's;
+the repeat then exchanges one fingerprint).
 
     python benchmarks/bench_reshard.py [--rounds 10] [--bucket-mib 64] [--threads 1]
 """
@@ -120,9 +123,25 @@ def _task(rank: int, nproc: int, rounds: int, bucket_bytes: int, threads: int) -
     packed = {e: torch.empty(len(downs), half, half) for e in (2, 3)} if rank < 2 else None
     biases = {peer: torch.empty(len(downs), half) for peer in (0, 1, 2, 3) if (peer < 2) != (rank < 2)}
 
-    def pieces() -> None:
+    words, rows = torch.zeros(17, dtype=torch.int64), torch.zeros(4, 17, dtype=torch.int64)
+    token = torch.zeros(1, dtype=torch.uint8)
+
+    def agree() -> None:  # one round of 17 words per rank through rank 0, as the library's agreement
+        if rank == 0:
+            for w in [dist.irecv(rows[r], src=r, tag=11) for r in (1, 2, 3)]:
+                w.wait()
+            works = [dist.isend(rows, dst=r, tag=11) for r in (1, 2, 3)]
+        else:
+            works = [dist.isend(words, dst=0, tag=11), dist.irecv(rows, src=0, tag=11)]
+        for w in works:
+            w.wait()
+
+    def pieces(protocol: bool = False) -> None:
         works = []
+        if protocol:
+            agree()
         if rank < 2:
+            receipts = [dist.irecv(token.clone(), src=e, tag=12) for e in (2, 3)] if protocol else []
             for e in (2, 3):
                 c = (e - 2) * half
                 if e - 2 == rank:  # the column-parallel rows this trainer holds: straight from its tensors
@@ -133,6 +152,7 @@ def _task(rank: int, nproc: int, rounds: int, bucket_bytes: int, threads: int) -
                 for k, n in enumerate(n for n in full if n.endswith(".bias")):
                     biases[e][k].copy_(held[n].tensor)
                 works.append(dist.isend(biases[e], dst=e))
+            works = receipts + works  # the receipts first: the sends have completed once they came
         else:
             for src in (0, 1):
                 if src == rank - 2:
@@ -141,7 +161,7 @@ def _task(rank: int, nproc: int, rounds: int, bucket_bytes: int, threads: int) -
                 works.append(dist.irecv(biases[src], src=src))
             for w in works:
                 w.wait()
-            works = []
+            works = [dist.isend(token, dst=src, tag=12) for src in (0, 1)] if protocol else []
             for src in (0, 1):
                 for k, n in enumerate(n for n in full if n.endswith(".bias")):
                     engine[n][src * half : (src + 1) * half].copy_(biases[src][k])
@@ -190,6 +210,7 @@ def _task(rank: int, nproc: int, rounds: int, bucket_bytes: int, threads: int) -
         ("verify", verify),
         ("atomic", atomic),
         ("pieces", pieces),
+        ("protocol", lambda: pieces(protocol=True)),
     ):
         for t in engine.values():
             t.zero_()
@@ -199,6 +220,7 @@ def _task(rank: int, nproc: int, rounds: int, bucket_bytes: int, threads: int) -
         "library": library,
         "limit": limit,
         "pieces": pieces,
+        "protocol": lambda: pieces(protocol=True),
         "verify": verify,
         "atomic": atomic,
         "gather_broadcast": gather_broadcast,
@@ -272,10 +294,14 @@ def planner(tensors: int = 1000, holders: int = 8, wanters: int = 16, repeats: i
     local = {f"t{i}": torch.zeros(shape[0] // tp, shape[1]) for i in range(tensors)}
     wanted = {n: TensorSlice(t, (0, 0), shape) for n, t in local.items()}
     repeat = []
+    names, _ = collect(None, wanted, torch.device("cpu"))
+    made = metadata(names)
+    hash_key(json.dumps(made, separators=(",", ":")))  # once, when the plan is made
     for _ in range(repeats * 3):
         t0 = time.perf_counter()
         names, _ = collect(None, wanted, torch.device("cpu"))
-        hash_key(json.dumps(metadata(names), separators=(",", ":")))
+        if metadata(names) != made:  # a repeat call compares with the kept plan's metadata
+            raise SystemExit("the metadata changed")
         repeat.append(time.perf_counter() - t0)
     pieces = sum(len(m[0][3]) + len(m[0][4]) for m in metas)
     return {"cold_s": statistics.median(cold), "repeat_s": statistics.median(repeat), "blocks_per_tensor": pieces}
@@ -316,7 +342,9 @@ def main() -> None:
         same = "-" if name == "limit" else ("yes" if all(o["identical"][name] for o in out[2:]) else "NO")
         print(f"| {name} | {statistics.median(samples) * 1e3:.1f} | {min(samples) * 1e3:.1f} | {vs:.2f}x | {same} |")
     pieces = statistics.median(lim / t for lim, t in zip(times["limit"], times["pieces"]))
+    protocol = statistics.median(lim / t for lim, t in zip(times["limit"], times["protocol"]))
     print(f"\nthe hand-written pieces against the limit (median of per-round ratios): {pieces:.2f}x")
+    print(f"the pieces with the agreement's round and the receipts, by hand, against the limit: {protocol:.2f}x")
     plan = planner()
     print()
     print(

@@ -28,7 +28,8 @@ class Kept:
         self.hashed: tuple[list[Entry], int, tuple[int, int], tuple[int, int] | None] | None = None
         self.stream: Any = None  # the handshake's own CUDA stream
         self.staged: tuple[Any, list[torch.Tensor]] | None = None  # an atomic sync's staging: (its key, the tensors)
-        self.reshard_plan: tuple[tuple[int, int], Any] | None = None  # reshard_state_dict's: (its key, the schedule)
+        # reshard_state_dict's: (its key, the schedule, this member's metadata hash and metadata when it was made)
+        self.reshard_plan: tuple[tuple[int, int], Any, tuple[int, int], Any] | None = None
         # delta=True: what this member last sent (a _snapshots.Snapshot, on the host), and what it last received: (the
         # version, the identity of the tensors that hold it); None when the next delta sync must be full.
         self.snapshot: Any = None

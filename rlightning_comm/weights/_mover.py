@@ -260,7 +260,8 @@ class Mover:
             elif bucket.src == me:  # covered by the final receipt: waited after it
                 self._direct.append(second)
                 sent.append(second)
-        self._sends = [entry for entry in self._sends if not any(entry is done for done in sent)]
+        done = {id(work) for work in sent}
+        self._sends = [entry for entry in self._sends if id(entry) not in done]
 
     def _wait_sends(self) -> None:
         sends, self._sends = self._sends, []

@@ -224,9 +224,11 @@ def _agree(
         names, live = _staged(names)  # the plan is made for the staging tensors: the live ones wait for the commit
     wants = any(e.wanted for e in names.values())
     holds = any(e.held for e in names.values())
-    text = "" if problem is not None else json.dumps(metadata(names), separators=(",", ":"))
-    mine = hash_key(text)
+    meta = None if problem is not None else metadata(names)
     kept_plan = memory.reshard_plan
+    same = kept_plan is not None and meta == kept_plan[3]  # this member's metadata as when the plan was made
+    text = None if same else "" if meta is None else json.dumps(meta, separators=(",", ":"))
+    mine = kept_plan[2] if same else hash_key(text)
     kept_key = kept_plan[0] if kept_plan is not None else (0, 0)
     words = [int(problem is not None), bucket_bytes if problem is None else 0, *mine, *kept_key, int(wants), int(holds)]
     offer, pairs = None, [0, 0, -1] * comm.world_size
@@ -249,11 +251,13 @@ def _agree(
         delta = (offer, exchange(comm, pairs, memory, OP), mine, live_wanted)
     if cached:
         return names, kept_plan[1], True, live, wanters, delta
+    if text is None:
+        text = json.dumps(meta, separators=(",", ":"))
     metas = [json.loads(t) for t in exchange_texts(comm, text, memory, OP)]
     memory.reshard_plan = None
     try:
         schedule = build_schedule(metas, bucket, comm.ranks, comm.rank)
     except ValueError as err:  # the same on every member: the metadata is
         raise ValueError(f"{OP}: nothing was transferred; {err}") from None
-    memory.reshard_plan = (key, schedule)
+    memory.reshard_plan = (key, schedule, mine, meta)
     return names, schedule, False, live, wanters, delta

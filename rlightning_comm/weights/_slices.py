@@ -69,8 +69,11 @@ class Named(NamedTuple):
 
 
 def _int_tuple(value: Any) -> tuple[int, ...] | None:
-    if not isinstance(value, tuple) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+    if not isinstance(value, tuple):
         return None
+    for v in value:  # a loop, not all() over a generator: called for every block of every call
+        if type(v) is not int and (not isinstance(v, int) or isinstance(v, bool)):
+            return None
     return value
 
 
@@ -95,7 +98,8 @@ def _block(name: str, value: Any, role: str) -> tuple[Block | None, tuple[int, .
                 f"{what}: offsets {offsets} and global_shape {global_shape} need one entry per dimension of the "
                 f"tensor (shape {tuple(tensor.shape)})",
             )
-        bad = [d for d in range(tensor.dim()) if offsets[d] < 0 or offsets[d] + tensor.shape[d] > global_shape[d]]
+        local = tensor.shape
+        bad = [d for d, (o, n, g) in enumerate(zip(offsets, local, global_shape)) if o < 0 or o + n > g]
         if bad:
             d = bad[0]
             return (
@@ -135,12 +139,13 @@ def _block(name: str, value: Any, role: str) -> tuple[Block | None, tuple[int, .
         )
     if tensor.is_nested or tensor.layout != torch.strided or tensor.device.type == "meta":
         return None, (), f"{what}: a {tensor.layout} tensor on {tensor.device} holds no plain strided data"
-    if role == "wanted" and any(s == 0 and n > 1 for s, n in zip(tensor.stride(), tensor.shape)):
+    shape, strides = tuple(tensor.shape), tensor.stride()
+    if role == "wanted" and 0 in strides and any(s == 0 and n > 1 for s, n in zip(strides, shape)):
         return None, (), f"{what}: an expanded view (stride 0) cannot be written in place"
     if tensor.requires_grad:
         tensor = tensor.detach()  # written in place on a destination; only read on a source
     plain = not tensor.is_conj() and not tensor.is_neg()
-    return Block(tensor, offsets, tuple(tensor.shape), tuple(tensor.stride()), plain), global_shape, None
+    return Block(tensor, offsets, shape, strides, plain), global_shape, None
 
 
 def _is_dtensor(value: Any) -> bool:
@@ -173,6 +178,7 @@ def collect(held: Any, wanted: Any, device: torch.device) -> tuple[dict[str, Nam
 
 def _collect(held: Any, wanted: Any, device: torch.device) -> tuple[dict[str, Named], Problem]:
     names: dict[str, Named] = {}
+    kind = device.type
     for role, mapping in (("held", held), ("wanted", wanted)):
         if mapping is None:
             continue
@@ -189,14 +195,16 @@ def _collect(held: Any, wanted: Any, device: torch.device) -> tuple[dict[str, Na
                 if wrong is not None:
                     return {}, (TypeError if "expected a" in wrong or "must be a torch" in wrong else ValueError, wrong)
                 here = block.tensor.device
-                if here.type != device.type or (device.type != "cpu" and here != device):
+                if here.type != kind or (kind != "cpu" and here != device):
                     return {}, (
                         ValueError,
                         f"{role}[{name!r}] is on {here}; the mode's communicator moves tensors on {device}: move it "
                         "there first",
                     )
                 dtype = str(block.tensor.dtype)
-                entry = names.setdefault(name, Named(dtype, global_shape, [], []))
+                entry = names.get(name)
+                if entry is None:
+                    entry = names[name] = Named(dtype, global_shape, [], [])
                 if (entry.dtype, entry.global_shape) != (dtype, global_shape):
                     return {}, (
                         ValueError,
