@@ -14,7 +14,9 @@ delta sync.
 * reshard: 4 gloo ranks, the model of ``bench_reshard.py`` (8 layers of two fp32 1024 x 1024 matrices and a bias, 64.0
   MiB), trainer ranks 0 and 1 holding FSDP ``Shard(0)`` rows, engine ranks 2 and 3 in TP=2.
 
-Also the source's comparison alone: the encoding of one round's changes against the snapshot, timed in one process.
+Also the source's comparison alone: the encoding of one round's changes against the snapshot, timed in one process,
+and next to it the floor of any lossless delta here: one pass comparing the model with its snapshot (``torch.ne`` of
+each tensor's words into a kept buffer).
 
     python benchmarks/bench_delta.py [--case broadcast|reshard|both] [--rounds 10] [--fractions 0,0.02,0.1,0.5,1]
 """
@@ -252,13 +254,17 @@ def _reshard_task(rank: int, nproc: int, rounds: int, fractions: list[float], th
     return out
 
 
-def compare_alone(fraction: float, repeats: int = 7) -> dict:
-    """The source's encoding of one round's changes against its snapshot (the broadcast model), in this process."""
+def compare_alone(fraction: float, threads: int, repeats: int = 9) -> dict:
+    """The source's encoding of one round's changes against its snapshot (the broadcast model), in this process, and
+    the floor of any lossless delta here: one pass comparing the model with its snapshot (``torch.ne`` of each tensor's
+    words into a kept buffer), interleaved with it."""
     import torch
 
     from rlightning_comm.weights import _changes, _delta
     from rlightning_comm.weights._snapshots import Snapshot
 
+    if threads:
+        torch.set_num_threads(threads)
     state = _broadcast_model(0)
     tensors = list(state.values())
     recs = _delta.records([(t.dtype, t.numel(), None) for t in tensors])
@@ -268,14 +274,26 @@ def compare_alone(fraction: float, repeats: int = 7) -> dict:
         return [_changes.words(tensors[i]) for i in record.pieces]
 
     snap.take(views, 1)
+    copies = [_changes.words(t).clone() for t in tensors]
+    outs = [torch.empty(t.shape, dtype=torch.bool) for t in copies]
     _perturb(tensors, fraction, torch.Generator().manual_seed(2))
-    samples = []
+    samples, floor = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
         offer = snap.offer(views, torch.device("cpu"), 2**62)
         samples.append(time.perf_counter() - t0)
+        snap._settle()  # the snapshot as it was: the next offer finds the same changes
+        t0 = time.perf_counter()
+        for t, c, o in zip(tensors, copies, outs):
+            torch.ne(_changes.words(t), c, out=o)
+        floor.append(time.perf_counter() - t0)
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    return {"median_s": statistics.median(samples), "bytes": nbytes, "payload": offer.payload.numel()}
+    return {
+        "median_s": statistics.median(samples),
+        "floor_s": statistics.median(floor),
+        "bytes": nbytes,
+        "payload": offer.payload.numel(),
+    }
 
 
 def _report(case: str, out: list, fractions: list[float], model_bytes: int) -> bool:
@@ -321,10 +339,11 @@ def main() -> None:
         out = run_ranks(_broadcast_task, 3, args.rounds, fractions, args.threads)
         ok &= _report("broadcast_state_dict, 3 ranks (a relay)", out, fractions, out[0]["model_bytes"])
         for f in (0.02,):
-            alone = compare_alone(f)
+            alone = compare_alone(f, args.threads)
             print(
                 f"the source's comparison and encoding alone at {f:.0%}: {alone['median_s'] * 1e3:.1f} ms for "
-                f"{alone['bytes'] / 2**20:.1f} MiB ({alone['bytes'] / alone['median_s'] / 1e9:.1f} GB/s)"
+                f"{alone['bytes'] / 2**20:.1f} MiB ({alone['bytes'] / alone['median_s'] / 1e9:.1f} GB/s); the floor, "
+                f"one pass comparing the model with its snapshot into a kept buffer: {alone['floor_s'] * 1e3:.1f} ms"
             )
     if args.case in ("reshard", "both"):
         out = run_ranks(_reshard_task, 4, args.rounds, fractions, args.threads)

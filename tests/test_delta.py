@@ -7,6 +7,8 @@ views, NaN payloads and signed zeros, and every kind of record (same, sparse, ma
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -212,3 +214,100 @@ def test_without_numpy_the_host_takes_torch_ops_alike(monkeypatch, fraction: flo
         sections, _ = _roundtrip(cur, snap, target)
         assert np.array_equal(_bytes(target), _bytes(cur)), (cur.dtype, fraction)
         assert torch.equal(torch.cat(sections), expected), (cur.dtype, fraction)  # the same bytes either way
+
+
+def _oracle_kind(n: int, k: int, item: int) -> int:
+    """The kind of fewest bytes for ``k`` changed words of ``n`` (dense on a tie with either, then sparse)."""
+    if k == 0:
+        return _changes.SAME
+    sparse, mask, dense = _changes.sizes(n, k, item)
+    if dense <= min(sparse, mask):
+        return _changes.DENSE
+    return _changes.SPARSE if sparse <= mask else _changes.MASK
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8, torch.float64, torch.complex64], ids=str)
+@pytest.mark.parametrize("fraction", [0.0, 0.005, 0.02, 0.07, 0.3, 0.9, 1.0])
+def test_the_one_pass_finds_the_exact_changes_and_the_kind_of_fewest_bytes(dtype: torch.dtype, fraction: float) -> None:
+    """Against numpy's comparison of the whole words: the positions, the new words, the kind, a mask's bits; with one
+    scratch shared by every record, as a snapshot shares it (a record's flags never leak into another's change)."""
+    gen = torch.Generator().manual_seed(hash((str(dtype), fraction)) % 2**31)
+    scratch = _changes.Scratch()
+    base = _random((96, 64), dtype, gen)
+    layouts = [lambda t: t, lambda t: t[:, 16:48], lambda t: t.view(-1)[3:-5]]  # contiguous, a column block, unaligned
+    found = []
+    for layout in layouts:
+        cur = layout(_changed(base, fraction, gen))
+        snap = _changes.flat([_changes.words(layout(base))])
+        words = _changes.record_words([_changes.words(cur)])
+        found.append((cur, snap, _changes.change_of(words, snap, scratch)))
+    for cur, snap, change in found:  # checked once every record shared the scratch
+        now = _changes.flat([_changes.words(cur)]).numpy()
+        flags = now != snap.numpy()
+        pos = np.flatnonzero(flags)
+        n, item = now.size, now.itemsize
+        assert change.kind == _oracle_kind(n, pos.size, item), (fraction, pos.size, n)
+        if change.kind == _changes.DENSE:
+            assert np.array_equal(change.vals.numpy(), now)
+            continue
+        assert np.array_equal(change.pos.numpy(), pos)
+        assert np.array_equal(change.vals.numpy(), now[pos])
+        if change.kind == _changes.MASK:
+            assert np.array_equal(change.bits.numpy(), np.packbits(flags, bitorder="little"))
+
+
+@pytest.mark.parametrize("host", ["numpy", "torch"])
+def test_a_mask_packed_from_its_positions_is_the_packed_flags(monkeypatch, host: str) -> None:
+    if host == "torch":
+        monkeypatch.setattr(_changes, "np", None)
+    rng = np.random.default_rng(3)
+    for n in (1, 7, 8, 9, 1000, 4099):
+        for p in (0.0, 0.1, 0.6, 1.0):
+            flags = rng.random(n) < p
+            bits = _changes.bits_at(torch.from_numpy(np.flatnonzero(flags)), n)
+            assert np.array_equal(bits.numpy(), np.packbits(flags, bitorder="little")), (n, p)
+
+
+def test_the_snapshot_takes_on_changes_only_once_the_sync_succeeded() -> None:
+    """The comparison writes a record's scattered changes into the snapshot at once: they stand after ``advance``, and
+    are undone before the snapshot is next used when the sync did not succeed (its version and words as they were)."""
+    from rlightning_comm.weights._snapshots import Snapshot
+
+    gen = torch.Generator().manual_seed(21)
+    tensors = [_random((300, 256), torch.float32, gen), _random((70_000,), torch.bfloat16, gen)]
+    recs = _delta.records([(t.dtype, t.numel(), None) for t in tensors])
+    snap = Snapshot("k", recs)
+
+    def views(record):
+        return [_changes.words(tensors[i]) for i in record.pieces]
+
+    def words_of() -> list[np.ndarray]:
+        return [f.numpy().copy() for f in snap.flats]
+
+    snap.take(views, 1)
+    v1 = words_of()
+    for t in tensors:
+        t.copy_(_changed(t, 0.02, gen))
+    offer = snap.offer(views, torch.device("cpu"), 2**62)
+    assert offer.base == 1 and {c.kind for c in offer.changes} == {_changes.SPARSE}
+    assert snap.base("k") == 1  # the sync failed: the snapshot is version 1 again, bit for bit
+    assert all(np.array_equal(a, b) for a, b in zip(words_of(), v1))
+    offer = snap.offer(views, torch.device("cpu"), 2**62)  # the retry, then success
+    snap.advance(offer.changes, 2)
+    assert snap.base("k") == 2
+    now = [_changes.flat([_changes.words(t)]).numpy() for t in tensors]
+    assert all(np.array_equal(a, b) for a, b in zip(words_of(), now))
+    assert snap.scratch.nbytes > 0
+
+
+def test_forgetting_the_deltas_frees_the_snapshot_and_its_scratch() -> None:
+    from rlightning_comm.weights._memory import Kept
+    from rlightning_comm.weights._snapshots import Snapshot
+
+    memory = Kept()
+    memory.snapshot = Snapshot("k", [])
+    scratch = memory.snapshot.scratch
+    scratch.flags(torch.Size([1000]), torch.device("cpu"))
+    memory.drop_delta()
+    assert memory.snapshot is None and memory.held is None and memory.inbox is None
+    assert sys.getrefcount(scratch) == 2  # this test's name and getrefcount's argument: nothing else holds it

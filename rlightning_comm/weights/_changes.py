@@ -7,11 +7,13 @@ is the cheapest of: nothing (``same``), the positions of the few changed words (
 or every word (``dense``); :mod:`._delta` says how each is laid out in bytes.
 
 Finding it costs one pass over the words and their snapshot: 8 bytes at a time where the layout allows (a wider compare
-is faster and leaves fewer flags), counted first, so that a record that is mostly changed is taken whole without a
-search, and one of many changes is flagged word by word (a second pass, still sequential). The changes' positions are
-searched on the host through numpy's ``packbits`` and a branch-free search of the nonzero bytes (torch's ``nonzero``
-and numpy's boolean indexing, which branch per element, are several times slower there at a few percent and more),
-on a device with torch ops; their words are then gathered and written by position.
+is faster and leaves fewer flags), into flags kept between calls (:class:`Scratch`: fresh pages cost more to fault in
+than the pass). The flags are counted, so that a record that is mostly changed is taken whole without a search; else
+the flagged 8-byte words alone are gathered and compared word by word, which gives the exact count (the kind is chosen
+from it), the positions and the new words at once, in time of the changes, not of the record. The changes' positions
+are searched on the host through numpy's ``packbits`` and a branch-free search of the nonzero bytes (torch's
+``nonzero`` and numpy's boolean indexing, which branch per element, are several times slower there at a few percent and
+more), on a device with torch ops; their words are then gathered and written by position.
 """
 
 from __future__ import annotations
@@ -89,13 +91,36 @@ def record_words(views: Sequence[torch.Tensor]) -> torch.Tensor:
 
 class Change(NamedTuple):
     """What changed in one record: its kind, the positions of its changed words (``None`` for ``dense``), their new
-    words (every word for ``dense``) in row-major order, and for ``mask`` the flags it was found from (bool, if at
-    hand)."""
+    words (every word for ``dense``) in row-major order, and for ``mask`` its flags packed (:func:`pack`) if at
+    hand."""
 
     kind: int
     pos: torch.Tensor | None
     vals: torch.Tensor
-    mask: torch.Tensor | None = None
+    bits: torch.Tensor | None = None
+
+
+class Scratch:
+    """The flags of a comparison, kept between calls (one buffer per device, grown to the largest record's words): a
+    fresh buffer per record costs more to fault in than the pass that fills it. What it holds is valid until its next
+    use."""
+
+    def __init__(self) -> None:
+        self._flags: dict[torch.device, torch.Tensor] = {}
+
+    def flags(self, shape: torch.Size, device: torch.device) -> torch.Tensor:
+        """A bool buffer of ``shape`` on ``device`` (its contents any)."""
+        n = shape.numel()
+        buf = self._flags.get(device)
+        if buf is None or buf.numel() < n:
+            self._flags[device] = None  # the old one goes first
+            buf = self._flags[device] = torch.empty(max(n, 1), dtype=torch.bool, device=device)
+        return buf[:n].view(shape)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes it holds."""
+        return sum(b.numel() for b in self._flags.values() if b is not None)
 
 
 def sizes(n: int, k: int, itemsize: int) -> tuple[int, int, int]:
@@ -153,6 +178,22 @@ def positions(bits: torch.Tensor) -> torch.Tensor:
     return ((bits.unsqueeze(1) >> _shifts(bits.device)) & 1).view(-1).nonzero().view(-1)
 
 
+def bits_at(pos: torch.Tensor, n: int) -> torch.Tensor:
+    """The flags of a record of ``n`` words set at ``pos`` (ascending, distinct), packed as :func:`pack` packs them;
+    in time of ``pos``, not of ``n``, but for the zeros."""
+    nbytes = -(-n // 8)
+    if on_host(pos):
+        p = pos.numpy()
+        out = np.zeros(nbytes, dtype=np.uint8)
+        if p.size:
+            at = p >> 3
+            starts = np.flatnonzero(np.diff(at, prepend=-1))  # the first change in each byte
+            out[at[starts]] = np.bitwise_or.reduceat(np.left_shift(1, p & 7).astype(np.uint8), starts)
+        return torch.from_numpy(out)
+    out = torch.zeros(nbytes, dtype=torch.int64, device=pos.device)
+    return out.index_add_(0, pos >> 3, torch.ones_like(pos) << (pos & 7)).to(torch.uint8)
+
+
 def _positions(m: torch.Tensor) -> torch.Tensor:
     """The flat positions of the set flags of ``m`` (bool), ascending, as int64."""
     if on_host(m):
@@ -168,20 +209,34 @@ def take(t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """The words of ``t`` (any strides) at its flat (row-major) positions ``pos``."""
     if t.is_contiguous():
         return t.reshape(-1).index_select(0, pos)
-    index = torch.unravel_index(pos, t.shape)
-    offsets = sum(i * s for i, s in zip(index, t.stride()))
+    return _base(t).index_select(0, _offsets(t, pos))
+
+
+def _base(t: torch.Tensor) -> torch.Tensor:
+    """The memory ``t`` spans, flat, from its first element."""
     span = sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
-    return t.as_strided((span,), (1,)).index_select(0, offsets)
+    return t.as_strided((span,), (1,))
+
+
+def _offsets(t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The offsets in :func:`_base` of ``t``'s flat (row-major) positions ``pos`` (a block of rows: two integer ops)."""
+    if t.dim() == 2 and t.stride(1) == 1:  # row r, column c: at r * stride + c = pos + r * (stride - columns)
+        return pos + pos.div(t.shape[1], rounding_mode="floor") * (t.stride(0) - t.shape[1])
+    index = torch.unravel_index(pos, t.shape)
+    return sum(i * s for i, s in zip(index, t.stride()))
+
+
+WIDTH = 4  # bytes compared at a time, at most: narrower words are compared in groups of this many bytes
 
 
 def _wide(t: torch.Tensor) -> int:
-    """How many of ``t``'s words make an 8-byte word, where its rows and their starts allow (else 1)."""
+    """How many of ``t``'s words make a :data:`WIDTH`-byte word, where its rows and their starts allow (else 1)."""
     item = t.element_size()
-    if item >= 8 or t.dim() == 0 or (t.shape[-1] * item) % 8:
+    if item >= WIDTH or t.dim() == 0 or (t.shape[-1] * item) % WIDTH:
         return 1
-    if (t.storage_offset() * item) % 8 or any((s * item) % 8 for s in t.stride()[:-1]) or t.stride(-1) != 1:
+    if (t.storage_offset() * item) % WIDTH or any((s * item) % WIDTH for s in t.stride()[:-1]) or t.stride(-1) != 1:
         return 1
-    return 8 // item
+    return WIDTH // item
 
 
 def diff(cur: torch.Tensor, snap: torch.Tensor) -> torch.Tensor:
@@ -191,52 +246,74 @@ def diff(cur: torch.Tensor, snap: torch.Tensor) -> torch.Tensor:
     wide = min(_wide(cur), _wide(snap))
     if wide == 1:
         return _positions(torch.ne(cur, snap))
-    return _refine(cur, snap, wide, torch.ne(cur.view(torch.int64), snap.view(torch.int64)))
+    wider = _WORDS[WIDTH]
+    return _refine(cur, snap, wide, torch.ne(cur.view(wider), snap.view(wider)))[0]
 
 
-def _refine(cur: torch.Tensor, snap: torch.Tensor, wide: int, flags: torch.Tensor) -> torch.Tensor:
-    """The positions of the changed words, from the flags of the changed 8-byte words: only those are compared word by
-    word."""
-    c64, s64 = cur.view(torch.int64), snap.view(torch.int64)
+def _refine(cur: torch.Tensor, snap: torch.Tensor, wide: int, flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions of the changed words and their words now, from the flags of the changed wider words: only those
+    are gathered and compared word by word, and the new words come from the same gather."""
+    wider = _WORDS[wide * cur.element_size()]
     at = _positions(flags)
-    j = _positions((take(c64, at) ^ take(s64, at)).view(cur.dtype) != 0)
+    now = take(cur.view(wider), at)
+    j = _positions((now ^ take(snap.view(wider), at)).view(cur.dtype) != 0)
     shift = wide.bit_length() - 1
-    return (at.index_select(0, j >> shift) << shift) | (j & (wide - 1))
+    return (at.index_select(0, j >> shift) << shift) | (j & (wide - 1)), now.view(cur.dtype).index_select(0, j)
 
 
-def change_of(cur: torch.Tensor, snap: torch.Tensor) -> Change:
+def _ne(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` set where ``a`` and ``b`` (words of one shape) differ; on the host through numpy, whose loops take a
+    strided block (a column block of a shard) at about the speed of a contiguous one (torch's took twice as long)."""
+    if on_host(a):
+        np.not_equal(a.numpy(), b.numpy(), out=out.numpy())
+        return out
+    return torch.ne(a, b, out=out)
+
+
+def change_of(cur: torch.Tensor, snap: torch.Tensor, scratch: Scratch | None = None) -> Change:
     """The change of a record (its words ``cur``, its snapshot ``snap``) in its cheapest kind (the fewest bytes).
 
-    The 8-byte compare counts the changed 8-byte words ``k64``: the changed words are between ``k64`` and ``wide *
-    k64``. A record whose ``dense`` bytes are no more than its others' at ``k64`` is taken whole; one whose ``sparse``
-    bytes are fewest even at ``wide * k64`` has its changes searched; any other is flagged word by word, and its kind
-    chosen from the exact count.
+    One pass compares the words, :data:`WIDTH` bytes at a time where the layout allows, into ``scratch``'s flags (a
+    fresh buffer without one), and counts them. A record whose ``dense`` bytes are no more than its others' even at the
+    fewest changes the flags allow is taken whole. One that is ``sparse`` even at the most has only its flagged wider
+    words compared word by word (in time of the changes: the exact count, the positions and the new words at once);
+    any other is compared word by word in a second pass (its changes are many: searched, the refine would cost more).
+    The kind is chosen from the exact count, a ``mask``'s flags packed at once (the scratch is used again).
     """
     n, item = cur.numel(), cur.element_size()
     snap = snap.view(cur.shape)
     wide = min(_wide(cur), _wide(snap))
-    if wide > 1:
-        flags = torch.ne(cur.view(torch.int64), snap.view(torch.int64))
-        k64 = _count(flags)
-        if k64 == 0:
-            return Change(SAME, cur.new_empty(0, dtype=torch.int64), cur.new_empty(0))
-        low, high = sizes(n, k64, item), sizes(n, min(n, wide * k64), item)
-        if low[2] <= min(low[:2]):
-            return Change(DENSE, None, cur.reshape(-1))
-        if high[0] <= min(low[1:]):
-            pos = _refine(cur, snap, wide, flags)
-            return Change(SPARSE, pos, take(cur, pos))
-    m = torch.ne(cur, snap)
-    k = _count(m)
+    a, b = (cur.view(_WORDS[WIDTH]), snap.view(_WORDS[WIDTH])) if wide > 1 else (cur, snap)
+    flags = _ne(a, b, _buffer(scratch, a))
+    k = _count(flags)
     if k == 0:
         return Change(SAME, cur.new_empty(0, dtype=torch.int64), cur.new_empty(0))
-    sparse, mask, dense = sizes(n, k, item)
+    low = sizes(n, k, item)  # the fewest changed words: k (exactly k word by word)
+    if low[2] <= min(low[:2]):
+        return Change(DENSE, None, cur.reshape(-1))
+    if wide > 1 and sizes(n, min(n, wide * k), item)[0] > min(low[1:]):  # not surely sparse: word by word
+        wide, flags = 1, _ne(cur, snap, _buffer(scratch, cur))
+        k = _count(flags)
+        sparse, mask, dense = sizes(n, k, item)
+        if dense <= min(sparse, mask):
+            return Change(DENSE, None, cur.reshape(-1))
+    if wide > 1:
+        pos, vals = _refine(cur, snap, wide, flags)
+    else:
+        pos = _positions(flags)
+        vals = take(cur, pos)
+    sparse, mask, dense = sizes(n, pos.numel(), item)
     if dense <= min(sparse, mask):
         return Change(DENSE, None, cur.reshape(-1))
-    pos = _positions(m)
     if sparse <= mask:
-        return Change(SPARSE, pos, take(cur, pos))
-    return Change(MASK, pos, take(cur, pos), m.reshape(-1))
+        return Change(SPARSE, pos, vals)
+    return Change(MASK, pos, vals, pack(flags) if wide == 1 else bits_at(pos, n))
+
+
+def _buffer(scratch: Scratch | None, like: torch.Tensor) -> torch.Tensor:
+    if scratch is None:
+        return torch.empty(like.shape, dtype=torch.bool, device=like.device)
+    return scratch.flags(like.shape, like.device)
 
 
 def apply(targets: Sequence[Sequence[torch.Tensor]], record_sizes: Sequence[int], change: Change) -> None:
@@ -272,7 +349,7 @@ def _scatter(target: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor) -> Non
     if target.is_contiguous():
         target.view(-1).index_copy_(0, pos, vals)
     else:
-        target.index_put_(torch.unravel_index(pos, target.shape), vals)
+        _base(target).index_copy_(0, _offsets(target, pos), vals)
 
 
 def advance(snap: torch.Tensor, change: Change) -> None:

@@ -29,10 +29,10 @@ from rlightning_comm.weights._changes import (
     SAME,
     SPARSE,
     Change,
+    bits_at,
     change_of,
     np,
     on_host,
-    pack,
     positions,
     sizes,
     word_count,
@@ -109,8 +109,8 @@ def sections(cur: torch.Tensor, change: Change) -> list[torch.Tensor]:
         return [_header(DENSE, n, n, size, device), _padded(change.vals)]
     pos, vals, k = change.pos, change.vals, change.vals.numel()
     if change.kind == MASK:
-        flags = change.mask if change.mask is not None else _flags(pos, n)
-        return [_header(MASK, k, n, size, device), _padded(pack(flags)), _padded(vals)]
+        bits = change.bits if change.bits is not None else bits_at(pos, n)
+        return [_header(MASK, k, n, size, device), _padded(bits), _padded(vals)]
     blocks = -(-n // BLOCK)
     if on_host(pos):  # numpy's casts wrap: the low 16 bits
         p = pos.numpy()
@@ -121,13 +121,6 @@ def sections(cur: torch.Tensor, change: Change) -> list[torch.Tensor]:
         low = pos & (BLOCK - 1)
         offsets = (low - ((low >> 15) << 16)).to(torch.int16)
     return [_header(SPARSE, k, n, size, device), _padded(counts), _padded(offsets), _padded(vals)]
-
-
-def _flags(pos: torch.Tensor, n: int) -> torch.Tensor:
-    """A flag per word of a record of ``n`` words, set at ``pos``."""
-    m = torch.zeros(n, dtype=torch.bool, device=pos.device)
-    m[pos] = True
-    return m
 
 
 def dense(cur: torch.Tensor) -> list[torch.Tensor]:

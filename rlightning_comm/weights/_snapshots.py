@@ -4,7 +4,8 @@ A :class:`Snapshot` holds one flat run of words per record (:mod:`._delta`) of w
 shard, nothing it does not send. It is made (or refreshed) once a sync that carried a version succeeded everywhere, so
 its version is the one every destination of that sync committed; a failed sync leaves it at the version it was, and a
 destination that holds another version (a newcomer, a restart, a failed sync: its version is forgotten) gets a full
-sync. It is kept in the communicator's memory (:mod:`._memory`), so it goes with the communicator's generation.
+sync. It is kept in the communicator's memory (:mod:`._memory`), so it goes with the communicator's generation, and so
+does the comparison's scratch it holds (a flag per 8 bytes of its largest record, at most one per word).
 """
 
 from __future__ import annotations
@@ -49,39 +50,64 @@ class Snapshot:
         self.key = key
         self.records = records
         self.flats: list[torch.Tensor] = []
+        self.scratch = (
+            _changes.Scratch()
+        )  # the comparison's flags: a bool per word (or per 4 bytes) of its largest record
         self.version: int | None = None  # None until a sync that carried a version succeeded
+        # the changes taken on while comparing, not yet kept (the sync has not succeeded): record -> (positions, the
+        # words they held), undone before the snapshot is next used unless :meth:`advance` keeps them
+        self.pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _settle(self) -> None:
+        """Undo the changes taken on for a sync that did not succeed: the snapshot is again the version it was."""
+        pending, self.pending = self.pending, {}
+        for i, (pos, old) in pending.items():
+            self.flats[i].index_copy_(0, pos, old)
 
     def base(self, key: Any) -> int:
         """The version a delta against this snapshot applies to, for a call of ``key``; -1 for none."""
+        self._settle()
         return self.version if self.version is not None and key == self.key and self.flats else -1
 
     def changes(self, views: Views) -> tuple[list[torch.Tensor], list[_changes.Change]]:
-        """Every record's words now and its change since the snapshot (what it takes on once a sync succeeded)."""
+        """Every record's words now and its change since the snapshot (what it takes on once a sync succeeded).
+
+        A record's few scattered changes (``sparse``) on the host are written into the snapshot at once, while its
+        words are in cache (later they cost another pass over the memory), the words they replace kept to undo them:
+        they stand once the sync succeeded (:meth:`advance`), else they are undone before the snapshot is next used.
+        """
+        self._settle()
         curs, changes = [], []
-        for record, snap in zip(self.records, self.flats):
+        for i, (record, snap) in enumerate(zip(self.records, self.flats)):
             cur = _changes.record_words(views(record))
-            if cur.device != snap.device:
+            host = cur.device == snap.device
+            if not host:
                 snap = snap.to(cur.device, non_blocking=True)
+            change = _changes.change_of(cur, snap, self.scratch)
+            if host and change.kind == _changes.SPARSE:  # a mask's many changes: a pass either way, kept for later
+                self.pending[i] = (change.pos, snap.index_select(0, change.pos))
+                snap.index_copy_(0, change.pos, change.vals)
             curs.append(cur)
-            changes.append(_changes.change_of(cur, snap))
+            changes.append(change)
         return curs, changes
 
     def offer(self, views: Views, device: torch.device, limit: int) -> Offer:
         """Every record's changes since the snapshot, encoded into one payload on ``device`` if it is smaller than
         ``limit`` bytes (else no payload: a full sync, whose delta's bytes are never built)."""
+        base = self.base(self.key)  # before the comparison: it writes into the snapshot
         curs, changes = self.changes(views)
         total = sum(_delta.nbytes(c, cur.numel(), cur.element_size()) for cur, c in zip(curs, changes))
         if total >= limit:
-            return Offer(None, changes, self.base(self.key))
+            return Offer(None, changes, base)
         parts = [p.to(device) for cur, c in zip(curs, changes) for p in _delta.sections(cur, c)]
         payload = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
-        return Offer(payload, changes, self.base(self.key))
+        return Offer(payload, changes, base)
 
     def take(self, views: Views, version: int) -> None:
         """After a full sync that carried ``version`` succeeded: copy every record (into the kept memory when its layout
         is the same; fresh pages cost more to fault in than the copy)."""
         fresh = len(self.flats) != len(self.records)
-        self.version = None
+        self.version, self.pending = None, {}
         for i, record in enumerate(self.records):
             cur = _changes.record_words(views(record))
             if fresh:
@@ -91,10 +117,13 @@ class Snapshot:
         self.version = version
 
     def advance(self, changes: list[_changes.Change], version: int) -> None:
-        """After a delta sync that carried ``version`` succeeded: take on each record's change."""
+        """After a delta sync that carried ``version`` succeeded: take on each record's change (those written while
+        comparing stand)."""
         self.version = None
-        for snap, change in zip(self.flats, changes):
-            _changes.advance(snap, change)
+        pending, self.pending = self.pending, {}
+        for i, (snap, change) in enumerate(zip(self.flats, changes)):
+            if i not in pending:
+                _changes.advance(snap, change)
         self.version = version
 
 
