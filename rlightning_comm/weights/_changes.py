@@ -6,14 +6,15 @@ NaN payloads, ``-0.0`` and ``+0.0`` differ as their bytes do, never as their val
 is the cheapest of: nothing (``same``), the positions of the few changed words (``sparse``), a flag per word (``mask``),
 or every word (``dense``); :mod:`._delta` says how each is laid out in bytes.
 
-Finding it costs one pass over the words and their snapshot: 8 bytes at a time where the layout allows (a wider compare
-is faster and leaves fewer flags), into flags kept between calls (:class:`Scratch`: fresh pages cost more to fault in
-than the pass). The flags are counted, so that a record that is mostly changed is taken whole without a search; else
-the flagged 8-byte words alone are gathered and compared word by word, which gives the exact count (the kind is chosen
-from it), the positions and the new words at once, in time of the changes, not of the record. The changes' positions
-are searched on the host through numpy's ``packbits`` and a branch-free search of the nonzero bytes (torch's
-``nonzero`` and numpy's boolean indexing, which branch per element, are several times slower there at a few percent and
-more), on a device with torch ops; their words are then gathered and written by position.
+Finding it costs one pass over the words and their snapshot: 4 bytes at a time where the layout allows (a wider compare
+is faster and leaves fewer flags; 8 bytes cost more in the scattered reads after it), into flags kept between calls
+(:class:`Scratch`: fresh pages cost more to fault in than the pass). The flags are counted, so that a record that is
+mostly changed is taken whole without a search; else the flagged wider words alone are gathered and compared word by
+word, which gives the exact count (the kind is chosen from it), the positions and the new words at once, in time of the
+changes, not of the record (a record of many changes, not surely sparse, is compared word by word in a second pass
+instead). The changes' positions are searched on the host through numpy's ``packbits`` and a branch-free search of the
+nonzero bytes (torch's ``nonzero`` and numpy's boolean indexing, which branch per element, are several times slower
+there at a few percent and more), on a device with torch ops; their words are then gathered and written by position.
 """
 
 from __future__ import annotations

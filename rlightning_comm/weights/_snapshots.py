@@ -5,7 +5,7 @@ shard, nothing it does not send. It is made (or refreshed) once a sync that carr
 its version is the one every destination of that sync committed; a failed sync leaves it at the version it was, and a
 destination that holds another version (a newcomer, a restart, a failed sync: its version is forgotten) gets a full
 sync. It is kept in the communicator's memory (:mod:`._memory`), so it goes with the communicator's generation, and so
-does the comparison's scratch it holds (a flag per 8 bytes of its largest record, at most one per word).
+does the comparison's scratch it holds (a flag per 4 bytes of its largest record, at most one per word).
 """
 
 from __future__ import annotations
@@ -50,9 +50,8 @@ class Snapshot:
         self.key = key
         self.records = records
         self.flats: list[torch.Tensor] = []
-        self.scratch = (
-            _changes.Scratch()
-        )  # the comparison's flags: a bool per word (or per 4 bytes) of its largest record
+        # the comparison's flags: a bool per word (or per 4 bytes) of its largest record
+        self.scratch = _changes.Scratch()
         self.version: int | None = None  # None until a sync that carried a version succeeded
         # the changes taken on while comparing, not yet kept (the sync has not succeeded): record -> (positions, the
         # words they held), undone before the snapshot is next used unless :meth:`advance` keeps them
