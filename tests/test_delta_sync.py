@@ -108,6 +108,8 @@ def _broadcast(rank: int, size: int, url: str) -> list[dict]:
         ("after the newcomer", 0.02, {"verify": True}),
         ("forget_delta on a destination", 0.02, {}),
         ("after forgetting", 0.02, {}),
+        ("a destination written in place", 0.02, {}),
+        ("after the write", 0.02, {}),
     ]
     for version, (label, fraction, options) in enumerate(steps, start=1):
         if rank == 0:
@@ -116,6 +118,8 @@ def _broadcast(rank: int, size: int, url: str) -> list[dict]:
             mine = {n: t.clone() for n, t in mine.items()}  # the same values in other tensors: no version they hold
         if label == "forget_delta on a destination" and rank == 2:
             forget_delta(MODE)
+        if label == "a destination written in place" and rank == 1:
+            mine["d"][1:3].add_(1.0)  # through a view, no forget_delta: torch counted the write
         kwargs = {"delta": True, "version": version, **options}
         report = broadcast_state_dict(mine, MODE, src=0, **kwargs)
         if options.get("async_op"):
@@ -148,6 +152,7 @@ def test_broadcast_delta_is_bit_identical_and_full_only_where_it_must_be(world4)
         "delta again",
         "a destination's new tensors",
         "forget_delta on a destination",
+        "a destination written in place",
     }
     for step in range(len(results[0])):
         rows = [r[step] for r in results]
@@ -310,6 +315,8 @@ def _reshard(rank: int, size: int, url: str) -> list[dict]:
         ("verify", 0.05, {"verify": True}),
         ("a newcomer", 0.05, {}),
         ("after it", 0.05, {"verify": True}),
+        ("an engine written in place", 0.05, {}),
+        ("after the write", 0.05, {}),
         ("atomic: staging of another layout", 0.05, {"atomic": True}),  # a contiguous staging of the strided down
         ("atomic", 0.05, {"atomic": True}),
         ("everything changed", 1.0, {"atomic": True}),
@@ -324,6 +331,8 @@ def _reshard(rank: int, size: int, url: str) -> list[dict]:
                 held[n].tensor.copy_(shard(t))
         if label == "a newcomer" and rank == 3:
             engine_tensors()  # new tensors (zeros): no version they hold
+        if label == "an engine written in place" and rank == 2:
+            engine["up"][0].mul_(2.0)  # through a view, no forget_delta: torch counted the write
         report = reshard_state_dict(
             held=held, wanted=wanted, comm_mode=MODE, **{"delta": True, "version": version, **options}
         )
@@ -348,6 +357,7 @@ def test_reshard_delta_is_bit_identical_and_decided_per_destination(world4) -> N
     expected = {
         "first": {2: "full", 3: "full"},
         "a newcomer": {2: "delta", 3: "full"},
+        "an engine written in place": {2: "full", 3: "delta"},
         "atomic: staging of another layout": {2: "full", 3: "full"},  # a plan of new metadata: full
         "everything changed": {2: "full", 3: "full"},
         "delta=False": {},

@@ -33,9 +33,19 @@ class Offer(NamedTuple):
 
 
 def identity(tensors: Sequence[torch.Tensor]) -> tuple[int, int]:
-    """A key of which tensors these are (addresses, layouts, devices): a destination whose tensors are others than
-    those a sync wrote holds no version a delta can apply to."""
-    return hash_key([(t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), str(t.device)) for t in tensors])
+    """A key of which tensors these are and whether torch wrote into them since (addresses, layouts, devices, version
+    counters): a destination whose tensors are others than those a sync wrote, or were written in place since (torch
+    counts every in-place op on a tensor and its views), holds no version a delta can apply to."""
+    return hash_key([(t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), str(t.device), _written(t)) for t in tensors])
+
+
+def _written(t: torch.Tensor) -> int:
+    """``t``'s version counter (torch's count of the in-place writes into it and its views); -1 for a tensor that keeps
+    none (made under ``torch.inference_mode``)."""
+    try:
+        return t._version
+    except RuntimeError:  # "Inference tensors do not track version counter"
+        return -1
 
 
 class Snapshot:
@@ -139,10 +149,12 @@ def forget_delta(comm_mode: CommMode | ParallelMode | str = ParallelMode.WEIGHT_
     """Free what this member keeps for ``delta=True`` syncs on ``comm_mode``: a source's snapshot (one copy, on the
     host, of what it sends), a destination's note of the version its tensors hold and its receive buffer.
 
-    The next ``delta=True`` sync from this member, or to it, is full. Call it on a destination whose tensors changed
-    other than by a sync (weights loaded into them, say), or on a source to free the snapshot's memory between syncs; a
-    ``delta=False`` sync frees the same, and a new generation of a connected mode (or ``CommContext.destroy``) starts
-    with none. Local: no collective, nothing is sent.
+    The next ``delta=True`` sync from this member, or to it, is full. A destination whose tensors torch wrote into
+    other than by a sync (an in-place op on them or a view of them: their version counters moved) gets a full sync
+    without it; call it on a destination whose tensors changed where torch does not count (through ``.data``, numpy, a
+    raw pointer, another process), or on a source to free the snapshot's memory between syncs. A ``delta=False`` sync
+    frees the same, and a new generation of a connected mode (or ``CommContext.destroy``) starts with none. Local: no
+    collective, nothing is sent.
 
     Raises:
         ModeNotBoundError: ``comm_mode`` is not bound on this rank.
