@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlightning_comm.weights import _changes, _delta
+from rlightning_comm.weights import _changes, _delta, _writes
 
 DTYPES = [
     torch.bfloat16,
@@ -72,9 +72,9 @@ def _roundtrip(cur_view: torch.Tensor, snap: torch.Tensor, target: torch.Tensor)
     payload = torch.cat(sections)
     decoded, end = _delta.decode(payload, 0, cur.numel(), cur.dtype)
     assert end == payload.numel()
-    into = _changes.writable(target)
+    into = _writes.writable(target)
     words = _changes.words(into)
-    _changes.apply([[words]], [words.numel()], decoded)
+    _writes.apply([[words]], [words.numel()], decoded)
     if into is not target:
         target.copy_(into)
     return sections, change

@@ -1,4 +1,5 @@
-"""Which words of a tensor changed since its snapshot, and writing changes into tensors: the bit work of a delta sync.
+"""Which words of a tensor changed since its snapshot: the comparing half of a delta sync's bit work (:mod:`._writes`
+writes the changes).
 
 A tensor is compared as its integer *words* (the integer dtype of its element size: ``int16`` for ``bfloat16``,
 ``int32`` for ``float32``, ``uint8`` for ``bool``; two ``int64`` per 16-byte element), so the comparison is of bits:
@@ -14,7 +15,7 @@ word, which gives the exact count (the kind is chosen from it), the positions an
 changes, not of the record (a record of many changes, not surely sparse, is compared word by word in a second pass
 instead). The changes' positions are searched on the host through numpy's ``packbits`` and a branch-free search of the
 nonzero bytes (torch's ``nonzero`` and numpy's boolean indexing, which branch per element, are several times slower
-there at a few percent and more), on a device with torch ops; their words are then gathered and written by position.
+there at a few percent and more), on a device with torch ops; their words are then gathered by position.
 """
 
 from __future__ import annotations
@@ -59,14 +60,6 @@ def words(t: torch.Tensor) -> torch.Tensor:
     if t.element_size() > 8 and t.stride(-1) != 1:
         t = t.contiguous()
     return t.view(word_dtype(t.dtype))
-
-
-def writable(t: torch.Tensor) -> torch.Tensor:
-    """A tensor whose words (:func:`words`) share memory with it and hold ``t``'s values: ``t`` itself, or (a lazy
-    conjugate or negation, a 16-byte element whose last dimension is strided) a copy to write into and copy back."""
-    if t.is_conj() or t.is_neg() or (t.element_size() > 8 and t.dim() and t.stride(-1) != 1):
-        return t.resolve_conj().resolve_neg().contiguous()
-    return t
 
 
 def flat(views: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -210,17 +203,17 @@ def take(t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """The words of ``t`` (any strides) at its flat (row-major) positions ``pos``."""
     if t.is_contiguous():
         return t.reshape(-1).index_select(0, pos)
-    return _base(t).index_select(0, _offsets(t, pos))
+    return span(t).index_select(0, offsets(t, pos))
 
 
-def _base(t: torch.Tensor) -> torch.Tensor:
-    """The memory ``t`` spans, flat, from its first element."""
+def span(t: torch.Tensor) -> torch.Tensor:
+    """The memory ``t`` spans, flat, from its first element (writing into it writes into ``t``'s storage)."""
     span = sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
     return t.as_strided((span,), (1,))
 
 
-def _offsets(t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """The offsets in :func:`_base` of ``t``'s flat (row-major) positions ``pos`` (a block of rows: two integer ops)."""
+def offsets(t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The offsets in :func:`span` of ``t``'s flat (row-major) positions ``pos`` (a block of rows: two integer ops)."""
     if t.dim() == 2 and t.stride(1) == 1:  # row r, column c: at r * stride + c = pos + r * (stride - columns)
         return pos + pos.div(t.shape[1], rounding_mode="floor") * (t.stride(0) - t.shape[1])
     index = torch.unravel_index(pos, t.shape)
@@ -315,49 +308,3 @@ def _buffer(scratch: Scratch | None, like: torch.Tensor) -> torch.Tensor:
     if scratch is None:
         return torch.empty(like.shape, dtype=torch.bool, device=like.device)
     return scratch.flags(like.shape, like.device)
-
-
-def apply(targets: Sequence[Sequence[torch.Tensor]], record_sizes: Sequence[int], change: Change) -> None:
-    """Write ``change`` (of one record) into the word views of its pieces (any strides), in place: ``targets[i]`` are
-    the views that each take piece ``i``'s words (a tensor and the tensors tied to it)."""
-    if change.kind == SAME:
-        return
-    bounds = [0]
-    for n in record_sizes:
-        bounds.append(bounds[-1] + n)
-    if change.kind == DENSE:
-        cuts = bounds
-    elif len(targets) == 1:
-        cuts = [0, change.pos.numel()]
-    else:
-        edges = torch.tensor(bounds[1:], dtype=torch.int64, device=change.pos.device)
-        cuts = [0, *torch.searchsorted(change.pos, edges).tolist()]
-    for views, a, c0, c1 in zip(targets, bounds, cuts, cuts[1:]):
-        if c1 == c0:
-            continue
-        vals = change.vals[c0:c1]
-        for target in views:
-            if change.kind == DENSE:
-                target.copy_(vals.view(target.shape))
-            else:
-                _scatter(target, change.pos[c0:c1] - a, vals)
-
-
-def _scatter(target: torch.Tensor, pos: torch.Tensor, vals: torch.Tensor) -> None:
-    """``target``'s words at flat (row-major) positions ``pos`` set to ``vals``, in place, whatever its strides."""
-    if pos.device != target.device:
-        pos, vals = pos.to(target.device), vals.to(target.device)
-    if target.is_contiguous():
-        target.view(-1).index_copy_(0, pos, vals)
-    else:
-        _base(target).index_copy_(0, _offsets(target, pos), vals)
-
-
-def advance(snap: torch.Tensor, change: Change) -> None:
-    """A snapshot's words (flat) take on ``change``."""
-    if change.kind == SAME:
-        return
-    if change.kind == DENSE:
-        snap.copy_(change.vals)
-    else:
-        snap.index_copy_(0, change.pos.cpu(), change.vals.cpu())

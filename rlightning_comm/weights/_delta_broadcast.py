@@ -22,7 +22,7 @@ import torch
 from rlightning_comm.context import CommContext
 from rlightning_comm.errors import CommError
 from rlightning_comm.failures import close_gloo_group
-from rlightning_comm.weights import _changes, _delta
+from rlightning_comm.weights import _changes, _delta, _writes
 from rlightning_comm.weights._commit import Sync, staging
 from rlightning_comm.weights._digest import Digests
 from rlightning_comm.weights._inputs import same_view
@@ -187,14 +187,14 @@ class DeltaTransfer:
                 for index, (t, live) in enumerate(zip(targets, self._live)):
                     if t.numel() and plan.manifest[index][3] < 0:
                         t.copy_(live)
-            into = [_changes.writable(t) for t in targets]
+            into = [_writes.writable(t) for t in targets]
             tied: dict[int, list[int]] = {}
             for index, root in plan.aliases:
                 if not same_view(targets[index], targets[root]):
                     tied.setdefault(root, []).append(index)
             for record, change in zip(self._records, changes):
                 views = [[_changes.words(into[i]) for i in (p, *tied.get(p, ()))] for p in record.pieces]
-                _changes.apply(views, record.sizes, change)
+                _writes.apply(views, record.sizes, change)
             for t, copy in zip(targets, into):  # a lazy conjugate or negation: written through its values
                 if copy is not t:
                     t.copy_(copy)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from rlightning_comm.errors import CommError
-from rlightning_comm.weights import _changes, _delta
+from rlightning_comm.weights import _changes, _delta, _writes
 from rlightning_comm.weights._delta_reshard import OP, PAIR_WORDS, Offer, by_pair, words_of
 from rlightning_comm.weights._mover import _RECEIPT_TAG, Mover
 from rlightning_comm.weights._slices import Named
@@ -143,9 +143,9 @@ class DeltaMover(Mover):
         for p, change in zip(pieces, changes):
             view = self._dst_view(p)
             self._touched.add(p.name)
-            into = _changes.writable(view)
+            into = _writes.writable(view)
             w = _changes.words(into)
-            _changes.apply([[w]], [w.numel()], change)
+            _writes.apply([[w]], [w.numel()], change)
             if into is not view:
                 view.copy_(into)
             if self.tally is not None:

@@ -17,7 +17,7 @@ import torch
 
 from rlightning_comm.context import CommContext
 from rlightning_comm.modes import CommMode, ParallelMode
-from rlightning_comm.weights import _changes, _delta
+from rlightning_comm.weights import _changes, _delta, _writes
 from rlightning_comm.weights._memory import hash_key, kept
 
 Views = Callable[[_delta.Record], list[torch.Tensor]]  # a record's word views, in this call's tensors
@@ -95,7 +95,7 @@ class Snapshot:
             change = _changes.change_of(cur, snap, self.scratch)
             if host and change.kind == _changes.SPARSE:  # a mask's many changes: a pass either way, kept for later
                 self.pending[i] = (change.pos, snap.index_select(0, change.pos))
-                snap.index_copy_(0, change.pos, change.vals)
+                _writes.advance(snap, change)
             curs.append(cur)
             changes.append(change)
         return curs, changes
@@ -132,7 +132,7 @@ class Snapshot:
         pending, self.pending = self.pending, {}
         for i, (snap, change) in enumerate(zip(self.flats, changes)):
             if i not in pending:
-                _changes.advance(snap, change)
+                _writes.advance(snap, change)
         self.version = version
 
 

@@ -50,7 +50,7 @@ def fail(engine: Any, error: BaseException | None, errors: list[str | None], tai
         raise restated from error
 
 
-# vllm-project/vllm issue 49972: MultiprocExecutor.collective_rpc stops reading replies at the first failure.
+# vLLM 0.32 (a known upstream bug): MultiprocExecutor.collective_rpc stops reading replies at the first failure.
 def end_session(engine: Any) -> bool:
     """On a worker that does not raise: what vLLM's worker does when its ``update_weights`` raises (no session active,
     the engine's target reset). Whether the worker was found (the caller's frames hold it)."""
