@@ -116,6 +116,9 @@ def trainer(rank: int, store: str, config_dir: str, to_driver) -> None:
             report = reshard_state_dict(held=held, comm_mode=MODE, version=version)  # while the driver updates
             local = sum(p.to_local().numel() * p.element_size() for p in held.values())
             to_driver.put(("sent", rank, version, report.sent, local, time.perf_counter() - t0))
+        # Leave together: rank 0 leaving closes the mode, and a trainer rank returns before the others have their last
+        # receipts from the engine; each of them has once every trainer rank returned.
+        dist.barrier()
         ctx.destroy()
     except BaseException as err:  # every failure reaches the driver, which exits 1
         import traceback
@@ -138,6 +141,17 @@ def _from_trainers(messages, procs, kind: str) -> tuple:
             raise RuntimeError(f"trainer rank {message[1]} failed:\n{message[2]}")
         assert message[0] == kind, (kind, message)
         return message
+
+
+def _print_errors(messages) -> None:
+    """Print every trainer traceback still queued: when the engine's call fails first, the driver never read them."""
+    while True:
+        try:
+            message = messages.get(timeout=0.5)
+        except queue.Empty:
+            return
+        if message[0] == "error":
+            print(f"trainer rank {message[1]} failed:\n{message[2]}")
 
 
 def run() -> int:
@@ -209,6 +223,7 @@ def run() -> int:
                 p.join(timeout=BOUND)
                 if p.is_alive():
                     p.kill()
+            _print_errors(messages)
         if any(p.exitcode != 0 for p in procs):
             print(f"trainer exit codes: {[p.exitcode for p in procs]}")
             status = 1
