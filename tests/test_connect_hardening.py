@@ -147,6 +147,7 @@ def _live_member(out, rank: int, address: str, role: str) -> None:
     comm = ctx.connect(MODE, rank=rank, world_size=3, address=address, timeout=60, liveness_timeout=LIVENESS)
     out.send(("formed", rank, ctx.get_generation(MODE)))
     if role == "leaver":
+        out_recv(out)  # once every member's connect returned: a leaver during the others' forming fails their connect
         ctx.destroy()  # leaves the mode: the others are told
         out.send(("left", rank, time.monotonic()))
         time.sleep(60)
@@ -558,6 +559,7 @@ def test_a_member_that_leaves_is_named_by_the_others(procs):
     procs.start("rank2", _live_member, 2, address, "leaver")
     for name in ("rank0", "rank1", "rank2"):
         procs.next(name, "formed")
+    procs.pipes["rank2"].send(("leave",))
     _, _, left = procs.next("rank2", "left")
     for name in ("rank0", "rank1"):
         _, _, (kind, message, member, when), _ = procs.next(name, "lost")
@@ -613,6 +615,7 @@ def test_rank_0_leaving_right_after_a_call_lets_the_members_complete_it(procs):
         procs.start(f"rank{rank}", _live_member, rank, address, "call")
     for name in ("rank0", "rank1", "rank2"):
         procs.next(name, "formed")
+    procs.pipes["rank0"].send(("leave",))
     _, _, left = procs.next("rank0", "left")
     for name in ("rank1", "rank2"):
         _, _, (kind, message, member, when), _ = procs.next(name, "lost")
