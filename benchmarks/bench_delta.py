@@ -52,7 +52,7 @@ def _perturb(tensors, fraction: float, gen) -> None:
     """Flip the lowest bit of ``fraction`` of each tensor's elements (distinct random positions), in place."""
     import torch
 
-    from rlightning_comm.weights._changes import words
+    from rlightning_comm.weights.delta._changes import words
 
     for t in tensors:
         w = words(t).view(-1)
@@ -85,7 +85,7 @@ def _sha(tensors) -> list[str]:
     """Each tensor's SHA-256 of its bytes (an oracle that is not the library's digest)."""
     import hashlib
 
-    from rlightning_comm.weights._changes import words
+    from rlightning_comm.weights.delta._changes import words
 
     return [hashlib.sha256(words(t).contiguous().view(-1).numpy().tobytes()).hexdigest() for t in tensors]
 
@@ -260,8 +260,9 @@ def compare_alone(fraction: float, threads: int, repeats: int = 9) -> dict:
     words into a kept buffer), interleaved with it."""
     import torch
 
-    from rlightning_comm.weights import _changes, _delta
-    from rlightning_comm.weights._snapshots import Snapshot
+    from rlightning_comm.weights.delta import _changes
+    from rlightning_comm.weights.delta import _encoding as _delta
+    from rlightning_comm.weights.delta._snapshots import Snapshot
 
     if threads:
         torch.set_num_threads(threads)

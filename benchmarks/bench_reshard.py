@@ -255,9 +255,9 @@ def planner(tensors: int = 1000, holders: int = 8, wanters: int = 16, repeats: i
     import torch
 
     from rlightning_comm import TensorSlice
-    from rlightning_comm.weights._memory import hash_key
-    from rlightning_comm.weights._schedule import build_schedule
-    from rlightning_comm.weights._slices import collect, metadata
+    from rlightning_comm.weights.core._memory import hash_key
+    from rlightning_comm.weights.reshard._schedule import build_schedule
+    from rlightning_comm.weights.reshard._slices import collect, metadata
 
     shape, tp = (512, 256), wanters // 2
     metas = []

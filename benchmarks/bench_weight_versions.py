@@ -8,9 +8,6 @@ round, two warm-up rounds first); a round's time for a way is the slowest rank's
 * star: ``broadcast_state_dict(state, fanout="star")``: the source sends every unit to every engine;
 * relay: ``fanout="chain"``: the source sends each unit once, the engines forward it down a chain; a relay acknowledges
   the whole transfer only once its successor has, so the trainer returns only when the last engine holds everything;
-* early: the relay with that end-to-end receipt turned off (``Transfer.end_to_end``, a switch for this measurement
-  only): each relay acknowledges as soon as it holds everything, and the trainer may return while engines further down
-  the chain are still receiving (or dead). What the guarantee costs: the trainer's own call time, relay against early;
 * verify: the relay with ``verify=True`` (per-tensor digests computed as the bytes pass, one more round);
 * atomic: the relay with ``atomic=True`` and a version (staging, verify, the commit through the world's store);
 * seed: engine 1 sends the model to engine E over a group of the two (the trainer takes no part); with E = 1, the
@@ -18,7 +15,8 @@ round, two warm-up rounds first); a round's time for a way is the slowest rank's
 * limit: one ``torch.distributed.broadcast`` of a flat buffer of the same bytes over the whole group.
 
 Trainer egress is counted from the reports (``sum(report.sent.values())`` on rank 0), not from time. With one engine
-there is no relay (relay, early and star are one path).
+there is no relay (relay and star are one path). The second table puts the trainer's own call time in a relay beside the
+slowest rank's: the end-to-end receipt makes them end together.
 
     python benchmarks/bench_weight_versions.py [--engines 1,2,3,4] [--rounds 7]
 """
@@ -54,7 +52,6 @@ def _task(rank: int, nproc: int, rounds: int) -> dict:
     import torch.distributed as dist
 
     from rlightning_comm import CommContext, broadcast_state_dict
-    from rlightning_comm.weights._transport import Transfer
 
     torch.set_num_threads(1)
     engines = nproc - 1
@@ -77,13 +74,6 @@ def _task(rank: int, nproc: int, rounds: int) -> dict:
 
         return run
 
-    def early() -> None:
-        Transfer.end_to_end = False  # on every rank: only the relays' order changes
-        try:
-            broadcast_state_dict(state, "SYNC", src=0, fanout="chain")
-        finally:
-            Transfer.end_to_end = True
-
     def atomic() -> None:
         version[0] += 1
         broadcast_state_dict(state, "SYNC", src=0, fanout="chain", version=version[0], atomic=True)
@@ -98,7 +88,6 @@ def _task(rank: int, nproc: int, rounds: int) -> dict:
     ways = {
         "star": sync("star", fanout="star"),
         "relay": sync("relay", fanout="chain"),
-        "early": early,
         "verify": sync("verify", fanout="chain", verify=True),
         "atomic": atomic,
         "seed": seed,
@@ -141,9 +130,8 @@ def main() -> None:
         out = run_ranks(_task, engines + 1, args.rounds)[0]
         t, mib, own = out["times"], 2**20, out["trainer"]
         receipts.append(
-            f"| {engines} | {statistics.median(own['relay']) * 1e3:.1f} | {statistics.median(own['early']) * 1e3:.1f} "
-            f"| {statistics.median(x / y for x, y in zip(own['relay'], own['early'])):.2f}x "
-            f"| {statistics.median(x / y for x, y in zip(t['relay'], t['early'])):.2f}x |"
+            f"| {engines} | {statistics.median(own['relay']) * 1e3:.1f} | {statistics.median(t['relay']) * 1e3:.1f} "
+            f"| {statistics.median(x / y for x, y in zip(own['relay'], t['relay'])):.2f}x |"
         )
 
         def med(name: str, t: dict = t) -> float:
@@ -160,10 +148,9 @@ def main() -> None:
         )
     print()
     print(
-        "| engines | trainer's call, relay (ms) | trainer's call, early (ms) | trainer's call, relay vs early (x time) "
-        "| slowest rank, relay vs early (x time) |"
+        "| engines | trainer's call, relay (ms) | slowest rank, relay (ms) | trainer's call vs slowest rank (x time) |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|")
     print("\n".join(receipts))
     print()
     wall = time.perf_counter() - started

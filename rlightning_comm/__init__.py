@@ -26,10 +26,13 @@ from rlightning_comm.sequence_parallel import (
     sequence_split_sizes,
     ulysses_attention,
 )
-from rlightning_comm.weights._broadcast import StateDictTransfer, broadcast_state_dict
-from rlightning_comm.weights._report import WeightSyncReport
-from rlightning_comm.weights._reshard import reshard_state_dict
-from rlightning_comm.weights._slices import TensorSlice
+from rlightning_comm.weights import (
+    StateDictTransfer,
+    TensorSlice,
+    WeightSyncReport,
+    broadcast_state_dict,
+    reshard_state_dict,
+)
 
 __all__ = [
     "CommContext",

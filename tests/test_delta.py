@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from rlightning_comm.weights import _changes, _delta, _writes
+from rlightning_comm.weights.delta import _changes, _writes
+from rlightning_comm.weights.delta import _encoding as _delta
 
 DTYPES = [
     torch.bfloat16,
@@ -271,7 +272,7 @@ def test_a_mask_packed_from_its_positions_is_the_packed_flags(monkeypatch, host:
 def test_the_snapshot_takes_on_changes_only_once_the_sync_succeeded() -> None:
     """The comparison writes a record's scattered changes into the snapshot at once: they stand after ``advance``, and
     are undone before the snapshot is next used when the sync did not succeed (its version and words as they were)."""
-    from rlightning_comm.weights._snapshots import Snapshot
+    from rlightning_comm.weights.delta._snapshots import Snapshot
 
     gen = torch.Generator().manual_seed(21)
     tensors = [_random((300, 256), torch.float32, gen), _random((70_000,), torch.bfloat16, gen)]
@@ -301,8 +302,8 @@ def test_the_snapshot_takes_on_changes_only_once_the_sync_succeeded() -> None:
 
 
 def test_forgetting_the_deltas_frees_the_snapshot_and_its_scratch() -> None:
-    from rlightning_comm.weights._memory import Kept
-    from rlightning_comm.weights._snapshots import Snapshot
+    from rlightning_comm.weights.core._memory import Kept
+    from rlightning_comm.weights.delta._snapshots import Snapshot
 
     memory = Kept()
     memory.snapshot = Snapshot("k", [])

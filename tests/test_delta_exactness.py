@@ -70,7 +70,8 @@ def _address(folder: str) -> str:
 def _victim(folder: str, k: int) -> None:
     """A victim engine: joins generation ``k`` as member 2, syncs until its step, and dies in it."""
     from rlightning_comm import CommContext
-    from rlightning_comm.weights import _delta_broadcast, _pipeline
+    from rlightning_comm.weights.broadcast import _delta as _delta_broadcast
+    from rlightning_comm.weights.broadcast import _pipeline
 
     address = _address(folder)
     host, port = address.split("/")[0].rsplit(":", 1)

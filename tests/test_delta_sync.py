@@ -84,7 +84,7 @@ def _same_as_source(mine: dict[str, torch.Tensor], rank: int) -> list[str]:
 def _broadcast(rank: int, size: int, url: str) -> list[dict]:
     from rlightning_comm import broadcast_state_dict
     from rlightning_comm.weights import forget_delta
-    from rlightning_comm.weights._memory import kept as kept_by
+    from rlightning_comm.weights.core._memory import kept as kept_by
 
     ctx = init_world(rank, size, url)
     ctx.init_group([0, 1, 2, 3], MODE)
@@ -384,7 +384,7 @@ def _reshard_failure(rank: int, size: int, url: str) -> dict:
 
     from rlightning_comm import CommError, TensorSlice, reshard_state_dict
     from rlightning_comm.failures import close_gloo_group
-    from rlightning_comm.weights import _delta_mover
+    from rlightning_comm.weights.reshard import _delta_mover
 
     ctx = init_world(rank, size, url)
     ctx.init_group([0, 1, 2, 3], MODE)

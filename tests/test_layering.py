@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "rlightning_comm"
 # The layers, lowest first. A module may import from a lower layer, or from its own package; the leaves (layer 0) may
 # import each other (the cycle test keeps that one way).
 LAYERS = {
-    0: {"_compat", "_env", "_shutdown", "errors", "modes", "config", "failures", "rendezvous", "topology", "bandwidth"},
+    0: {"_compat", "_env", "errors", "modes", "config", "failures", "rendezvous", "topology", "bandwidth"},
     1: {"communicators"},
     2: {"debug", "stats", "connect"},
     3: {"context"},
@@ -114,6 +114,101 @@ def test_no_circles_between_files():
         if node not in state:
             dfs(node, [])
     assert not cycles, [" -> ".join(c) for c in cycles]
+
+
+# The rooms of ``weights``, lowest first: a module of a room imports from its own room or a lower layer's, never from a
+# room of its layer or above (the package's own modules, its public face, sit on top).
+WEIGHT_ROOMS = {
+    0: {"core"},
+    1: {"commit", "delta"},
+    2: {"broadcast", "reshard"},
+    3: {"layouts", "engines"},
+    4: {"__init__"},
+}
+ROOM_OF = {name: layer for layer, names in WEIGHT_ROOMS.items() for name in names}
+
+
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[:2] != ["rlightning_comm", "weights"]:
+        return None
+    return parts[2] if len(parts) > 2 else "__init__"
+
+
+def test_every_module_of_weights_is_in_a_room():
+    unplaced = sorted({_room(m) for m in _graph()} - {None} - set(ROOM_OF))
+    assert not unplaced, f"place these in WEIGHT_ROOMS (tests/test_layering.py): {unplaced}"
+
+
+def test_the_rooms_of_weights_import_one_way():
+    wrong = []
+    for module, targets in _graph().items():
+        own = _room(module)
+        if own is None:
+            continue
+        for target in targets:
+            other = _room(target)
+            if other is None or other == own:
+                continue
+            mine, theirs = ROOM_OF.get(own, -1), ROOM_OF.get(other, -1)
+            if theirs >= mine:
+                wrong.append(f"{module} (room {own}, layer {mine}) imports {target} (room {other}, layer {theirs})")
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def _private_imports(path: Path, package: str) -> list[str]:
+    """Every name starting with ``_`` that ``path`` imports from ``package`` or below it, and every module of it whose
+    path has a component starting with ``_`` (``TYPE_CHECKING`` blocks included: an annotation is a dependency too)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(package):
+            below = node.module[len(package) :].split(".")
+            if any(part.startswith("_") for part in below if part):
+                found.append(f"from {node.module} import ...")
+            found += [f"from {node.module} import {a.name}" for a in node.names if a.name.startswith("_")]
+        elif isinstance(node, ast.Import):
+            found += [
+                f"import {a.name}"
+                for a in node.names
+                if a.name.startswith(package) and any(p.startswith("_") for p in a.name[len(package) :].split(".") if p)
+            ]
+    return found
+
+
+def test_integrations_use_only_public_names_of_weights():
+    wrong = {
+        str(path.relative_to(PACKAGE)): found
+        for path in sorted((PACKAGE / "integrations").rglob("*.py"))
+        if (found := _private_imports(path, "rlightning_comm.weights"))
+    }
+    assert not wrong, wrong
+
+
+def test_the_private_import_reader_finds_private_modules_and_names(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text(
+        "from rlightning_comm.weights import layouts, _x\n"
+        "from rlightning_comm.weights.reshard._call import reshard\n"
+        "import rlightning_comm.weights.commit._sync\n"
+        "from rlightning_comm.weights.engines import refuse_reshard\n"
+    )
+    assert _private_imports(src, "rlightning_comm.weights") == [
+        "from rlightning_comm.weights import _x",
+        "from rlightning_comm.weights.reshard._call import ...",
+        "import rlightning_comm.weights.commit._sync",
+    ]
+
+
+def test_no_file_of_the_library_passes_350_lines():
+    long = {
+        str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > 350
+    }
+    assert not long, long
+
+
+def test_the_top_level_has_at_most_14_modules():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= 14, top
 
 
 def test_the_reader_sees_function_level_imports_and_skips_type_checking(tmp_path):

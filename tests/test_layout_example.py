@@ -16,7 +16,7 @@ def _run_example(rank: int, size: int, url: str, corrupt_rank: int | None) -> tu
     import torch
 
     from rlightning_comm.communicators.base import Communicator
-    from rlightning_comm.weights._pipeline import Pipeline
+    from rlightning_comm.weights.broadcast._pipeline import Pipeline
 
     spec = importlib.util.spec_from_file_location("parallel_layout_example", EXAMPLE)
     example = importlib.util.module_from_spec(spec)

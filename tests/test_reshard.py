@@ -41,7 +41,7 @@ class _Counter:
     """Counts the exchanges of the handshake (the fingerprint round and the metadata rounds)."""
 
     def __init__(self) -> None:
-        from rlightning_comm.weights import _reshard
+        from rlightning_comm.weights.reshard import _call as _reshard
 
         self.module, self.rounds, self.words, self.texts = _reshard, 0, [], 0
         self.exchange, self.exchange_texts = _reshard.exchange, _reshard.exchange_texts
@@ -285,7 +285,7 @@ def _geometries(rank: int, size: int, url: str) -> dict:
         _tied(rank, wrong, out)
         _replicas(rank, wrong, out)
         # The grouped path other backends (NCCL) take, run here on gloo: batch_isend_irecv per phase.
-        from rlightning_comm.weights import _mover
+        from rlightning_comm.weights.reshard import _mover
 
         _mover.point_to_point, plain_p2p = (lambda comm: False), _mover.point_to_point
         try:
@@ -486,8 +486,8 @@ def _victim(url: str, connected: bool, point: str) -> None:
     import os
     import signal
 
-    from rlightning_comm.weights._mover import Mover
-    from rlightning_comm.weights._reshard import reshard
+    from rlightning_comm.weights.reshard._call import reshard
+    from rlightning_comm.weights.reshard._mover import Mover
 
     original, completed, receipt = Mover._complete_chunk, [], Mover._receipt
 
@@ -513,7 +513,7 @@ def _killed(rank: int, size: int, url: str, connected: bool, point: str) -> dict
     import sys
     import time
 
-    from rlightning_comm.weights._reshard import reshard
+    from rlightning_comm.weights.reshard._call import reshard
 
     if rank == 3:
         return None

@@ -11,7 +11,7 @@ import torch
 
 from rlightning_comm import TensorSlice
 from rlightning_comm.weights import layouts
-from rlightning_comm.weights._schedule import build_schedule
+from rlightning_comm.weights.reshard._schedule import build_schedule
 
 
 def _strides(shape):

@@ -66,7 +66,7 @@ def _outcome(run) -> dict:
 
 def _corrupt_once(name: str) -> None:
     """On this rank: flip a byte of ``name`` in its bucket before it is unpacked."""
-    from rlightning_comm.weights._mover import Mover
+    from rlightning_comm.weights.reshard._mover import Mover
 
     original = Mover._pack
 
@@ -185,7 +185,9 @@ def _die() -> None:
 
 
 def _arm(point: str) -> None:
-    from rlightning_comm.weights import _commit, _mover, _reshard
+    from rlightning_comm.weights.commit import _sync as _commit
+    from rlightning_comm.weights.reshard import _call as _reshard
+    from rlightning_comm.weights.reshard import _mover
 
     if point == "handshake":
         _reshard._agree = lambda *a, **k: _die()

@@ -46,7 +46,9 @@ def _die() -> None:
 
 def _arm(point: str) -> None:
     """In the victim: die at ``point`` of its next sync."""
-    from rlightning_comm.weights import _broadcast, _commit, _pipeline
+    from rlightning_comm.weights.broadcast import _call as _broadcast
+    from rlightning_comm.weights.broadcast import _pipeline
+    from rlightning_comm.weights.commit import _sync as _commit
 
     if point == "handshake":
         _broadcast.agree = lambda *a, **k: _die()

@@ -6,7 +6,7 @@ import pytest
 import torch
 from digest_oracle import oracle
 
-from rlightning_comm.weights._digest import block_digest, digest_int, tensor_digest
+from rlightning_comm.weights.commit._digest import block_digest, digest_int, tensor_digest
 
 CASES = [
     torch.randn(7, 13),

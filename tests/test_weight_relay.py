@@ -34,7 +34,7 @@ POINTS = {
 
 
 def _options(version: int, verify: bool):
-    from rlightning_comm.weights._versions import SyncOptions
+    from rlightning_comm.weights.commit._versions import SyncOptions
 
     return SyncOptions(version, verify, False, None, None, "RELAY")
 
@@ -58,8 +58,9 @@ def _group(rank: int, url: str):
 
 def _victim(url: str, point: str) -> None:
     """Takes version 1 whole, then dies at ``point`` of version 2 (see ``POINTS``)."""
-    from rlightning_comm.weights import _commit, _pipeline
-    from rlightning_comm.weights._broadcast import transfer
+    from rlightning_comm.weights.broadcast import _pipeline
+    from rlightning_comm.weights.broadcast._call import transfer
+    from rlightning_comm.weights.commit import _sync as _commit
 
     member, verify = POINTS[point]
     original, seen = _pipeline.Pipeline._complete, []
@@ -81,7 +82,7 @@ def _victim(url: str, point: str) -> None:
 
 
 def _run(rank: int, size: int, url: str, point: str) -> dict:
-    from rlightning_comm.weights._broadcast import transfer
+    from rlightning_comm.weights.broadcast._call import transfer
 
     ctx = init_world(rank, size, url)
     if rank == 3:

@@ -42,7 +42,7 @@ def _state(seed: int) -> dict[str, torch.Tensor]:
 
 def _arm(point: str) -> None:
     """In the victim: die (SIGKILL) once its first unit's bytes have arrived, or its last one's."""
-    from rlightning_comm.weights import _transport
+    from rlightning_comm.weights.broadcast import _transport
 
     original, seen = _transport.Transfer._received, []
 

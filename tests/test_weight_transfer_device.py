@@ -78,7 +78,7 @@ def _state(rank: int, device: str = "cpu") -> dict[str, torch.Tensor]:
 def _no_world(rank: int, size: int, url: str) -> dict:
     import torch.distributed as dist
 
-    from rlightning_comm.weights._broadcast import transfer
+    from rlightning_comm.weights.broadcast._call import transfer
 
     assert not dist.is_initialized()
     out: dict = {}
@@ -125,8 +125,8 @@ def test_a_group_outside_the_world_and_the_device_backends_path(world4) -> None:
 
 
 def _cuda_stand_in(rank: int, size: int, url: str) -> dict:
-    from rlightning_comm.weights._broadcast import transfer
-    from rlightning_comm.weights._memory import kept
+    from rlightning_comm.weights.broadcast._call import transfer
+    from rlightning_comm.weights.core._memory import kept
 
     comm = _own_group(rank, size, url, CudaStandIn, "CUDA")
     state = _state(rank, "cuda:0")

@@ -37,7 +37,7 @@ def _outcome(run) -> dict:
 
 def _injected(rank: int, size: int, url: str) -> dict:
     from rlightning_comm import CommError, broadcast_state_dict
-    from rlightning_comm.weights._pipeline import Pipeline
+    from rlightning_comm.weights.broadcast._pipeline import Pipeline
 
     ctx = init_world(rank, size, url)
     ctx.init_group([0, 1, 2, 3], "FAULT", timeout=GROUP_TIMEOUT)
@@ -120,7 +120,7 @@ def _sync_group(rank: int, url: str):
 
 def _victim(url: str) -> None:
     """The engine process (group rank 1, in no world): it dies on its second bucket, the transfer in flight."""
-    from rlightning_comm.weights._broadcast import transfer
+    from rlightning_comm.weights.broadcast._call import transfer
 
     calls = []
 
@@ -133,7 +133,7 @@ def _victim(url: str) -> None:
 
 
 def _killed(rank: int, size: int, url: str) -> dict:
-    from rlightning_comm.weights._broadcast import transfer
+    from rlightning_comm.weights.broadcast._call import transfer
 
     victim = None
     if rank == 0:  # its own process, started here (a world's process cannot die without the world being respawned)

@@ -12,7 +12,7 @@ from torch import nn
 from typing_extensions import Self
 from world import init_world
 
-from rlightning_comm.weights._plan import build_plan, deliveries
+from rlightning_comm.weights.broadcast._plan import build_plan, deliveries
 
 LAYERS, WIDTH, VOCAB = 6, 48, 700
 BUCKET = 32 * 2**10  # the model is about 17 buckets; the embedding (134 KB) and each layer (37 KB) are larger than one

@@ -58,7 +58,7 @@ def _outcome(run) -> dict:
 
 def _corrupt_once(name: str) -> None:
     """On this rank: flip the first byte of ``name`` as it arrives in a bucket (before it is hashed and unpacked)."""
-    from rlightning_comm.weights._pipeline import Pipeline
+    from rlightning_comm.weights.broadcast._pipeline import Pipeline
 
     original = Pipeline._feed
 

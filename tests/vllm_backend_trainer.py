@@ -73,7 +73,7 @@ def _sync(rank: int, held: dict, version: int, options: dict, replies) -> None:
 
 
 def _arm() -> None:
-    from rlightning_comm.weights import _mover
+    from rlightning_comm.weights.reshard import _mover
 
     original, sends = _mover.Mover._send, []
 

@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from rlightning_comm.communicators._checks import InputChecks
 from rlightning_comm.communicators._contract import check_shapes
 from rlightning_comm.communicators._launch import DirectLaunch
+from rlightning_comm.communicators._op_checks import OpChecks
 from rlightning_comm.communicators._p2p import PointToPoint
 from rlightning_comm.communicators._rooted import RootedCollectives
 from rlightning_comm.communicators._tensor_collectives import TensorCollectives
@@ -43,7 +43,7 @@ included."""
 
 
 class Communicator(
-    InputChecks, InFlight, DirectLaunch, TensorCollectives, RootedCollectives, PointToPoint, ValueCollectives, ABC
+    OpChecks, InFlight, DirectLaunch, TensorCollectives, RootedCollectives, PointToPoint, ValueCollectives, ABC
 ):
     """Collectives on one process group, bound to one mode by :class:`CommContext`.
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from rlightning_comm._shutdown import native_call
+from rlightning_comm._compat import native_call
 from rlightning_comm.communicators.base import Communicator
 from rlightning_comm.connect._forming import Opening
 from rlightning_comm.connect._groups import break_group
@@ -119,7 +119,7 @@ class Connection:
             if self._broken:
                 return
             self._broken = True
-        with native_call() as allowed:  # on the watch's thread, or the grace's timer: see rlightning_comm._shutdown
+        with native_call() as allowed:  # on the watch's thread, or the grace's timer: see rlightning_comm._compat
             try:
                 if allowed:
                     break_group(group)

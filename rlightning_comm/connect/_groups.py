@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from rlightning_comm import _compat
-from rlightning_comm._shutdown import exiting, native_call
+from rlightning_comm._compat import exiting, native_call
 from rlightning_comm.errors import CommError
 from rlightning_comm.failures import close_gloo_group
 

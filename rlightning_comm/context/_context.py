@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Sequence
 from datetime import timedelta
 from typing import ClassVar
 
@@ -21,13 +20,13 @@ from rlightning_comm.communicators.registry import get_communicator_class
 from rlightning_comm.config import DistributedConfig, GroupConfig
 from rlightning_comm.connect import Connections
 from rlightning_comm.context._connect import ContextConnect
-from rlightning_comm.context._groups import check_order_supported, new_group
+from rlightning_comm.context._groups import new_group
 from rlightning_comm.context._layouts import ContextLayouts
 from rlightning_comm.context._lookups import ContextLookups
+from rlightning_comm.context._planning import ContextPlanning
 from rlightning_comm.context._policies import ContextPolicies
-from rlightning_comm.errors import CommError, ModeNotBoundError
+from rlightning_comm.errors import CommError
 from rlightning_comm.modes import CommMode, mode_name
-from rlightning_comm.topology import Partition
 
 _GLOBAL = CommMode.GLOBAL.value
 
@@ -54,7 +53,7 @@ def initialize_distributed_env(
     )
 
 
-class CommContext(ContextLookups, ContextLayouts, ContextConnect, ContextPolicies):
+class CommContext(ContextLookups, ContextLayouts, ContextConnect, ContextPolicies, ContextPlanning):
     """The one process-wide registry that binds a :class:`Communicator` to each mode.
 
     ``CommContext()`` always returns the same object. Initialise the world with :meth:`init_distributed_env` (which
@@ -296,50 +295,6 @@ class CommContext(ContextLookups, ContextLayouts, ContextConnect, ContextPolicie
             self._bind(name, comm)
             return comm
 
-    def _plan_group(
-        self, ranks: object, name: str, backend: str | None, use_cpu: bool, timeout: float | timedelta | None
-    ) -> tuple[type[Communicator], GroupConfig, Partition]:
-        """Validate one :meth:`init_group` call: its class, the mode's declaration after it, and the groups it adds.
-
-        Creates nothing; raises what :meth:`init_group` raises before creating a group.
-        """
-        dist_config = self._require_world()
-        if name == _GLOBAL:
-            raise ValueError("mode 'GLOBAL' is bound by init_distributed_env; pick another mode for init_group")
-        if name in self._connections.modes():
-            raise CommError(
-                f"mode {name!r} is a connected mode (bound by connect); pick another mode for init_group, or destroy() "
-                "first"
-            )
-        if use_cpu and (backend is None or get_communicator_class(backend).backend != "gloo"):
-            # As in the seed, use_cpu forces gloo whatever backend says (a gloo-based custom backend is kept).
-            backend = "gloo"
-        backend = backend or dist_config.backend
-        cls = get_communicator_class(backend)
-        cls.bind_device()  # an environment that names no device is refused before any group exists
-        config = GroupConfig(
-            partition=ranks,
-            world_size=dist_config.world_size,
-            backend=backend,
-            timeout=dist_config.timeout if timeout is None else timeout,
-        )
-        existing = self._configs.get(name)
-        config, new = (config, config.partition) if existing is None else existing.extend(config, name)
-        check_order_supported(new, name)
-        return cls, config, new
-
-    def _plan_modes(
-        self,
-        partitions: dict[str, Sequence[Sequence[int]]],
-        backend: str | None,
-        use_cpu: bool,
-        timeout: float | timedelta | None,
-    ) -> None:
-        """Validate every mode of a declared layout before any group is created, so a conflict leaves nothing
-        half-bound."""
-        for name, partition in partitions.items():
-            self._plan_group([list(p) for p in partition], name, backend, use_cpu, timeout)
-
     def _bind(self, name: str, comm: Communicator) -> None:
         if self._comms.get(name) is comm:
             return
@@ -382,37 +337,3 @@ class CommContext(ContextLookups, ContextLayouts, ContextConnect, ContextPolicie
                             )
             finally:
                 self._reset()
-
-    # ----------------------------------------------------------------- lookups
-    def get_communicator(self, mode: CommMode | str = CommMode.GLOBAL) -> Communicator:
-        """Return the communicator bound to ``mode`` on this rank.
-
-        Raises:
-            ModeNotBoundError: nothing is bound to ``mode`` (a ``KeyError`` and a ``CommError``); the message lists the
-                bound modes.
-        """
-        try:
-            return self._comms[mode]
-        except (KeyError, TypeError):
-            return self._raise_unbound(mode)
-
-    def _raise_unbound(self, mode: object) -> Communicator:
-        name = mode_name(mode)  # TypeError for a non-string mode
-        comm = self._comms.get(name)
-        if comm is not None:  # bound concurrently since the failed lookup
-            return comm
-        raise ModeNotBoundError(f"No communicator bound for mode {name!r}; bound modes: {sorted(self._comms)}")
-
-    def is_initialized(self) -> bool:
-        """Whether :meth:`init_distributed_env` has run (and :meth:`destroy` has not since)."""
-        return self._dist_config is not None
-
-    def bound_modes(self) -> list[str]:
-        """Names of the bound modes, sorted."""
-        return sorted(self._comms)
-
-    def _require_world(self) -> DistributedConfig:
-        config = self._dist_config
-        if config is None:
-            raise CommError("CommContext is not initialised; call CommContext().init_distributed_env(...) first")
-        return config

@@ -5,13 +5,13 @@ Kept apart from the registry in :mod:`rlightning_comm.context`; :class:`CommCont
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from rlightning_comm._env import launcher_int
 from rlightning_comm.config import DistributedConfig, GroupConfig
+from rlightning_comm.errors import CommError, ModeNotBoundError
 from rlightning_comm.modes import CommMode, mode_name
 
 if TYPE_CHECKING:
@@ -19,15 +19,49 @@ if TYPE_CHECKING:
 
 
 class ContextLookups:
-    """Mixin of :class:`CommContext`: lock-free reads of the bindings (through its ``get_communicator``).
+    """Mixin of :class:`CommContext`: lock-free reads of the bindings (``get_communicator`` and what reads through it).
 
     The seed's getters keep the seed's parameter name, ``comm_mode``.
     """
 
     _configs: dict[str, GroupConfig]
     _weight_versions: dict[str, int]
-    get_communicator: Callable[..., Communicator]
-    _require_world: Callable[[], DistributedConfig]
+    _comms: dict[str, Communicator]
+    _dist_config: DistributedConfig | None
+
+    # ----------------------------------------------------------------- lookups
+    def get_communicator(self, mode: CommMode | str = CommMode.GLOBAL) -> Communicator:
+        """Return the communicator bound to ``mode`` on this rank.
+
+        Raises:
+            ModeNotBoundError: nothing is bound to ``mode`` (a ``KeyError`` and a ``CommError``); the message lists the
+                bound modes.
+        """
+        try:
+            return self._comms[mode]
+        except (KeyError, TypeError):
+            return self._raise_unbound(mode)
+
+    def _raise_unbound(self, mode: object) -> Communicator:
+        name = mode_name(mode)  # TypeError for a non-string mode
+        comm = self._comms.get(name)
+        if comm is not None:  # bound concurrently since the failed lookup
+            return comm
+        raise ModeNotBoundError(f"No communicator bound for mode {name!r}; bound modes: {sorted(self._comms)}")
+
+    def is_initialized(self) -> bool:
+        """Whether :meth:`init_distributed_env` has run (and :meth:`destroy` has not since)."""
+        return self._dist_config is not None
+
+    def bound_modes(self) -> list[str]:
+        """Names of the bound modes, sorted."""
+        return sorted(self._comms)
+
+    def _require_world(self) -> DistributedConfig:
+        config = self._dist_config
+        if config is None:
+            raise CommError("CommContext is not initialised; call CommContext().init_distributed_env(...) first")
+        return config
 
     # ---------------------------------------------------------------- per mode
     def get_weight_version(self, mode: CommMode | str = CommMode.WEIGHT_TRANSFER) -> int | None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rlightning_comm._shutdown import native_call
+from rlightning_comm._compat import native_call
 from rlightning_comm.bandwidth import bus_factor, gbps
 from rlightning_comm.communicators.base import COLLECTIVES
 
@@ -315,7 +315,7 @@ class _WaitTimed:
 def _watch_works(works: queue.SimpleQueue[tuple[Any, Callable[[], None]]]) -> None:
     while True:
         work, finished = works.get()
-        # A wait that returned into the interpreter's finalisation would abort the process (see _shutdown): the exit
+        # A wait that returned into the interpreter's finalisation would abort the process (see native_call): the exit
         # waits for this one (bounded), and once it has begun no new one starts.
         with native_call() as allowed:
             if not allowed:

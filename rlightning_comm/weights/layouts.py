@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from rlightning_comm.weights._slices import TensorSlice
+from rlightning_comm.weights.reshard._slices import TensorSlice
 
 __all__ = ["column_parallel", "fused", "qkv", "replicated", "row_parallel", "vocab_parallel"]
 

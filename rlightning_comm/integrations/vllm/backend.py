@@ -42,8 +42,7 @@ from rlightning_comm.integrations.vllm._layout import WorkerLayout, derive
 from rlightning_comm.integrations.vllm._workers import fail, outcomes
 from rlightning_comm.integrations.vllm.extension import DEFAULT_MODE
 from rlightning_comm.weights import reshard_state_dict
-from rlightning_comm.weights._reshard import DEFAULT_BUCKET_BYTES, reshard
-from rlightning_comm.weights._versions import SyncOptions
+from rlightning_comm.weights.engines import record_weight_version, refuse_reshard
 
 __all__ = ["OPTIONS", "RLightningInitInfo", "RLightningUpdateInfo", "RLightningWeightTransferEngine"]
 
@@ -205,7 +204,9 @@ class RLightningWeightTransferEngine(WeightTransferEngine[RLightningInitInfo, RL
             if init is None or self._layout is None:
                 raise RuntimeError("the rlightning backend is not connected: call init_weight_transfer_engine first")
             if update_info.problem is not None:
-                _refuse(init.mode, update_info.problem)  # raises on every member, the trainers included
+                refuse_reshard(
+                    init.mode, update_info.problem[0](update_info.problem[1])
+                )  # raises on every member, the trainers included
             wanted, loads = self._buffers(update_info.options.get("delta") is True)
             report = reshard_state_dict(
                 wanted=wanted, comm_mode=init.mode, version=update_info.version, **update_info.options
@@ -213,7 +214,7 @@ class RLightningWeightTransferEngine(WeightTransferEngine[RLightningInitInfo, RL
         except Exception as err:  # noqa: BLE001 - every worker learns it before any weight is touched
             error = err
         if error is None and init is not None:
-            ctx._record_weight_version(init.mode, before)  # committed only once loaded, on every worker
+            record_weight_version(init.mode, before)  # committed only once loaded, on every worker
         if _failed(self, error, f"; every worker of this engine still serves {_held(before)}"):
             return
         assert init is not None and self._layout is not None
@@ -224,11 +225,11 @@ class RLightningWeightTransferEngine(WeightTransferEngine[RLightningInitInfo, RL
             )
         except Exception as err:  # noqa: BLE001 - every worker learns it
             error = err
-        ctx._record_weight_version(init.mode, None)  # until every worker has loaded it: no committed version
+        record_weight_version(init.mode, None)  # until every worker has loaded it: no committed version
         tail = "; the engine's weights may be a mix of the previous and the new version: sync again before serving"
         if _failed(self, error, tail):
             return
-        ctx._record_weight_version(init.mode, update_info.version)
+        record_weight_version(init.mode, update_info.version)
         done = time.perf_counter()
         self.last_sync = {
             **dataclasses.asdict(report),
@@ -288,14 +289,6 @@ def _failed(engine: RLightningWeightTransferEngine, error: BaseException | None,
         return False
     fail(engine, error, errors, tail)
     return True
-
-
-def _refuse(mode: str, problem: tuple[type[Exception], str]) -> None:
-    """Join the trainers' ``reshard_state_dict`` with ``problem``: it raises on every member, before any byte moves."""
-    comm = CommContext().get_communicator(mode)
-    options = SyncOptions(None, False, False, None, None, comm.mode)
-    options.problem = problem
-    reshard(comm, None, None, DEFAULT_BUCKET_BYTES, options)
 
 
 def _held(version: int | None) -> str:

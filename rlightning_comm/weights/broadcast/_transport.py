@@ -51,15 +51,9 @@ import torch
 
 from rlightning_comm.errors import CommError
 from rlightning_comm.failures import LAUNCH_ERRORS, close_gloo_group
-from rlightning_comm.weights._plan import Plan
+from rlightning_comm.weights.broadcast._plan import Plan
 
 _TAG = 0x5754  # the point-to-point tag of every unit ("WT"); other traffic on the group is told apart by its own tags
-
-
-def point_to_point(comm: Any) -> bool:
-    """Whether a transfer on ``comm`` moves its data (and its handshake) point to point: gloo on host tensors (gloo's
-    send reads host memory only)."""
-    return comm.backend == "gloo" and comm.device.type == "cpu"
 
 
 def chain(world_size: int, src: int, leaves: set[int]) -> dict[int, tuple[int | None, list[int]]]:
@@ -95,11 +89,6 @@ class Transfer:
         route: With ``sends``, where this rank receives from and sends to (group ranks: the predecessor or ``None`` on
             the source, and the successors); ``None``: a star, the source sending to every destination.
     """
-
-    end_to_end = True
-    """Whether a relay acknowledges the whole transfer only once its successors have (what makes the source's return
-    mean that every destination has everything). Off only to measure what it costs:
-    ``benchmarks/bench_weight_versions.py``."""
 
     def __init__(
         self,
@@ -323,12 +312,10 @@ class Transfer:
         while self._pending:
             complete(self._pending.popleft())
         downstream = self._relay and self._peers and self._from is not None
-        if downstream and self.end_to_end:
+        if downstream:
             self._wait_downstream()  # before this member's receipt, which thus says everyone after it has everything
         if self._sends and self._from is not None:
             self._outbox += self._token()  # the receipt of the whole transfer (in a chain: of the rest of the chain's)
-        if downstream and not self.end_to_end:
-            self._wait_downstream()
         posted, self._outbox = self._outbox, []
         for work in posted:
             work.wait()

@@ -20,17 +20,17 @@ import torch
 from rlightning_comm.context import CommContext
 from rlightning_comm.errors import CommError
 from rlightning_comm.modes import CommMode, ParallelMode
-from rlightning_comm.weights._commit import Sync, mode_store
-from rlightning_comm.weights._delta_mover import DeltaMover
-from rlightning_comm.weights._delta_reshard import decide, possible, prepare, refresh
-from rlightning_comm.weights._memory import hash_key, kept
-from rlightning_comm.weights._mover import OP, Mover
-from rlightning_comm.weights._report import WeightSyncReport
-from rlightning_comm.weights._rounds import exchange, exchange_texts, raise_shared, rounds
-from rlightning_comm.weights._schedule import Schedule, build_schedule
-from rlightning_comm.weights._slices import Block, Named, collect, metadata
-from rlightning_comm.weights._tally import Tally
-from rlightning_comm.weights._versions import SyncOptions
+from rlightning_comm.weights.commit._report import WeightSyncReport
+from rlightning_comm.weights.commit._sync import Sync, mode_store
+from rlightning_comm.weights.commit._versions import SyncOptions
+from rlightning_comm.weights.core._memory import hash_key, kept
+from rlightning_comm.weights.core._rounds import exchange, exchange_texts, raise_shared, rounds
+from rlightning_comm.weights.reshard._delta import decide, possible, prepare, refresh
+from rlightning_comm.weights.reshard._delta_mover import DeltaMover
+from rlightning_comm.weights.reshard._mover import OP, Mover
+from rlightning_comm.weights.reshard._schedule import Schedule, build_schedule
+from rlightning_comm.weights.reshard._slices import Block, Named, collect, metadata
+from rlightning_comm.weights.reshard._tally import Tally
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20
 

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from rlightning_comm.weights._changes import (
+from rlightning_comm.weights.delta._changes import (
     BLOCK,
     BLOCK_BITS,
     DENSE,

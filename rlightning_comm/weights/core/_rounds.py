@@ -20,9 +20,9 @@ import torch
 from torch.distributed.distributed_c10d import AllgatherOptions
 
 from rlightning_comm.failures import LAUNCH_ERRORS
-from rlightning_comm.weights._inputs import Problem
-from rlightning_comm.weights._memory import Kept
-from rlightning_comm.weights._transport import point_to_point
+from rlightning_comm.weights.core._checks import Problem
+from rlightning_comm.weights.core._memory import Kept
+from rlightning_comm.weights.core._wire import point_to_point
 
 HANDSHAKE_TAG = 0x5755  # the point-to-point tag of the rounds over gloo (the data's is the next-lower one)
 ERRORS: dict[str, type[Exception]] = {

@@ -22,14 +22,16 @@ import torch
 from rlightning_comm.context import CommContext
 from rlightning_comm.errors import CommError
 from rlightning_comm.failures import close_gloo_group
-from rlightning_comm.weights import _changes, _delta, _writes
-from rlightning_comm.weights._commit import Sync, staging
-from rlightning_comm.weights._digest import Digests
-from rlightning_comm.weights._inputs import same_view
-from rlightning_comm.weights._pipeline import Pipeline
-from rlightning_comm.weights._plan import Plan, build_plan, dtype_of
-from rlightning_comm.weights._snapshots import Offer, identity, snapshot_for
-from rlightning_comm.weights._versions import SyncOptions
+from rlightning_comm.weights.broadcast._assemble import staging
+from rlightning_comm.weights.broadcast._pipeline import Pipeline
+from rlightning_comm.weights.broadcast._plan import Plan, build_plan
+from rlightning_comm.weights.commit._digest import Digests
+from rlightning_comm.weights.commit._sync import Sync
+from rlightning_comm.weights.commit._versions import SyncOptions
+from rlightning_comm.weights.core._checks import same_view
+from rlightning_comm.weights.core._staging import dtype_of
+from rlightning_comm.weights.delta import _changes, _encoding, _writes
+from rlightning_comm.weights.delta._snapshots import Offer, identity, snapshot_for
 
 OP = "broadcast_state_dict"
 LOAD_REFUSED = (
@@ -38,9 +40,9 @@ LOAD_REFUSED = (
 )
 
 
-def records_of(plan: Plan) -> list[_delta.Record]:
+def records_of(plan: Plan) -> list[_encoding.Record]:
     """The records of the plan's tensors (every member computes the same): aliases and empty tensors in none."""
-    return _delta.records(
+    return _encoding.records(
         [(dtype_of(dtype), 0 if alias >= 0 else _numel(shape), None) for _, dtype, shape, alias in plan.manifest]
     )
 
@@ -167,7 +169,7 @@ class DeltaTransfer:
             changes = []
             at = 0
             for record in self._records:
-                change, at = _delta.decode(self._payload, at, record.words, record.word)
+                change, at = _encoding.decode(self._payload, at, record.words, record.word)
                 changes.append(change)
         except ValueError as err:  # another sync's bytes, or damaged ones: every peer must learn it at once
             if self._comm.backend == "gloo":

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from rlightning_comm.weights._changes import DENSE, SAME, Change, offsets, span
+from rlightning_comm.weights.delta._changes import DENSE, SAME, Change, offsets, span
 
 
 def writable(t: torch.Tensor) -> torch.Tensor:

@@ -7,11 +7,12 @@ It lives on the communicator (an attribute), so it goes with the communicator's 
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rlightning_comm.weights._plan import Delivery, Entry, Plan
+if TYPE_CHECKING:  # the kept plans are broadcast_state_dict's; this room only holds them
+    from rlightning_comm.weights.broadcast._plan import Delivery, Entry, Plan
 
 
 class Kept:

@@ -13,13 +13,43 @@ from typing import Any
 
 import torch
 
-from rlightning_comm.weights._commit import Sync, staging
-from rlightning_comm.weights._digest import Digests
-from rlightning_comm.weights._loader import LoadPipeline
-from rlightning_comm.weights._pipeline import Pipeline
-from rlightning_comm.weights._plan import Delivery, Plan
-from rlightning_comm.weights._transport import Transfer, chain
-from rlightning_comm.weights._versions import SyncOptions
+from rlightning_comm.weights.broadcast._loader import LoadPipeline
+from rlightning_comm.weights.broadcast._pipeline import Pipeline
+from rlightning_comm.weights.broadcast._plan import Delivery, Plan
+from rlightning_comm.weights.broadcast._transport import Transfer, chain
+from rlightning_comm.weights.commit._digest import Digests
+from rlightning_comm.weights.commit._sync import Sync
+from rlightning_comm.weights.commit._versions import SyncOptions
+from rlightning_comm.weights.core._memory import kept
+from rlightning_comm.weights.core._staging import dtype_of
+
+
+def staging(
+    comm: Any, plan: Plan, live: list[torch.Tensor] | None, device: torch.device | None, default: torch.device
+) -> list:
+    """Tensors to receive an atomic sync into, one per manifest entry (an alias is its target's very tensor).
+
+    Each like its live tensor (contiguous) on ``device``, or on the live tensor's own device; with no live tensors (a
+    ``load`` callable) from the manifest, on ``device`` or the communicator's ``default``. Kept for the next atomic sync
+    on ``comm`` with the same tensors (fresh pages cost more to fault in than the copy into them), freed with it.
+    """
+    key = (plan.manifest, device, default, None if live is None else tuple(t.device for t in live))
+    memory = kept(comm)
+    if memory.staged is not None and memory.staged[0] == key:
+        return memory.staged[1]
+    memory.staged = None  # the old staging goes before the new one is made
+    out: list[torch.Tensor] = []
+    aliases = dict(plan.aliases)
+    for index, (_, dtype, shape, _) in enumerate(plan.manifest):
+        if index in aliases:
+            out.append(out[aliases[index]])
+        elif live is not None:
+            t = live[index]
+            out.append(torch.empty(t.shape, dtype=t.dtype, device=device or t.device))
+        else:
+            out.append(torch.empty(shape, dtype=dtype_of(dtype), device=device or default))
+    memory.staged = (key, out)
+    return out
 
 
 def relay_routes(comm: Any, fanout: str | None, sends: bool, src: int, leaves: set[int]) -> dict[int, Any] | None:

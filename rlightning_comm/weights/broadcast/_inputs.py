@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from rlightning_comm.weights._plan import Entry, Plan
+from rlightning_comm.weights.broadcast._plan import Entry, Plan
+from rlightning_comm.weights.core._checks import Problem, same_view
 
-Problem = tuple[type[Exception], str] | None
 Span = tuple[int, int, int, str, torch.Tensor]  # device index, first byte, end byte, name, tensor
 Loader = Callable[[list[tuple[str, torch.Tensor]]], Any]
 
@@ -26,25 +26,6 @@ _by_place = operator.itemgetter(0, 1)  # (device, address): a sort key that neve
 _EXACT_CHECK_BYTES = (
     1 << 28
 )  # memory whose overlap is worked out byte by byte; beyond it a suspected overlap is refused
-
-
-def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` are the very same view: address, dtype, shape, strides, device and conjugate / negative
-    bits."""
-    return (
-        a.data_ptr() == b.data_ptr()
-        and a.dtype == b.dtype
-        and a.shape == b.shape
-        and a.stride() == b.stride()
-        and a.device == b.device
-        and a.is_conj() == b.is_conj()
-        and a.is_neg() == b.is_neg()
-    )
-
-
-def plain(t: torch.Tensor) -> bool:
-    """Whether ``t``'s memory holds its values as they read: contiguous, and no lazy conjugate or negation on top."""
-    return t.is_contiguous() and not t.is_conj() and not t.is_neg()
 
 
 def named_tensors(state_dict: Any, is_source: bool) -> tuple[list[tuple[str, torch.Tensor]] | Loader | None, Problem]:

@@ -23,15 +23,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlightning_comm.weights._assemble import assemble, relay_routes
-from rlightning_comm.weights._commit import Sync
-from rlightning_comm.weights._delta_broadcast import LOAD_REFUSED, assemble_delta, decide, full, prepare
-from rlightning_comm.weights._inputs import Problem, describe, mismatch, named_tensors, overlapping, uncovered
-from rlightning_comm.weights._memory import Kept, kept
-from rlightning_comm.weights._plan import Entry, build_plan, deliveries
-from rlightning_comm.weights._rounds import ERRORS, exchange, on_device, raise_shared, rounds
-from rlightning_comm.weights._transport import point_to_point
-from rlightning_comm.weights._versions import SyncOptions
+from rlightning_comm.weights.broadcast._assemble import assemble, relay_routes
+from rlightning_comm.weights.broadcast._delta import LOAD_REFUSED, assemble_delta, decide, full, prepare
+from rlightning_comm.weights.broadcast._inputs import describe, mismatch, named_tensors, overlapping, uncovered
+from rlightning_comm.weights.broadcast._plan import Entry, build_plan, deliveries
+from rlightning_comm.weights.commit._sync import Sync
+from rlightning_comm.weights.commit._versions import SyncOptions
+from rlightning_comm.weights.core._checks import Problem
+from rlightning_comm.weights.core._memory import Kept, kept
+from rlightning_comm.weights.core._rounds import ERRORS, exchange, on_device, raise_shared, rounds
+from rlightning_comm.weights.core._wire import point_to_point
 
 
 def broadcast_manifest(

@@ -11,7 +11,15 @@ from typing import Any
 
 import torch
 
-from rlightning_comm.weights._inputs import plain
+from rlightning_comm.weights.core._checks import plain
+
+DIRECT_BYTES = 256 * 2**10
+"""Pieces of at least this many bytes (or of a whole bucket, if smaller) travel in place; the rest are coalesced."""
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """The dtype a manifest names (``"torch.float32"``)."""
+    return getattr(torch, name.removeprefix("torch."))
 
 
 def typed(buffer: torch.Tensor, piece: Any, like: torch.Tensor) -> torch.Tensor:

@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 
 from rlightning_comm.errors import CommError
-from rlightning_comm.weights import _changes, _delta, _writes
-from rlightning_comm.weights._delta_reshard import OP, PAIR_WORDS, Offer, by_pair, words_of
-from rlightning_comm.weights._mover import _RECEIPT_TAG, Mover
-from rlightning_comm.weights._slices import Named
+from rlightning_comm.weights.delta import _changes, _encoding, _writes
+from rlightning_comm.weights.reshard._delta import OP, PAIR_WORDS, Offer, by_pair, words_of
+from rlightning_comm.weights.reshard._mover import _RECEIPT_TAG, Mover
+from rlightning_comm.weights.reshard._slices import Named
 
 _TAG = 0x5244  # "RD": a delta's messages (their receipts go on the Mover's tag)
 
@@ -69,7 +69,7 @@ class DeltaMover(Mover):
             return self._offer.payloads[dst]
         parts = []
         for p in self._pairs.get((self._me, dst), []):
-            parts += _delta.dense(_changes.flat([_changes.words(self._src_view(p))]))
+            parts += _encoding.dense(_changes.flat([_changes.words(self._src_view(p))]))
         return torch.cat(parts)
 
     def _incoming_bytes(self, src: int) -> int:
@@ -135,7 +135,7 @@ class DeltaMover(Mover):
         changes, at = [], 0
         try:
             for p in pieces:
-                change, at = _delta.decode(payload, at, *words_of(self._names, p))
+                change, at = _encoding.decode(payload, at, *words_of(self._names, p))
                 changes.append(change)
         except ValueError as err:
             self._failed_peer = src

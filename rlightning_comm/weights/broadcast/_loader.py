@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
-from rlightning_comm.weights._plan import Delivery, Plan, dtype_of
-from rlightning_comm.weights._transport import Transfer
+from rlightning_comm.weights.broadcast._plan import Delivery, Plan
+from rlightning_comm.weights.broadcast._transport import Transfer
+from rlightning_comm.weights.core._staging import dtype_of
 
 
 class LoadPipeline(Transfer):

@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from rlightning_comm.weights._inputs import plain, same_view
-from rlightning_comm.weights._plan import Plan, Unit, dtype_of
-from rlightning_comm.weights._staging import copy_pieces
-from rlightning_comm.weights._transport import Transfer
+from rlightning_comm.weights.broadcast._plan import Plan, Unit
+from rlightning_comm.weights.broadcast._transport import Transfer
+from rlightning_comm.weights.core._checks import plain, same_view
+from rlightning_comm.weights.core._staging import copy_pieces, dtype_of
 
 
 def _view(tensor: torch.Tensor, where: tuple[Any, ...]) -> torch.Tensor:

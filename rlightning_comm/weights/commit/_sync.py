@@ -26,11 +26,9 @@ import torch.distributed as dist
 from rlightning_comm import rendezvous
 from rlightning_comm.errors import CommError, CommMismatchError, PeerLostError
 from rlightning_comm.failures import close_gloo_group
-from rlightning_comm.weights._digest import differing, fingerprint
-from rlightning_comm.weights._memory import kept
-from rlightning_comm.weights._plan import Plan, dtype_of
-from rlightning_comm.weights._report import WeightSyncReport
-from rlightning_comm.weights._versions import SyncOptions, commit, forget
+from rlightning_comm.weights.commit._digest import differing, fingerprint
+from rlightning_comm.weights.commit._report import WeightSyncReport
+from rlightning_comm.weights.commit._versions import SyncOptions, commit, forget
 
 COMMIT = "commit"
 # A destination's looks at the store for the decision: often there already; then every few milliseconds, and at each
@@ -47,34 +45,6 @@ def mode_store(comm: Any) -> dist.Store | None:
             return None
         own = rendezvous.world_store()
     return dist.PrefixStore(f"rlightning_comm/weights/commit/{group.group_name}", own)
-
-
-def staging(
-    comm: Any, plan: Plan, live: list[torch.Tensor] | None, device: torch.device | None, default: torch.device
-) -> list:
-    """Tensors to receive an atomic sync into, one per manifest entry (an alias is its target's very tensor).
-
-    Each like its live tensor (contiguous) on ``device``, or on the live tensor's own device; with no live tensors (a
-    ``load`` callable) from the manifest, on ``device`` or the communicator's ``default``. Kept for the next atomic sync
-    on ``comm`` with the same tensors (fresh pages cost more to fault in than the copy into them), freed with it.
-    """
-    key = (plan.manifest, device, default, None if live is None else tuple(t.device for t in live))
-    memory = kept(comm)
-    if memory.staged is not None and memory.staged[0] == key:
-        return memory.staged[1]
-    memory.staged = None  # the old staging goes before the new one is made
-    out: list[torch.Tensor] = []
-    aliases = dict(plan.aliases)
-    for index, (_, dtype, shape, _) in enumerate(plan.manifest):
-        if index in aliases:
-            out.append(out[aliases[index]])
-        elif live is not None:
-            t = live[index]
-            out.append(torch.empty(t.shape, dtype=t.dtype, device=device or t.device))
-        else:
-            out.append(torch.empty(shape, dtype=dtype_of(dtype), device=device or default))
-    memory.staged = (key, out)
-    return out
 
 
 def _lost(comm: Any) -> bool:

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from rlightning_comm.weights._inputs import Problem
+from rlightning_comm.weights.core._checks import Problem
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (first index, end index) per dimension, in global coordinates
 

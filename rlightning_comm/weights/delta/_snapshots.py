@@ -1,6 +1,6 @@
 """What a source keeps for ``delta=True``: a copy, on the host, of what it last sent, and the version it is.
 
-A :class:`Snapshot` holds one flat run of words per record (:mod:`._delta`) of what this member sends: a source's own
+A :class:`Snapshot` holds one flat run of words per record (:mod:`._encoding`) of what this member sends: a source's own
 shard, nothing it does not send. It is made (or refreshed) once a sync that carried a version succeeded everywhere, so
 its version is the one every destination of that sync committed; a failed sync leaves it at the version it was, and a
 destination that holds another version (a newcomer, a restart, a failed sync: its version is forgotten) gets a full
@@ -17,10 +17,10 @@ import torch
 
 from rlightning_comm.context import CommContext
 from rlightning_comm.modes import CommMode, ParallelMode
-from rlightning_comm.weights import _changes, _delta, _writes
-from rlightning_comm.weights._memory import hash_key, kept
+from rlightning_comm.weights.core._memory import hash_key, kept
+from rlightning_comm.weights.delta import _changes, _encoding, _writes
 
-Views = Callable[[_delta.Record], list[torch.Tensor]]  # a record's word views, in this call's tensors
+Views = Callable[[_encoding.Record], list[torch.Tensor]]  # a record's word views, in this call's tensors
 
 
 class Offer(NamedTuple):
@@ -56,7 +56,7 @@ class Snapshot:
         records: The records of what this member sends.
     """
 
-    def __init__(self, key: Any, records: list[_delta.Record]) -> None:
+    def __init__(self, key: Any, records: list[_encoding.Record]) -> None:
         self.key = key
         self.records = records
         self.flats: list[torch.Tensor] = []
@@ -105,10 +105,10 @@ class Snapshot:
         ``limit`` bytes (else no payload: a full sync, whose delta's bytes are never built)."""
         base = self.base(self.key)  # before the comparison: it writes into the snapshot
         curs, changes = self.changes(views)
-        total = sum(_delta.nbytes(c, cur.numel(), cur.element_size()) for cur, c in zip(curs, changes))
+        total = sum(_encoding.nbytes(c, cur.numel(), cur.element_size()) for cur, c in zip(curs, changes))
         if total >= limit:
             return Offer(None, changes, base)
-        parts = [p.to(device) for cur, c in zip(curs, changes) for p in _delta.sections(cur, c)]
+        parts = [p.to(device) for cur, c in zip(curs, changes) for p in _encoding.sections(cur, c)]
         payload = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
         return Offer(payload, changes, base)
 
@@ -136,7 +136,7 @@ class Snapshot:
         self.version = version
 
 
-def snapshot_for(memory: Any, key: Any, records: Callable[[], list[_delta.Record]]) -> Snapshot:
+def snapshot_for(memory: Any, key: Any, records: Callable[[], list[_encoding.Record]]) -> Snapshot:
     """The communicator's snapshot of ``key``, made (empty, no base yet) when it keeps none or one of another key."""
     snap = memory.snapshot
     if snap is None or snap.key != key:

@@ -21,10 +21,7 @@ import math
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-import torch
-
-DIRECT_BYTES = 256 * 2**10
-"""Pieces of at least this many bytes (or of a whole bucket, if smaller) travel in place; the rest are coalesced."""
+from rlightning_comm.weights.core._staging import DIRECT_BYTES, dtype_of
 
 _ALIGN = 16  # every piece starts on a multiple of the largest element size, so a bucket slice views as any dtype
 
@@ -78,11 +75,6 @@ class Delivery(NamedTuple):
         tuple[int, int], ...
     ]  # (manifest index, byte offset) of each whole tensor, aliases and empty ones included
     nbytes: int
-
-
-def dtype_of(name: str) -> torch.dtype:
-    """The dtype a manifest names (``"torch.float32"``)."""
-    return getattr(torch, name.removeprefix("torch."))
 
 
 def layer_of(name: str) -> str:

@@ -17,10 +17,10 @@ from typing import Any, NamedTuple
 import torch
 
 from rlightning_comm.context import CommContext
-from rlightning_comm.weights import _changes, _delta
-from rlightning_comm.weights._slices import Named
-from rlightning_comm.weights._snapshots import identity, snapshot_for
-from rlightning_comm.weights._versions import SyncOptions
+from rlightning_comm.weights.commit._versions import SyncOptions
+from rlightning_comm.weights.delta import _changes, _encoding
+from rlightning_comm.weights.delta._snapshots import identity, snapshot_for
+from rlightning_comm.weights.reshard._slices import Named
 
 OP = "reshard_state_dict"
 
@@ -55,19 +55,19 @@ def _boxes(pairs: dict[tuple[int, int], list[Any]], me: int) -> list[Box]:
     return list(seen)
 
 
-def _records(boxes: list[Box], names: dict[str, Named]) -> list[_delta.Record]:
+def _records(boxes: list[Box], names: dict[str, Named]) -> list[_encoding.Record]:
     out = []
     for i, (name, _, lo, hi) in enumerate(boxes):
         dtype = _changes.word_dtype(names[name].held[0].tensor.dtype)
         numel = 1
         for a, b in zip(lo, hi):
             numel *= b - a
-        out.append(_delta.Record((i,), (_changes.word_count(names[name].held[0].tensor.dtype, numel),), dtype))
+        out.append(_encoding.Record((i,), (_changes.word_count(names[name].held[0].tensor.dtype, numel),), dtype))
     return out
 
 
 def _views(boxes: list[Box], names: dict[str, Named]) -> Any:
-    def views(record: _delta.Record) -> list[torch.Tensor]:
+    def views(record: _encoding.Record) -> list[torch.Tensor]:
         name, block, lo, hi = boxes[record.pieces[0]]
         return [_changes.words(view(names, name, block, lo, hi, "held"))]
 
@@ -111,7 +111,7 @@ def prepare(
     boxes = _boxes(pairs, me) if ready else []
     curs, changes = snap.changes(_views(boxes, names)) if boxes else ([], [])
     at = {box: i for i, box in enumerate(boxes)}
-    size = [_delta.nbytes(c, cur.numel(), cur.element_size()) for cur, c in zip(curs, changes)]
+    size = [_encoding.nbytes(c, cur.numel(), cur.element_size()) for cur, c in zip(curs, changes)]
     built: dict[int, list[torch.Tensor]] = {}  # a box's sections, built once for every pair that takes them
     payloads, words = {}, []
     for r in range(comm.world_size):
@@ -122,7 +122,7 @@ def prepare(
             if sum(size[i] for i in order) < full:
                 for i in order:
                     if i not in built:
-                        built[i] = [p.to(comm.device) for p in _delta.sections(curs[i], changes[i])]
+                        built[i] = [p.to(comm.device) for p in _encoding.sections(curs[i], changes[i])]
                 payloads[r] = torch.cat([p for i in order for p in built[i]])
         words += [full, dense_bytes(pieces, names), payloads[r].numel() if r in payloads else -1]
     if not boxes:
