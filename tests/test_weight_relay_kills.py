@@ -6,7 +6,8 @@ A connected mode of 5 members: the 4 ranks of a spawned world (rank 0 the traine
 survive, members 1 to 3) and a victim engine, member 4, a process of its own per round (all started up front, each
 waiting for its round). The sync relays (the default over gloo): 0 -> 1 -> 2 -> 3 -> 4, so the victim is the end of the
 chain, three hops from the trainer, which sends only to member 1. Each round the victim dies at its point (just after
-its first unit's bytes arrived, or after its last one's, before its receipt of the whole transfer), and the survivors
+its first unit's bytes arrived, or after its last one's, before its receipt of the whole transfer; in a delta round
+once the delta's bytes all arrived, before it writes them), and the survivors
 re-form the mode with the next victim. A last round re-forms the 4 survivors alone and syncs bit-exactly (the oracle:
 the digests of the trainer's state from their definition, tests/digest_oracle.py).
 """
@@ -24,7 +25,7 @@ from victims import Rounds, victim_round
 from world import init_world
 
 # (how the survivors call, where the victim dies): each round a sync kind of its own.
-ROUNDS = [("plain", "first"), ("async", "last"), ("plain", "last"), ("verify", "first")]
+ROUNDS = [("plain", "first"), ("async", "last"), ("plain", "last"), ("verify", "first"), ("delta", "apply")]
 BOUND = 5.0  # seconds the trainer may take to raise (the group's timeout is 30 s: nobody may wait it out)
 MODE = "RELAYKILL"
 PREFIX = "relaykills"
@@ -41,8 +42,13 @@ def _state(seed: int) -> dict[str, torch.Tensor]:
 
 
 def _arm(point: str) -> None:
-    """In the victim: die (SIGKILL) once its first unit's bytes have arrived, or its last one's."""
-    from rlightning_comm.weights.broadcast import _transport
+    """In the victim: die (SIGKILL) once its first unit's bytes have arrived, or its last one's, or (``apply``) once a
+    delta's bytes have all arrived, before it writes them."""
+    from rlightning_comm.weights.broadcast import _delta, _transport
+
+    if point == "apply":
+        _delta.DeltaTransfer._apply = lambda self: os.kill(os.getpid(), signal.SIGKILL)
+        return
 
     original, seen = _transport.Transfer._received, []
 
@@ -55,9 +61,14 @@ def _arm(point: str) -> None:
     _transport.Transfer._received = received
 
 
-def _call(state, kind: str):
+def _call(state, kind: str, source: bool = False):
     from rlightning_comm import broadcast_state_dict
 
+    if kind == "delta":  # a full sync of version 1, then a delta of version 2 (the victim dies writing it)
+        broadcast_state_dict(state, MODE, src=0, bucket_bytes=BUCKET, delta=True, version=1)
+        if source:
+            state["big0"][:64] += 1
+        return broadcast_state_dict(state, MODE, src=0, bucket_bytes=BUCKET, delta=True, version=2)
     if kind == "async":
         return broadcast_state_dict(state, MODE, src=0, bucket_bytes=BUCKET, async_op=True).wait()
     return broadcast_state_dict(state, MODE, src=0, bucket_bytes=BUCKET, verify=kind == "verify")
@@ -90,7 +101,7 @@ def _rounds(rank: int, size: int, url: str) -> dict:
             state = _state(k + 1) if rank == 0 else {n: torch.zeros_like(t) for n, t in _state(0).items()}
             start = time.monotonic()
             try:
-                report = _call(state, kind)
+                report = _call(state, kind, source=rank == 0)
                 result = {"type": None, "sent": dict(report.sent)}
             except PeerLostError as err:
                 result = {"type": "PeerLostError", "member": err.member, "msg": str(err)}

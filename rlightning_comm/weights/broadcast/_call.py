@@ -20,9 +20,10 @@ from rlightning_comm.errors import CommError
 from rlightning_comm.modes import CommMode, ParallelMode
 from rlightning_comm.weights.broadcast._handshake import agree
 from rlightning_comm.weights.commit._report import WeightSyncReport
-from rlightning_comm.weights.commit._sync import Sync, mode_store
+from rlightning_comm.weights.commit._sync import Sync
 from rlightning_comm.weights.commit._versions import SyncOptions
 from rlightning_comm.weights.core._memory import forget
+from rlightning_comm.weights.core._wire import mode_store
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20
 

@@ -1,15 +1,15 @@
 """:func:`broadcast_state_dict` with ``delta=True``: what the source offers, who decides, and the data phase of a delta.
 
 Before the handshake's one exchange the source encodes its changes since its snapshot (:mod:`._snapshots`), and each
-destination states the version its tensors hold (the one it committed, if these are the tensors a delta sync last
-wrote). Their words (the source's base version and the bytes of its delta, each destination's version) ride on that
-exchange, so every member decides the same: a delta when every destination holds the source's base, else a full sync.
-One decision for all, since the relay forwards one payload. A delta moves as one byte tensor through the transfer's own
-pipeline (in place, relayed, with its receipts), then each destination decodes it and writes the changed words into its
-tensors (an atomic destination into its staging, first filled from its live tensors). With ``verify`` the digests are
-of the whole tensors: the source's as they are, a destination's once the delta is in. Once the sync succeeded the
-source's snapshot takes on the delta (or, after a full sync, the whole tensors) and each destination notes the version
-its tensors hold.
+destination states the version its tensors hold: the one it committed, if they still hold the bytes the last sync left,
+proven by content (:func:`~..commit._digest.content_key`, one pass over them), whatever touched them since. Their words
+(the source's base version and the bytes of its delta, each destination's version) ride on that exchange, so every
+member decides the same: a delta when every destination holds the source's base, else a full sync. One decision for all,
+since the relay forwards one payload. A delta moves as one byte tensor through the transfer's own pipeline (in place,
+relayed, with its receipts), then each destination decodes it and writes the changed words into its tensors (an atomic
+destination into its staging, first filled from its live tensors). With ``verify`` the digests are of the whole tensors:
+the source's as they are, a destination's once the delta is in. Once the sync succeeded the source's snapshot takes on
+the delta (or, after a full sync, the whole tensors) and each destination notes the version its tensors hold.
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from rlightning_comm.failures import close_gloo_group
 from rlightning_comm.weights.broadcast._assemble import staging
 from rlightning_comm.weights.broadcast._pipeline import Pipeline
 from rlightning_comm.weights.broadcast._plan import Plan, build_plan
-from rlightning_comm.weights.commit._digest import Digests
+from rlightning_comm.weights.commit._digest import Digests, content_key
 from rlightning_comm.weights.commit._sync import Sync
 from rlightning_comm.weights.commit._versions import SyncOptions
 from rlightning_comm.weights.core._checks import same_view
 from rlightning_comm.weights.core._staging import dtype_of
 from rlightning_comm.weights.delta import _changes, _encoding, _writes
-from rlightning_comm.weights.delta._snapshots import Offer, identity, snapshot_for
+from rlightning_comm.weights.delta._snapshots import Offer, snapshot_for
 
 OP = "broadcast_state_dict"
 LOAD_REFUSED = (
@@ -88,7 +88,7 @@ def prepare(
         return offer
     held = memory.held
     if held is not None and held[0] == CommContext().get_weight_version(options.record_as):
-        if held[1] == identity([t for _, t in items]):
+        if held[1] == content_key([t for _, t in items]):
             options.held = held[0]
     return None
 
@@ -112,9 +112,12 @@ class _Payload(Pipeline):
     """The pipeline of a delta's bytes: received into a buffer, never into the tensors."""
 
     def _left(self) -> str:
+        units = len(self._plan.units)
+        if self._arrived == units:
+            return "this destination's delta had arrived; its tensors were not written (it could not be applied)"
         return (
-            "this destination's tensors were not written: its delta had not all arrived "
-            f"({self._arrived} of {len(self._plan.units)} units)"
+            f"this destination's tensors were not written: its delta had not all arrived ({self._arrived} of {units} "
+            "units)"
         )
 
 
@@ -151,6 +154,8 @@ class DeltaTransfer:
         self._payload, self._targets, self._live, self._digests = payload, targets, live, digests
         self._records = records_of(plan)
         self._fed = False
+        if not is_source:  # written before this member's receipt, which thus says it holds the bytes
+            self._inner.before_receipt = self._apply
 
     def start(self) -> None:
         """Feed the source's digests (on their thread) and launch what the payload's pipeline launches at once."""
@@ -159,12 +164,15 @@ class DeltaTransfer:
         self._inner.start()
 
     def finish(self) -> None:
-        """Move the rest of the payload; on a destination, decode it and write the changes."""
+        """Move the rest of the payload; on a destination, decode it and write the changes (before its receipt)."""
         if self._is_source:
             self._feed()
         self._inner.finish()
-        if self._is_source:
-            return
+        if not self._is_source:
+            self._feed()
+
+    def _apply(self) -> None:
+        """On a destination, once the whole payload arrived: decode it and write the changes."""
         try:
             changes = []
             at = 0
@@ -179,7 +187,6 @@ class DeltaTransfer:
                 f"{OP}: the delta could not be read ({err}); this destination's tensors were not written"
             ) from err
         self._write(changes)
-        self._feed()
 
     def _write(self, changes: list[_changes.Change]) -> None:
         targets, plan = self._targets, self._plan
@@ -287,7 +294,7 @@ def _report(sync: Sync, comm: Any, src: int, kind: str, nbytes: int) -> None:
 
 def _noting(memory: Any, options: SyncOptions, items: Any) -> Any:
     def note() -> None:
-        memory.held = (options.version, identity([t for _, t in items]))
+        memory.held = (options.version, content_key([t for _, t in items]))
 
     return note
 

@@ -125,6 +125,9 @@ class Transfer:
         # of this rank's "posted" message and of its receipts to its predecessor (once made).
         self._inbox: list[Any] = self._tokens() if self._sends and self._peers else []
         self._outbox: list[Any] = []
+        # On a destination: what it must do with the bytes before its receipt of the whole transfer goes out (a delta's
+        # writes), so that a source's return means every destination holds the bytes, as on the plain path.
+        self.before_receipt: Any = None
         self._told = False
 
     def _tokens(self) -> list[Any]:
@@ -311,6 +314,8 @@ class Transfer:
             self._wait(works)
         while self._pending:
             complete(self._pending.popleft())
+        if self.before_receipt is not None:
+            self.before_receipt()  # a destination's own work on what arrived: done before it says it holds it
         downstream = self._relay and self._peers and self._from is not None
         if downstream:
             self._wait_downstream()  # before this member's receipt, which thus says everyone after it has everything

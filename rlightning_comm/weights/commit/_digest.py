@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from rlightning_comm.weights.core._memory import hash_key
+
 SEGMENT = 1 << 16  # bytes per segment: 128 * 128 * SEGMENT < 2**31, so the int8 product is exact in int32
 COLUMNS = 8
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -203,6 +205,19 @@ def where_block(shape: Sequence[int], where: tuple[Any, ...]) -> tuple[tuple[int
 def tensor_digest(tensor: torch.Tensor) -> int:
     """The digest of a whole tensor: what a sync reports for it."""
     return digest_int(block_digest(tensor, (0,) * tensor.dim(), tuple(tensor.shape)))
+
+
+def content_key(tensors: Sequence[torch.Tensor]) -> tuple[int, int]:
+    """What ``tensors`` hold, by content: each one's dtype, shape and digest (one pass over their bytes, one device
+    read for all of them).
+
+    A delta applies only onto the bytes it was computed against, so a destination proves what it holds by this key, not
+    by which tensors they are: a receive that moves no version counter, an op under ``torch.inference_mode``, a fresh
+    tensor at a reused address or a write torch does not see all change the key.
+    """
+    sums = [block_digest(t, (0,) * t.dim(), tuple(t.shape)) for t in tensors if t.numel()]
+    values = torch.stack([s.reshape(()).to(sums[0].device) for s in sums]).tolist() if sums else []
+    return hash_key([(str(t.dtype), tuple(t.shape)) for t in tensors] + values)
 
 
 def digest_int(value: torch.Tensor) -> int:

@@ -21,30 +21,19 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from rlightning_comm import rendezvous
 from rlightning_comm.errors import CommError, CommMismatchError, PeerLostError
 from rlightning_comm.failures import close_gloo_group
 from rlightning_comm.weights.commit._digest import differing, fingerprint
 from rlightning_comm.weights.commit._report import WeightSyncReport
 from rlightning_comm.weights.commit._versions import SyncOptions, commit, forget
+from rlightning_comm.weights.core._memory import kept
+from rlightning_comm.weights.core._wire import mode_store
 
 COMMIT = "commit"
 # A destination's looks at the store for the decision: often there already; then every few milliseconds, and at each
 # look at the mode's liveness too.
 _FIRST_PAUSE, _LAST_PAUSE = 0.0005, 0.01
-
-
-def mode_store(comm: Any) -> dist.Store | None:
-    """The store every member of ``comm``'s group reaches (a connected mode's own, or the world's), or ``None``."""
-    group = comm.group
-    own = rendezvous.own_store(group)
-    if own is None:
-        if not dist.is_initialized():
-            return None
-        own = rendezvous.world_store()
-    return dist.PrefixStore(f"rlightning_comm/weights/commit/{group.group_name}", own)
 
 
 def _lost(comm: Any) -> bool:
@@ -169,7 +158,7 @@ class Sync:
             self._done, self._report = True, None
             if self._digests is not None:
                 self._digests.close()
-            raise self._not_committed(err, None) from err
+            raise self._no_delta_base(self._not_committed(err, None)) from err
 
     def finish(self) -> WeightSyncReport | None:
         """Complete the data phase, verify and commit; the report (a second call returns it again at once: ``None``
@@ -194,8 +183,25 @@ class Sync:
             if self.succeeded is not None:
                 self.succeeded()
             return report
+        except CommError as err:
+            if not self._options.delta:
+                raise
+            raise self._no_delta_base(err) from err.__cause__
         finally:
             self._done = True
+
+    def _no_delta_base(self, err: CommError) -> CommError:
+        """With ``delta=True``, a failed sync leaves no base behind on this member (a source's snapshot, a destination's
+        note of what it holds): ``err`` with that said. Every member of a failed sync raises, so the next sync with
+        ``delta=True`` is a full one on every member, whatever made this one fail."""
+        if not self._options.delta:
+            return err
+        kept(self._comm).drop_delta()
+        return type(err)(
+            f"{err}\n{self._what}: delta=True: this member dropped what it kept for deltas, so the next sync with "
+            "delta=True is a full one",
+            *err.args[1:],
+        )
 
     # ------------------------------------------------------------------ phases
     def _settle(self, mine: dict[str, int]) -> None:

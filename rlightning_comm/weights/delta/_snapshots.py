@@ -10,14 +10,14 @@ does the comparison's scratch it holds (a flag per 4 bytes of its largest record
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
 from rlightning_comm.context import CommContext
 from rlightning_comm.modes import CommMode, ParallelMode
-from rlightning_comm.weights.core._memory import hash_key, kept
+from rlightning_comm.weights.core._memory import kept
 from rlightning_comm.weights.delta import _changes, _encoding, _writes
 
 Views = Callable[[_encoding.Record], list[torch.Tensor]]  # a record's word views, in this call's tensors
@@ -30,22 +30,6 @@ class Offer(NamedTuple):
     payload: torch.Tensor | None  # uint8
     changes: list[_changes.Change]
     base: int  # the version it applies to
-
-
-def identity(tensors: Sequence[torch.Tensor]) -> tuple[int, int]:
-    """A key of which tensors these are and whether torch wrote into them since (addresses, layouts, devices, version
-    counters): a destination whose tensors are others than those a sync wrote, or were written in place since (torch
-    counts every in-place op on a tensor and its views), holds no version a delta can apply to."""
-    return hash_key([(t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), str(t.device), _written(t)) for t in tensors])
-
-
-def _written(t: torch.Tensor) -> int:
-    """``t``'s version counter (torch's count of the in-place writes into it and its views); -1 for a tensor that keeps
-    none (made under ``torch.inference_mode``)."""
-    try:
-        return t._version
-    except RuntimeError:  # "Inference tensors do not track version counter"
-        return -1
 
 
 class Snapshot:

@@ -21,10 +21,11 @@ from rlightning_comm.context import CommContext
 from rlightning_comm.errors import CommError
 from rlightning_comm.modes import CommMode, ParallelMode
 from rlightning_comm.weights.commit._report import WeightSyncReport
-from rlightning_comm.weights.commit._sync import Sync, mode_store
+from rlightning_comm.weights.commit._sync import Sync
 from rlightning_comm.weights.commit._versions import SyncOptions
 from rlightning_comm.weights.core._memory import hash_key, kept
 from rlightning_comm.weights.core._rounds import exchange, exchange_texts, raise_shared, rounds
+from rlightning_comm.weights.core._wire import mode_store
 from rlightning_comm.weights.reshard._delta import decide, possible, prepare, refresh
 from rlightning_comm.weights.reshard._delta_mover import DeltaMover
 from rlightning_comm.weights.reshard._mover import OP, Mover

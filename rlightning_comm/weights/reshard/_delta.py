@@ -3,11 +3,12 @@
 Before the agreement's one exchange each holder compares every distinct block it sends (a *box*: a block of one of its
 held tensors, sent to one or more members) with its snapshot (:mod:`._snapshots`) and encodes each box's changes once.
 Its pair words say, per member, the bytes the kept plan sends it (plain, and in a delta's format) and the bytes of its
-delta for it (the boxes of that pair, in the plan's order); each wanter states the version its tensors hold. Every
-member decides the same from every member's words, per destination: a delta when every member that sends it something
-holds a snapshot of the version it holds and offered a smaller delta; else full. When no destination takes a delta the
-plan's own data phase runs (:class:`~._mover.Mover`); otherwise :class:`~._delta_mover.DeltaMover`. Once the sync
-succeeded a holder's snapshot takes on its changes and a wanter notes the version its tensors hold.
+delta for it (the boxes of that pair, in the plan's order); each wanter states the version its tensors hold (proven by
+content, as for :func:`broadcast_state_dict`). Every member decides the same from every member's words, per destination:
+a delta when every member that sends it something holds a snapshot of the version it holds and offered a smaller delta;
+else full. When no destination takes a delta the plan's own data phase runs (:class:`~._mover.Mover`); otherwise
+:class:`~._delta_mover.DeltaMover`. Once the sync succeeded a holder's snapshot takes on its changes and a wanter notes
+the version its tensors hold.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from typing import Any, NamedTuple
 import torch
 
 from rlightning_comm.context import CommContext
+from rlightning_comm.weights.commit._digest import content_key
 from rlightning_comm.weights.commit._versions import SyncOptions
 from rlightning_comm.weights.delta import _changes, _encoding
-from rlightning_comm.weights.delta._snapshots import identity, snapshot_for
+from rlightning_comm.weights.delta._snapshots import snapshot_for
 from rlightning_comm.weights.reshard._slices import Named
 
 OP = "reshard_state_dict"
@@ -99,7 +101,7 @@ def prepare(
     delta); ``options.held`` set on a wanter whose tensors (``wanted``, the live ones) hold the version it committed."""
     held = memory.held
     if wanted and held is not None and held[0] == CommContext().get_weight_version(options.record_as):
-        if held[1] == identity(wanted):
+        if held[1] == content_key(wanted):
             options.held = held[0]
     me = comm.rank
     if kept is None:
@@ -213,7 +215,7 @@ def refresh(
             else:
                 memory.snapshot = None
             if wanted:
-                memory.held = (version, identity(wanted))
+                memory.held = (version, content_key(wanted))
         except BaseException:
             memory.drop_delta()
             raise

@@ -103,8 +103,8 @@ class DeltaMover(Mover):
         self._tally_sent(dests)
         for r, work in incoming:
             self._wait(r, work)
-            self._receipt(r)
             self._apply(r, inbox[r])
+            self._receipt(r)  # after the writes: a source returns only once this member holds its bytes
         for r, work in receipts:
             self._wait(r, work)  # everything sent to r has arrived there
         self._wait_sends()
