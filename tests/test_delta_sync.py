@@ -115,7 +115,7 @@ def _broadcast(rank: int, size: int, url: str) -> list[dict]:
         if rank == 0:
             _perturb(source, fraction, gen)
         if label == "a destination's new tensors" and rank == 3:
-            mine = {n: t.clone() for n, t in mine.items()}  # the same values in other tensors: no version they hold
+            mine = {n: t.clone() for n, t in mine.items()}  # other tensors, the same bytes: by content, its version
         if label == "forget_delta on a destination" and rank == 2:
             forget_delta(MODE)
         if label == "a destination written in place" and rank == 1:
@@ -150,7 +150,6 @@ def test_broadcast_delta_is_bit_identical_and_full_only_where_it_must_be(world4)
         "everything changed",
         "delta=False",
         "delta again",
-        "a destination's new tensors",
         "forget_delta on a destination",
         "a destination written in place",
     }
@@ -222,6 +221,7 @@ def test_bad_delta_input_is_refused_on_every_member_before_anything_moves(world4
     for rank, seen in enumerate(results):
         assert seen[0].startswith("TypeError") and "delta must be a bool; got str 'yes'" in seen[0], seen[0]
         assert seen[1].startswith("ValueError") and "delta=True needs a version" in seen[1], seen[1]
+        assert seen[1].count("delta=True needs a version") == 1 and "ranks [0, 1, 2, 3]:" in seen[1], seen[1]
         assert seen[2].startswith("ValueError") and "different deltas" in seen[2], seen[2]
         assert seen[3].startswith("ValueError") and "rank 3: delta=True cannot go through a load callable" in seen[3]
         assert seen[4].startswith("TypeError") and "delta must be a bool; got int 1" in seen[4], seen[4]

@@ -28,11 +28,12 @@ class Kept:
         # (manifest, bucket_bytes, hash of its sorted names/dtypes/shapes, hash of (manifest, bucket_bytes) or None)
         self.hashed: tuple[list[Entry], int, tuple[int, int], tuple[int, int] | None] | None = None
         self.stream: Any = None  # the handshake's own CUDA stream
+        self.rounds = 0  # the point-to-point rounds this member took part in (every member counts the same)
         self.staged: tuple[Any, list[torch.Tensor]] | None = None  # an atomic sync's staging: (its key, the tensors)
         # reshard_state_dict's: (its key, the schedule, this member's metadata hash and metadata when it was made)
         self.reshard_plan: tuple[tuple[int, int], Any, tuple[int, int], Any] | None = None
         # delta=True: what this member last sent (a _snapshots.Snapshot, on the host), and what it last received: (the
-        # version, the identity of the tensors that hold it); None when the next delta sync must be full.
+        # version, the content key of the tensors that hold it); None when the next delta sync must be full.
         self.snapshot: Any = None
         self.held: tuple[int, tuple[int, int]] | None = None
         self.inbox: Any = None  # a delta destination's receive buffer, kept between calls

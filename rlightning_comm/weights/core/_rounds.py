@@ -12,18 +12,25 @@ work the caller queued on its stream.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import struct
+import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
 from torch.distributed.distributed_c10d import AllgatherOptions
 
+from rlightning_comm.errors import CommTimeoutError
 from rlightning_comm.failures import LAUNCH_ERRORS
 from rlightning_comm.weights.core._checks import Problem
 from rlightning_comm.weights.core._memory import Kept
-from rlightning_comm.weights.core._wire import point_to_point
+from rlightning_comm.weights.core._wire import mode_store, point_to_point
 
+_NOTE = "rounds/absent"  # the key (with the round's number) under which member 0 names the members that did not come
+_GRACE = 3.0  # seconds a member that timed out waits for member 0's note
 HANDSHAKE_TAG = 0x5755  # the point-to-point tag of the rounds over gloo (the data's is the next-lower one)
 ERRORS: dict[str, type[Exception]] = {
     cls.__name__: cls for cls in (TypeError, ValueError, RuntimeError, NotImplementedError)
@@ -69,19 +76,83 @@ def exchange(comm: Any, words: list[int], memory: Kept, op: str = "broadcast_sta
         return on_device(comm, memory, gather).tolist()
     rows = torch.empty(comm.world_size, n, dtype=torch.int64)
     group, peers = comm.group, range(1, comm.world_size)
+    memory.rounds += 1
+    started = time.monotonic()
     try:
         if comm.rank == 0:
             rows[0] = mine
-            for work in [group.recv([rows[peer]], peer, HANDSHAKE_TAG) for peer in peers]:
-                work.wait()
+            absent = _collect(comm, op, [(peer, group.recv([rows[peer]], peer, HANDSHAKE_TAG)) for peer in peers])
+            if absent:
+                raise _absent(comm, op, [comm.ranks[r] for r in absent], memory.rounds)
             works = [group.send([rows], peer, HANDSHAKE_TAG) for peer in peers]
         else:
             works = [group.send([mine], 0, HANDSHAKE_TAG), group.recv([rows], 0, HANDSHAKE_TAG)]
         for work in works:
             work.wait()
     except LAUNCH_ERRORS as err:
+        # A member that waited as long as the group's timeout: member 0 may have found a member absent (gloo then
+        # closes every connection of the group, so it says so through the mode's store instead).
+        gone = _noted(comm, memory.rounds) if time.monotonic() - started > 0.9 * _timeout(comm) else None
+        if gone is not None:
+            raise _absent(comm, op, gone, None) from err
         raise comm._failure(op, err) from err
     return rows.tolist()
+
+
+def _absent(comm: Any, op: str, gone: list[int], note: int | None) -> CommTimeoutError:
+    """The error of a round some members did not join (on member 0, ``note``: the round, noted in the mode's store for
+    the others first)."""
+    store = mode_store(comm) if note is not None else None
+    if store is not None:
+        with contextlib.suppress(Exception):  # the note is a courtesy: the others then fail at their own timeout
+            store.set(f"{_NOTE}/{note}", json.dumps(gone))
+    return CommTimeoutError(
+        f"{op}: the members at ranks {gone} of mode {comm.mode!r} did not join within the group's timeout "
+        f"({_timeout(comm):g} s), while every other member called {op}; nothing was transferred"
+    )
+
+
+def _noted(comm: Any, round_: int) -> list[int] | None:
+    """The absent members member 0 noted for ``round_``, waiting a few seconds for the note; ``None``: none."""
+    store = mode_store(comm)
+    if store is None:
+        return None
+    key = f"{_NOTE}/{round_}"
+    deadline = time.monotonic() + _GRACE
+    try:
+        while not store.check([key]):
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.02)
+        return json.loads(store.get(key))
+    except Exception:  # noqa: BLE001 - the store's host is gone: no note
+        return None
+
+
+def _timeout(comm: Any) -> float:
+    return comm.timeout or 1800.0
+
+
+def _collect(comm: Any, op: str, recvs: list[tuple[int, Any]]) -> list[int]:
+    """On member 0: wait for every peer's words within the group's timeout; the peers whose words did not come (a
+    failure other than a timeout is raised)."""
+    deadline = time.monotonic() + _timeout(comm)
+    absent = []
+    for peer, work in recvs:
+        try:
+            work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.05)))
+        except LAUNCH_ERRORS as err:
+            if not _timed_out(err):
+                raise comm._failure(op, err) from err
+            absent.append(peer)
+    return absent
+
+
+def _timed_out(err: BaseException) -> bool:
+    """Whether a wait failed because its time ran out (gloo closes the pair then: "Application timeout caused pair
+    closure"), not because the peer's connection broke."""
+    text = str(err).lower()
+    return "timed out" in text or "timeout" in text
 
 
 def exchange_texts(comm: Any, text: str | None, memory: Kept, op: str = "broadcast_state_dict") -> list[str | None]:
@@ -98,10 +169,16 @@ def exchange_texts(comm: Any, text: str | None, memory: Kept, op: str = "broadca
 
 def raise_shared(comm: Any, problem: Problem, memory: Kept, op: str = "broadcast_state_dict") -> None:
     """Exchange every member's problem and raise the first one's type, naming every rank that has one (call on every
-    member, after a round showed one): ``"<op>: nothing was transferred; rank 2: ..."``."""
+    member, after a round showed one): ``"<op>: nothing was transferred; rank 2: ..."``, or ``"ranks [0, 1]: ..."`` for
+    a problem several members found."""
     texts = exchange_texts(comm, None if problem is None else f"{problem[0].__name__}\0{problem[1]}", memory, op)
     found = [(rank, *text.split("\0", 1)) for rank, text in zip(comm.ranks, texts) if text is not None]
-    detail = "; ".join(f"rank {rank}: {msg}" for rank, _, msg in found)
+    by_problem: dict[str, list[int]] = {}  # one problem found on several members is said once, naming them all
+    for rank, _, msg in found:
+        by_problem.setdefault(msg, []).append(rank)
+    detail = "; ".join(
+        f"rank {ranks[0]}: {msg}" if len(ranks) == 1 else f"ranks {ranks}: {msg}" for msg, ranks in by_problem.items()
+    )
     raise ERRORS.get(found[0][1], RuntimeError)(f"{op}: nothing was transferred; {detail}")
 
 
