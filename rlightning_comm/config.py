@@ -9,6 +9,20 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from rlightning_comm.errors import CommError
 
 
+class DefaultBackend(str):
+    """``init_distributed_env``'s default backend, ``"nccl"``, told apart from a backend the caller named: inside a
+    function :func:`~rlightning_comm.launch.run` launched it stands for the launcher's."""
+
+
+class DefaultTimeout(float):
+    """``init_distributed_env``'s default timeout, 1800 s, told apart from a timeout the caller passed: inside a
+    launched function it stands for the launcher's."""
+
+
+DEFAULT_BACKEND = DefaultBackend("nccl")
+DEFAULT_TIMEOUT = DefaultTimeout(1800)
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -51,21 +65,22 @@ class DistributedConfig(_Frozen):
         backend: str,
         dist_url: str,
         timeout: float | timedelta,
-        bounded_wait: bool,
+        bounded_wait: bool | None,
     ) -> str | None:
         """Why an ``init_distributed_env`` call inside a launched function does not ask for this, the launcher's world;
         ``None`` if it does.
 
-        Left-out ``world_size`` / ``rank`` and ``env://`` stand for the launcher's. Bad values raise ``ValueError`` as
-        they would at first initialisation.
+        Left-out ``world_size`` / ``rank`` / ``bounded_wait``, the default backend and timeout, and ``env://`` stand for
+        the launcher's: a call that asks for nothing in particular gets the world the launcher set up. Bad values raise
+        ``ValueError`` as they would at first initialisation.
         """
         asked = DistributedConfig(
             world_size=self.world_size if world_size is None else world_size,
             rank=self.rank if rank is None else rank,
-            backend=backend,
+            backend=self.backend if isinstance(backend, DefaultBackend) else backend,
             dist_url=self.dist_url if dist_url == "env://" else dist_url,
-            timeout=timeout,
-            bounded_wait=bounded_wait,
+            timeout=self.timeout if isinstance(timeout, DefaultTimeout) else timeout,
+            bounded_wait=self.bounded_wait if bounded_wait is None else bounded_wait,
         )
         if asked == self:
             return None

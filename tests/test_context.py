@@ -253,7 +253,7 @@ def test_initialize_distributed_env_is_the_seeds_function(monkeypatch):
     ]
     # Options beyond the seed's come after it, keyword-only, with defaults: every seed call means what it meant.
     assert [(n, p.default) for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY] == [
-        ("bounded_wait", False)
+        ("bounded_wait", None)
     ]
     with pytest.raises(CommError, match="not initialised"):
         CommContext().is_main_rank()

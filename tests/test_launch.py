@@ -69,14 +69,16 @@ def _init_again(rank: int, size: int) -> dict[str, object]:
     ctx = CommContext()
     world = ctx.get_communicator()
     same = [
+        ctx.init_distributed_env(),  # asks for nothing in particular: the world run() set up
+        ctx.init_distributed_env(backend="gloo"),
         ctx.init_distributed_env(backend="gloo", timeout=20),
         ctx.init_distributed_env(size, rank, "gloo", "env://", timedelta(seconds=20)),
         ctx.init_distributed_env(world_size=size, backend="gloo", dist_url=ctx._require_world().dist_url, timeout=20.0),
     ]
     refused = {}
     for name, kwargs in {
-        "default backend": {},
-        "timeout": {"backend": "gloo"},
+        "backend": {"backend": "nccl"},
+        "timeout": {"timeout": 1800},
         "world_size": {"world_size": size + 1, "backend": "gloo", "timeout": 20},
         "rank": {"rank": 1 - rank, "backend": "gloo", "timeout": 20},
         "url": {"backend": "gloo", "timeout": 20, "dist_url": "tcp://127.0.0.1:1"},
@@ -108,19 +110,17 @@ def test_init_distributed_env_in_a_launched_function_is_a_no_op_for_its_world_an
     for rank, out in enumerate(world2.run(_launched_task)):
         assert out["same"] is True and out["env"] == str(rank), out
         refused = out["refused"]
-        assert set(refused) == {"default backend", "timeout", "world_size", "rank", "url", "bounded_wait", "bad"}, (
-            refused
-        )
+        assert set(refused) == {"backend", "timeout", "world_size", "rank", "url", "bounded_wait", "bad"}, refused
         head = (
             f"rlightning_comm.launch.run already initialised this process's world with world_size=2, rank={rank}, "
             "backend='gloo', timeout=20 s, bounded_wait=False"
         )
         assert all(
-            refused[k].startswith(head)
-            for k in ("default backend", "timeout", "world_size", "rank", "url", "bounded_wait")
+            refused[k].startswith(head) for k in ("backend", "timeout", "world_size", "rank", "url", "bounded_wait")
         ), refused
         assert (
-            "asked for backend='nccl', timeout=1800.0" in refused["default backend"]
+            "asked for backend='nccl'." in refused["backend"]
+            and "asked for timeout=1800.0." in refused["timeout"]
             and "pass the backend, timeout and bounded_wait to run()" in refused["timeout"]
         )
         assert "asked for bounded_wait=True." in refused["bounded_wait"], refused

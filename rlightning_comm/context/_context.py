@@ -17,7 +17,7 @@ from rlightning_comm.communicators import _objects
 from rlightning_comm.communicators.base import Communicator
 from rlightning_comm.communicators.nccl import enable_blocking_wait
 from rlightning_comm.communicators.registry import get_communicator_class
-from rlightning_comm.config import DistributedConfig, GroupConfig
+from rlightning_comm.config import DEFAULT_BACKEND, DEFAULT_TIMEOUT, DefaultTimeout, DistributedConfig, GroupConfig
 from rlightning_comm.connect import Connections
 from rlightning_comm.context._connect import ContextConnect
 from rlightning_comm.context._groups import new_group
@@ -34,11 +34,11 @@ _GLOBAL = CommMode.GLOBAL.value
 def initialize_distributed_env(
     rank: int,
     world_size: int,
-    backend: str = "nccl",
+    backend: str = DEFAULT_BACKEND,
     dist_url: str = "env://",
-    timeout: float | timedelta = 1800,
+    timeout: float | timedelta = DEFAULT_TIMEOUT,
     *,
-    bounded_wait: bool = False,
+    bounded_wait: bool | None = None,
 ) -> Communicator:
     """The seed's module function:
     ``CommContext().init_distributed_env(world_size, rank, backend, dist_url, timeout, bounded_wait=...)``.
@@ -112,11 +112,11 @@ class CommContext(ContextLookups, ContextLayouts, ContextConnect, ContextPolicie
         self,
         world_size: int | None = None,
         rank: int | None = None,
-        backend: str = "nccl",
+        backend: str = DEFAULT_BACKEND,
         dist_url: str = "env://",
-        timeout: float | timedelta = 1800,
+        timeout: float | timedelta = DEFAULT_TIMEOUT,
         *,
-        bounded_wait: bool = False,
+        bounded_wait: bool | None = None,
     ) -> Communicator:
         """Initialise torch.distributed and bind ``CommMode.GLOBAL`` to the whole world.
 
@@ -134,15 +134,15 @@ class CommContext(ContextLookups, ContextLayouts, ContextConnect, ContextPolicie
                 of returning at once and leaving a failure to torch's watchdog, which tears the process down. It sets
                 ``TORCH_NCCL_BLOCKING_WAIT=1`` for the process before any group is created (torch then runs no NCCL
                 watchdog thread). The cost: no call returns before its data has arrived. No effect on gloo. See the
-                failure guide, docs/failures.md.
+                failure guide, docs/failures.md. ``None`` (the default) is ``False``.
 
         With a loopback rendezvous address (``tcp://127.0.0.1:port``, or ``env://`` with such a ``MASTER_ADDR`` outside
         torchrun) the store listens on loopback only; see :mod:`rlightning_comm.rendezvous`.
 
         In a function run by :func:`rlightning_comm.launch.run` the launcher has initialised the world already: a call
-        that asks for that world (the same backend, timeout and ``bounded_wait``; size and rank left out or the same;
-        ``env://`` or the launcher's own URL) returns its communicator, and any other raises ``CommError`` naming what
-        the launcher set up.
+        that asks for that world returns its communicator (every argument left out, or the same as the launcher's:
+        ``init_distributed_env()`` asks for nothing in particular), and any other raises ``CommError`` naming what the
+        launcher set up.
 
         Returns:
             The communicator bound to ``CommMode.GLOBAL``.
@@ -173,10 +173,10 @@ class CommContext(ContextLookups, ContextLayouts, ContextConnect, ContextPolicie
             config = DistributedConfig(
                 world_size=world_size,
                 rank=rank,
-                backend=backend,
+                backend=str(backend),
                 dist_url=dist_url,
-                timeout=timeout,
-                bounded_wait=bounded_wait,
+                timeout=float(timeout) if isinstance(timeout, DefaultTimeout) else timeout,
+                bounded_wait=bool(bounded_wait),
             )
             debug_from_env = env_debug()
             if self._dist_config is not None:
