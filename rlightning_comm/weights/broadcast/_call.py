@@ -19,13 +19,15 @@ from rlightning_comm.context import CommContext
 from rlightning_comm.errors import CommError
 from rlightning_comm.modes import CommMode, ParallelMode
 from rlightning_comm.weights.broadcast._handshake import agree
+from rlightning_comm.weights.broadcast._inputs import named_tensors
 from rlightning_comm.weights.commit._report import WeightSyncReport
-from rlightning_comm.weights.commit._sync import Sync
 from rlightning_comm.weights.commit._versions import SyncOptions
-from rlightning_comm.weights.core._memory import forget
+from rlightning_comm.weights.core._memory import forget, kept
+from rlightning_comm.weights.core._publish import StateDictTransfer, captures, drain
 from rlightning_comm.weights.core._wire import mode_store
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20
+OP = "broadcast_state_dict"
 
 StateDictLike = (
     Mapping[str, torch.Tensor]
@@ -33,39 +35,6 @@ StateDictLike = (
     | Sequence[tuple[str, torch.Tensor]]
     | Callable[[Iterable[tuple[str, torch.Tensor]]], Any]
 )
-
-
-class StateDictTransfer:
-    """The handle ``broadcast_state_dict(..., async_op=True)`` returns; :meth:`wait` completes the transfer."""
-
-    __slots__ = ("_comm", "_pipeline")
-
-    def __init__(self, comm: Any, pipeline: Sync) -> None:
-        self._comm = comm
-        self._pipeline = pipeline
-
-    def is_completed(self) -> bool:
-        """Whether the transfer has completed: :meth:`wait` returned (or raised), or the next call on this mode
-        completed it first."""
-        return self._pipeline.done
-
-    def wait(self) -> WeightSyncReport | None:
-        """Launch the transfers still to go, wait for all of them, and (on a destination) write the last tensors or call
-        ``load``, verify and commit; a second call returns at once.
-
-        Returns:
-            The :class:`WeightSyncReport` of the sync (a second call: the same, or ``None`` if the first raised).
-
-        Raises:
-            CommTimeoutError, CommError, CommMismatchError: as for :func:`broadcast_state_dict`.
-        """
-        if not self._pipeline.done:
-            with self._comm._exclusive("broadcast_state_dict"):
-                try:
-                    return self._pipeline.finish()
-                finally:
-                    forget(self._comm, self._pipeline)
-        return self._pipeline.finish()
 
 
 def broadcast_state_dict(
@@ -159,16 +128,17 @@ def broadcast_state_dict(
         src: Rank that sends, in the mode's numbering (a global rank on a mode of the world); ``None`` means the source
             declared to :meth:`CommContext.init_weight_transfer_group` for this mode. Every rank must name the same one.
         bucket_bytes: Largest bucket, in bytes; the source's value is used.
-        async_op: Return once every transfer that needs no wait is launched (all in-place pieces up to the third bucket,
-            the first two buckets), with a :class:`StateDictTransfer` whose ``wait()`` does the rest. Until ``wait()``
-            returns, the source may not modify its tensors and a destination may neither read nor write them. What may
-            run meanwhile depends on how the units move. Over gloo point to point (host tensors, no stats or debug
-            mode): collectives on any mode, this one too (in the same order on every rank). When the units are
-            broadcasts (NCCL; gloo with stats or debug mode on): no collective on this mode before ``wait()``, since
-            each rank may have launched a different number of units; on gloo other modes are fine; on NCCL, which needs
-            one global order of NCCL calls across all groups, call ``wait()`` before a collective on any other NCCL
-            group, and issue NCCL calls from one thread. The next call on this mode completes an unwaited transfer
-            first.
+        async_op: Publish and step on: the source returns as soon as its tensors are captured (copied, on their own
+            devices, into buffers kept for the next publish: one more copy of its tensors), and may change them at
+            once; the call runs on a thread of its own and the returned :class:`StateDictTransfer`'s ``wait()`` gives
+            its report once every destination holds the version (committed, with ``atomic``), or raises what the call
+            raised, on every member as the blocking call does. A destination's tensors are written in the background:
+            it must not read or write them until ``wait()`` returns. Publishes on a mode queue in the order they were
+            made, one draining and at most one waiting (a third waits for the oldest); any other weight-sync call on
+            the mode waits for them first. Other collectives may run meanwhile on other modes; on this mode only
+            weight-sync calls. On NCCL the publish's thread issues NCCL calls on this mode's group while the caller
+            issues its own on others: keep the two groups' calls independent (the same order on every rank within each
+            group), as NCCL requires of concurrent communicators.
         version: The version these weights are, or ``None`` (an unversioned sync, which clears the destinations'
             record). Every member passes the same.
         verify: Check each tensor's digest on every destination against the source's.
@@ -219,22 +189,45 @@ def transfer(
         options = SyncOptions(None, False, False, None, None, comm.mode)
     if options.atomic is True and options.problem is None and mode_store(comm) is None:
         options.problem = (ValueError, f"atomic=True needs a store every member of mode {comm.mode!r} reaches")
-    with comm._exclusive("broadcast_state_dict"):
+    memory = kept(comm)
+    if async_op:
+        return _publish(comm, memory, state_dict, src, bucket_bytes, options, fanout)
+    drain(memory)
+    with comm._exclusive(OP):
         declared = _declared_source(comm) if src is None else None
         try:
             pipeline = agree(comm, state_dict, src, bucket_bytes, declared, options, fanout)
         except CommError as err:  # a member lost or absent in the handshake: nothing moved
-            failed = options.not_committed("broadcast_state_dict", err)
+            failed = options.not_committed(OP, err)
             if failed is None:
                 raise
             raise failed from err
-        if not async_op:
-            try:
-                return pipeline.finish()
-            finally:
-                forget(comm, pipeline)
-        pipeline.start()
-    return StateDictTransfer(comm, pipeline)
+        try:
+            return pipeline.finish()
+        finally:
+            forget(comm, pipeline)
+
+
+def _publish(
+    comm: Any, memory: Any, state_dict: Any, src: Any, bucket_bytes: Any, options: SyncOptions, fanout: str | None
+) -> StateDictTransfer:
+    """``async_op=True``: the source's tensors captured, the call on a thread of its own."""
+    source = src if src is not None else _declared_source(comm)
+    release = None
+    if source == comm._global_rank:
+        items, problem = named_tensors(state_dict, True)
+        if problem is None and isinstance(items, list):  # else the call itself reports it, on every member
+            pool = captures(memory)
+            copies = pool.take([t for _, t in items])
+            state_dict = [(name, copy) for (name, _), copy in zip(items, copies)]
+
+            def release() -> None:
+                pool.give_back(copies)
+
+    captured = state_dict
+    return StateDictTransfer(
+        memory, lambda: transfer(comm, captured, src, bucket_bytes, False, options, fanout), OP, release
+    )
 
 
 def _declared_source(comm: Any) -> int | None:

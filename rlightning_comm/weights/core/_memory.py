@@ -7,6 +7,7 @@ It lives on the communicator (an attribute), so it goes with the communicator's 
 from __future__ import annotations
 
 import hashlib
+import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,6 +30,10 @@ class Kept:
         self.hashed: tuple[list[Entry], int, tuple[int, int], tuple[int, int] | None] | None = None
         self.stream: Any = None  # the handshake's own CUDA stream
         self.rounds = 0  # the point-to-point rounds this member took part in (every member counts the same)
+        # async_op=True: the publishes on this mode in order (a _publish.StateDictTransfer each), the capture buffers
+        self.publishes: list[Any] = []
+        self.publish_lock = threading.Lock()
+        self.captures: Any = None
         self.staged: tuple[Any, list[torch.Tensor]] | None = None  # an atomic sync's staging: (its key, the tensors)
         # reshard_state_dict's: (its key, the schedule, this member's metadata hash and metadata when it was made)
         self.reshard_plan: tuple[tuple[int, int], Any, tuple[int, int], Any] | None = None

@@ -24,13 +24,14 @@ from rlightning_comm.weights.commit._report import WeightSyncReport
 from rlightning_comm.weights.commit._sync import Sync
 from rlightning_comm.weights.commit._versions import SyncOptions
 from rlightning_comm.weights.core._memory import hash_key, kept
+from rlightning_comm.weights.core._publish import StateDictTransfer, captures, drain
 from rlightning_comm.weights.core._rounds import exchange, exchange_texts, raise_shared, rounds
 from rlightning_comm.weights.core._wire import mode_store
 from rlightning_comm.weights.reshard._delta import decide, possible, prepare, refresh
 from rlightning_comm.weights.reshard._delta_mover import DeltaMover
 from rlightning_comm.weights.reshard._mover import OP, Mover
 from rlightning_comm.weights.reshard._schedule import Schedule, build_schedule
-from rlightning_comm.weights.reshard._slices import Block, Named, collect, metadata
+from rlightning_comm.weights.reshard._slices import Block, Named, TensorSlice, collect, metadata
 from rlightning_comm.weights.reshard._tally import Tally
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20
@@ -47,7 +48,8 @@ def reshard_state_dict(
     atomic: bool = False,
     staging_device: torch.device | str | None = None,
     delta: bool = False,
-) -> WeightSyncReport | None:
+    async_op: bool = False,
+) -> WeightSyncReport | StateDictTransfer | None:
     """Write every block each member wants with the bytes of the members that hold it, with no gather.
 
     Every member of ``comm_mode`` calls this. Each says what it can send (``held``) and what it needs (``wanted``), as
@@ -110,11 +112,19 @@ def reshard_state_dict(
             supported here).
         delta: Send only what changed since the last sync (needs ``version``; see above). ``False`` keeps nothing and
             frees what an earlier ``delta=True`` kept. Every member passes the same.
+        async_op: Publish and step on: a holder returns as soon as the blocks it holds are captured (copied, on their
+            own devices, into buffers kept for the next publish: one more copy of its held blocks) and may change its
+            tensors at once; the call runs on a thread of its own and the returned :class:`StateDictTransfer`'s
+            ``wait()`` gives its report once every destination holds the version (committed, with ``atomic``), or
+            raises what the call raised, on every member as the blocking call does. A member that wants blocks has them
+            written in the background: it must not read or write them until ``wait()`` returns. Publishes on a mode
+            queue as for :func:`broadcast_state_dict`. Members may mix blocking and ``async_op`` calls.
 
     Returns:
         A :class:`WeightSyncReport` (bytes sent and received per peer, whether the plan was reused, the version; with
         ``verify``, the digest of each name this member wants, over its wanted slices of it: members that want the same
-        slices report the same digests); ``None`` on a rank that is not a member of ``comm_mode``.
+        slices report the same digests), or with ``async_op`` a :class:`StateDictTransfer` whose ``wait()`` returns it;
+        ``None`` on a rank that is not a member of ``comm_mode``.
 
     Raises:
         TypeError, ValueError: a bad argument or a plan that cannot be served,
@@ -123,12 +133,35 @@ def reshard_state_dict(
         CommMismatchError: a stale version (before anything moves), or digests that differ after the transfer.
         CommError, CommTimeoutError, PeerLostError: a transfer failed midway.
 
-    Tensors live on the communicator's device: the host for gloo, the member's GPU for NCCL. Until the call returns, a
-    source may not modify its tensors, nor a destination read or write its slices.
+    Tensors live on the communicator's device: the host for gloo, the member's GPU for NCCL. Until the call returns (or,
+    with ``async_op``, a holder's capture), a source may not modify its tensors, nor a destination read or write its
+    slices until the call returns (``wait()`` returns).
     """
     comm = CommContext().get_communicator(comm_mode)
     options = SyncOptions(version, verify, atomic, staging_device, None, comm.mode, delta)
+    if async_op and comm.is_member:
+        return _publish(comm, held, wanted, bucket_bytes, options)
     return reshard(comm, held, wanted, bucket_bytes, options)
+
+
+def _publish(comm: Any, held: Any, wanted: Any, bucket_bytes: Any, options: SyncOptions) -> StateDictTransfer:
+    """``async_op=True``: the blocks this member holds captured, the call on a thread of its own."""
+    memory = kept(comm)
+    release = None
+    names, problem = collect(held, None, comm.device) if held is not None else ({}, None)
+    if problem is None and names:  # else the call itself reports it, on every member
+        pool = captures(memory)
+        blocks = [(name, e.global_shape, b) for name, e in names.items() for b in e.held]
+        copies = pool.take([b.tensor for _, _, b in blocks])
+        held = {}
+        for (name, shape, b), copy in zip(blocks, copies):
+            held.setdefault(name, []).append(TensorSlice(copy, b.offsets, shape))
+
+        def release() -> None:
+            pool.give_back(copies)
+
+    captured = held
+    return StateDictTransfer(memory, lambda: reshard(comm, captured, wanted, bucket_bytes, options), OP, release)
 
 
 def reshard(
@@ -148,11 +181,9 @@ def reshard(
                 f"staging_device={options.staging_device} is not supported by {OP}; expected None or the "
                 f"communicator's device {comm.device}",
             )
+    drain(kept(comm))  # the publishes made before this call on the mode, in order
     with comm._exclusive(OP):
         memory = kept(comm)
-        if memory.unfinished is not None:  # an unwaited broadcast_state_dict on this mode: it holds the group's order
-            memory.unfinished.finish()
-            memory.unfinished = None
         try:
             names, schedule, cached, live, wanters, delta = _agree(comm, held, wanted, bucket_bytes, memory, options)
         except CommError as err:  # a member lost in the handshake: nothing moved
