@@ -158,13 +158,15 @@ class Pipeline(Transfer):
 
     def _complete(self, entry: tuple[list[Any], int, int, torch.Tensor | None]) -> None:
         works, slot, unit, staged = entry
-        self._wait(works)  # on the source over gloo, a bucket's receipts come first: see _weight_transport
+        forward = None
+        if self._relay and self._peers and not self._is_source:  # a relay: each chunk sent on as it arrives
+            data = staged if staged is not None else self._in_place(self._plan.units[unit])
+            forward = self._forward(works, data, unit)
+        else:
+            self._wait(works)  # on the source over gloo, a bucket's receipts come first: see _transport
         self._received(unit)
         if not self._is_source:
             self._feed(self._plan.units[unit], staged)
-        forward = None
-        if self._relay and self._peers and not self._is_source:  # a relay: send it on while unpacking it
-            forward = self._forward(staged if staged is not None else self._in_place(self._plan.units[unit]), unit)
         if staged is not None and not self._is_source:
             self._written = True
             with self._writes():
