@@ -39,6 +39,7 @@ from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
 from rlightning_comm.context import CommContext
 from rlightning_comm.integrations.vllm._layout import WorkerLayout, derive
+from rlightning_comm.integrations.vllm._reload import reloading
 from rlightning_comm.integrations.vllm._workers import fail, outcomes
 from rlightning_comm.integrations.vllm.extension import DEFAULT_MODE
 from rlightning_comm.weights import reshard_state_dict
@@ -219,9 +220,10 @@ class RLightningWeightTransferEngine(WeightTransferEngine[RLightningInitInfo, RL
         assert init is not None and self._layout is not None
         received = time.perf_counter()
         try:
-            reload_weights(
-                self.vllm_config, self.model, weights_iterator=loads, weights_path=None, is_checkpoint_format=True
-            )
+            with reloading(self.model):  # packs a tied LM head again, which vLLM's reload leaves stale
+                reload_weights(
+                    self.vllm_config, self.model, weights_iterator=loads, weights_path=None, is_checkpoint_format=True
+                )
         except Exception as err:  # noqa: BLE001 - every worker learns it
             error = err
         ctx._record_weight_version(init.mode, None)  # until every worker has loaded it: no committed version

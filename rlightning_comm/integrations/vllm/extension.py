@@ -109,6 +109,8 @@ class WeightSyncWorker:
             initialize_layerwise_reload,
         )
 
+        from rlightning_comm.integrations.vllm._reload import reloading
+
         if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
             raise TypeError(f"version must be an int or None; got {type(version).__name__} {version!r}")
         runner = self.model_runner
@@ -127,7 +129,7 @@ class WeightSyncWorker:
             spent["load_s"] += time.perf_counter() - t0
 
         start = time.perf_counter()
-        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+        with set_current_vllm_config(self.vllm_config), torch.no_grad(), reloading(model):
             initialize_layerwise_reload(model)
             try:
                 broadcast_state_dict(load, mode, src=src, version=version)
