@@ -15,7 +15,8 @@ Each trainer rank calls ``reshard_state_dict(held=<its parameters under the chec
 version=1)``: FSDP2 ``DTensor`` shards, tensor-parallel shards or whole tensors. Each worker of the engine derives from
 vLLM's own model which block of each checkpoint tensor it keeps (:mod:`._layout`), receives exactly those bytes into
 buffers of its own, and only once every worker of the engine has received all of its blocks hands them to vLLM's
-layer-by-layer reload, which loads, fuses and repacks them (:mod:`._views` says how a loader is handed a block).
+layer-by-layer reload, which loads, fuses and repacks them (:mod:`._views` says how a loader is handed a block; an
+LM head tied to the embeddings is packed again afterwards, which vLLM's reload omits: :mod:`._reload`).
 
 Imports vLLM: vLLM imports this module in its workers when an engine uses the backend.
 """
