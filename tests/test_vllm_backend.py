@@ -225,9 +225,7 @@ def test_a_refused_update_raises_on_both_sides_and_changes_nothing(
 def test_a_bad_init_info_raises_on_the_driver_and_keeps_the_mode(session) -> None:
     s = session
     init = {"address": s.address, "rank": TRAINERS, "world_size": MEMBERS, "bogus": 1}
-    with pytest.raises(
-        Exception, match=r"workers 0, 1: ValueError: init_info: missing keys \[\], unknown keys \['bogus'\]"
-    ):
+    with pytest.raises(Exception, match=r"init_info: missing keys \[\], unknown keys \['bogus'\]; the keys are"):
         s.llm.init_weight_transfer_engine({"init_info": init})
     with pytest.raises(Exception, match=r"rank 4 with world_size 5 leaves no room for this engine's 2 workers"):
         s.llm.init_weight_transfer_engine({"init_info": {"address": s.address, "rank": 4, "world_size": MEMBERS}})

@@ -170,12 +170,15 @@ def replacement(rank: int, folder: str, address: str, orders, replies) -> None:
 def whole_trainer(config_dir: str, prompts: list[list[int]], new_tokens: int, members: int, orders, replies) -> None:
     """A trainer of one process that holds every tensor whole (member 0 of ``members``). Orders: ``("sync", version,
     perturb)``: perturb the weights (seeded by the version) if asked, reply the Hugging Face model's tokens, then
-    ``reshard_state_dict`` and reply as a trainer rank does."""
+    ``reshard_state_dict`` and reply as a trainer rank does; ``("broadcast", version, perturb)``: the same with
+    ``broadcast_state_dict`` of the model from member 0 (what the worker extension receives: its state dict, a tied
+    tensor under each of its names); ``("broadcast_params", ...)``: of its named parameters (a tied tensor once, under
+    the first name, as a tied model's checkpoint holds it)."""
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rlightning_comm import CommContext
+    from rlightning_comm import CommContext, broadcast_state_dict
 
     try:
         torch.set_num_threads(1)
@@ -186,14 +189,19 @@ def whole_trainer(config_dir: str, prompts: list[list[int]], new_tokens: int, me
         replies.put((0, "address", address))
         ctx.connect(MODE, rank=0, world_size=members, address=address, timeout=60, connect_timeout=BOUND)
         while (order := orders.get(timeout=BOUND)) is not None:
-            _, version, perturb = order
+            kind, version, perturb = order
             if perturb:
                 gen = torch.Generator().manual_seed(version)
                 with torch.no_grad():
                     for p in model.parameters():
                         p.add_(torch.randn(p.shape, generator=gen), alpha=0.05)
             replies.put((0, "tokens", _greedy(model, prompts, new_tokens)))
-            _sync(0, dict(model.named_parameters()), version, {}, replies)
+            if kind in ("broadcast", "broadcast_params"):
+                sent = model if kind == "broadcast" else dict(model.named_parameters())
+                report = broadcast_state_dict(sent, MODE, src=0, version=version)
+                replies.put((0, "synced", dataclasses.asdict(report)))
+            else:
+                _sync(0, dict(model.named_parameters()), version, {}, replies)
         ctx.destroy()
     except BaseException:
         replies.put((0, "error", traceback.format_exc()))

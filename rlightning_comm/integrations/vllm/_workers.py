@@ -30,17 +30,27 @@ def outcomes(error: BaseException | None) -> list[str | None]:
     return out
 
 
+def reporter() -> bool:
+    """Whether this worker is the one that raises the engine's failures: its last worker (the only one, outside an
+    engine's tensor-parallel group)."""
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+
+    if not model_parallel_is_initialized():
+        return True
+    group = get_tp_group()
+    return group.rank_in_group == group.world_size - 1
+
+
 def fail(engine: Any, error: BaseException | None, errors: list[str | None], tail: str) -> None:
     """Report the engine's failure (``errors``, every worker's) to the driver: raise on the last worker (its own
     ``error`` restated where it has one, of the same type), end the session and return on the others."""
-    group = get_tp_group()
     ranks: dict[str, list[int]] = {}
     for rank, said in enumerate(errors):
         if said is not None:
             ranks.setdefault(said, []).append(rank)
     failed = [f"worker{'s' * (len(r) > 1)} {', '.join(map(str, r))}: {said}" for said, r in ranks.items()]
     text = f"{'; '.join(failed)}{tail}"
-    if group.rank_in_group == group.world_size - 1 or not end_session(engine):
+    if reporter() or not end_session(engine):
         if error is None:
             raise RuntimeError(text)
         try:

@@ -15,7 +15,8 @@ Each trainer rank calls ``reshard_state_dict(held=<its parameters under the chec
 version=1)``: FSDP2 ``DTensor`` shards, tensor-parallel shards or whole tensors. Each worker of the engine derives from
 vLLM's own model which block of each checkpoint tensor it keeps (:mod:`._layout`), receives exactly those bytes into
 buffers of its own, and only once every worker of the engine has received all of its blocks hands them to vLLM's
-layer-by-layer reload, which loads, fuses and repacks them (:mod:`._views` says how a loader is handed a block).
+layer-by-layer reload, which loads, fuses and repacks them (:mod:`._views` says how a loader is handed a block; an
+LM head tied to the embeddings is packed again afterwards, which vLLM's reload omits: :mod:`._reload`).
 
 Imports vLLM: vLLM imports this module in its workers when an engine uses the backend.
 """
@@ -39,7 +40,8 @@ from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
 from rlightning_comm.context import CommContext
 from rlightning_comm.integrations.vllm._layout import WorkerLayout, derive
-from rlightning_comm.integrations.vllm._workers import fail, outcomes
+from rlightning_comm.integrations.vllm._reload import reloading
+from rlightning_comm.integrations.vllm._workers import fail, outcomes, reporter
 from rlightning_comm.integrations.vllm.extension import DEFAULT_MODE
 from rlightning_comm.weights import reshard_state_dict
 from rlightning_comm.weights.engines import record_weight_version, refuse_reshard
@@ -49,12 +51,13 @@ __all__ = ["OPTIONS", "RLightningInitInfo", "RLightningUpdateInfo", "RLightningW
 logger = init_logger("vllm.rlightning_comm")
 
 # update_info's keys besides "version": the options of reshard_state_dict that a destination passes (verify, atomic, and
-# any later one). bucket_bytes is the trainer's rank 0's, so a worker has none to give.
+# any later one). bucket_bytes is the trainer's rank 0's, so a worker has none to give; async_op is the worker's own
+# business (vLLM's update_weights returns once the weights are in).
 OPTIONS = tuple(
     sorted(
         n
         for n, p in inspect.signature(reshard_state_dict).parameters.items()
-        if p.kind is p.KEYWORD_ONLY and n not in ("held", "wanted", "comm_mode", "bucket_bytes", "version")
+        if p.kind is p.KEYWORD_ONLY and n not in ("held", "wanted", "comm_mode", "bucket_bytes", "version", "async_op")
     )
 )
 
@@ -115,20 +118,32 @@ class RLightningWeightTransferEngine(WeightTransferEngine[RLightningInitInfo, RL
 
     # ------------------------------------------------------------------ joining the mode
     def parse_init_info(self, init_dict: dict[str, Any]) -> Any:
-        """Never raises: what is wrong is raised by :meth:`init_transfer_engine`, once the workers agree."""
+        """``init_info`` checked and typed (see :class:`RLightningInitInfo`).
+
+        Every worker of the engine gets the same ``init_dict`` and finds the same fault, so they need not agree on it.
+        Only the engine's last worker raises it, though: vLLM 0.32's executor stops reading replies at the first
+        failure (:mod:`._workers`). The others return it, and their :meth:`init_transfer_engine` then does nothing.
+
+        Raises:
+            ValueError: ``init_dict`` is not a dict, misses a key or has an unknown one, holds a value of the wrong
+                type, or places the engine's workers outside the mode (``rank + tensor_parallel_size > world_size``).
+        """
         try:
             return _parse_init(init_dict, self.parallel_config.tensor_parallel_size)
-        except (TypeError, ValueError) as err:
+        except ValueError as err:
+            if reporter():
+                raise
             return err
 
     def init_transfer_engine(self, init_info: Any) -> None:
         """Join (or re-form) the connected mode as member ``rank + tensor-parallel rank``."""
-        error = init_info if isinstance(init_info, Exception) else None
-        if error is None:
-            try:
-                self._check_engine()
-            except ValueError as err:
-                error = err
+        if isinstance(init_info, ValueError):  # malformed: the engine's last worker raised it (parse_init_info)
+            return
+        error = None
+        try:
+            self._check_engine()
+        except ValueError as err:
+            error = err
         if _failed(self, error, "; the rlightning backend is not connected"):
             return
         member = init_info.rank + get_tp_group().rank_in_group
@@ -175,20 +190,31 @@ class RLightningWeightTransferEngine(WeightTransferEngine[RLightningInitInfo, RL
         """Nothing to prepare: a call on an engine that is not connected fails in :meth:`update_weights`."""
 
     def parse_update_info(self, update_dict: dict[str, Any]) -> RLightningUpdateInfo:
-        """Never raises: what is wrong is refused on every member of the mode, by :meth:`receive_weights`."""
+        """``update_info`` checked and typed (see :class:`RLightningUpdateInfo`).
+
+        Raises:
+            ValueError: ``update_dict`` is not a dict, has no ``"version"``, or has a key that is neither
+                ``"version"`` nor an option of ``reshard_state_dict`` (:data:`OPTIONS`). The options' values are
+                checked by ``reshard_state_dict``, on every member.
+        """
         if not isinstance(update_dict, dict):
-            problem = (TypeError, f"update_info must be a dict; got {type(update_dict).__name__}")
-            return RLightningUpdateInfo(problem=problem)
+            raise ValueError(f"update_info must be a dict; got {type(update_dict).__name__}")
         unknown = sorted(set(update_dict) - {"version", *OPTIONS})
         if unknown or "version" not in update_dict:
             what = f"unknown keys {unknown}" if unknown else "no 'version'"
-            problem = (ValueError, f"update_info has {what}; expected 'version' and any of {list(OPTIONS)}")
-            return RLightningUpdateInfo(problem=problem)
+            raise ValueError(f"update_info has {what}; expected 'version' and any of {list(OPTIONS)}")
         options = {k: v for k, v in update_dict.items() if k != "version"}
         return RLightningUpdateInfo(update_dict["version"], options)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        self.receive_weights(self.parse_update_info(update_info))
+        """vLLM's call: :meth:`parse_update_info`, then :meth:`receive_weights`. A malformed ``update_info`` is refused
+        on every member of the mode (the trainer ranks' ``reshard_state_dict`` raise the same ``ValueError``) rather
+        than raised here, where the trainer ranks would wait for the engine until their timeout."""
+        try:
+            info = self.parse_update_info(update_info)
+        except ValueError as err:
+            info = RLightningUpdateInfo(problem=(ValueError, str(err)))
+        self.receive_weights(info)
 
     def receive_weights(self, update_info: RLightningUpdateInfo) -> None:
         """One sync: receive this worker's blocks, agree with the engine's other workers, then load them.
@@ -220,9 +246,10 @@ class RLightningWeightTransferEngine(WeightTransferEngine[RLightningInitInfo, RL
         assert init is not None and self._layout is not None
         received = time.perf_counter()
         try:
-            reload_weights(
-                self.vllm_config, self.model, weights_iterator=loads, weights_path=None, is_checkpoint_format=True
-            )
+            with reloading(self.model):  # packs a tied LM head again, which vLLM's reload leaves stale
+                reload_weights(
+                    self.vllm_config, self.model, weights_iterator=loads, weights_path=None, is_checkpoint_format=True
+                )
         except Exception as err:  # noqa: BLE001 - every worker learns it
             error = err
         record_weight_version(init.mode, None)  # until every worker has loaded it: no committed version
@@ -262,7 +289,7 @@ class RLightningWeightTransferEngine(WeightTransferEngine[RLightningInitInfo, RL
 def _parse_init(init_dict: Any, workers: int) -> RLightningInitInfo:
     known = [f.name for f in dataclasses.fields(RLightningInitInfo)]
     if not isinstance(init_dict, dict):
-        raise TypeError(f"init_info must be a dict with keys {known}; got {type(init_dict).__name__}")
+        raise ValueError(f"init_info must be a dict with keys {known}; got {type(init_dict).__name__}")
     missing = [k for k in ("address", "rank", "world_size") if k not in init_dict]
     unknown = sorted(set(init_dict) - set(known))
     if missing or unknown:
@@ -271,9 +298,9 @@ def _parse_init(init_dict: Any, workers: int) -> RLightningInitInfo:
     for key in ("rank", "world_size"):
         value = getattr(info, key)
         if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"init_info[{key!r}] must be an int; got {type(value).__name__} {value!r}")
+            raise ValueError(f"init_info[{key!r}] must be an int; got {type(value).__name__} {value!r}")
     if not isinstance(info.address, str) or not isinstance(info.mode, str):
-        raise TypeError(f"init_info's address and mode must be strings; got {info.address!r}, {info.mode!r}")
+        raise ValueError(f"init_info's address and mode must be strings; got {info.address!r}, {info.mode!r}")
     if not 0 <= info.rank <= info.world_size - workers:
         raise ValueError(
             f"init_info: rank {info.rank} with world_size {info.world_size} leaves no room for this engine's {workers} "

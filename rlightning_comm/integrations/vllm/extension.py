@@ -79,7 +79,9 @@ class WeightSyncWorker:
         ``finalize_layerwise_reload``: a layer is processed (fused, repacked) as soon as all of its tensors have
         arrived, and every layer arrives in one bucket. Tensors vLLM keeps until the end of the reload (layers it
         finishes only then: a vocabulary padded to vLLM's multiple of 64, attention layers' scales) are copied when
-        their bucket is done with. Afterwards the prefix cache still holds keys computed with the old
+        their bucket is done with. An LM head tied to the input embeddings, which vLLM's reload leaves computing with
+        the previous version on its CPU build, is packed again (:mod:`._reload`). Afterwards the prefix cache still
+        holds keys computed with the old
         weights: the caller resets it (``llm.reset_prefix_cache()``, which
         :func:`sync_weights` does), since it lives in vLLM's engine process, out of a worker's reach.
 
@@ -109,6 +111,8 @@ class WeightSyncWorker:
             initialize_layerwise_reload,
         )
 
+        from rlightning_comm.integrations.vllm._reload import reloading
+
         if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
             raise TypeError(f"version must be an int or None; got {type(version).__name__} {version!r}")
         runner = self.model_runner
@@ -127,7 +131,7 @@ class WeightSyncWorker:
             spent["load_s"] += time.perf_counter() - t0
 
         start = time.perf_counter()
-        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+        with set_current_vllm_config(self.vllm_config), torch.no_grad(), reloading(model):
             initialize_layerwise_reload(model)
             try:
                 broadcast_state_dict(load, mode, src=src, version=version)
