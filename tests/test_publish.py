@@ -173,3 +173,47 @@ def test_publishes_queue_in_order_and_a_stale_one_raises_from_wait_on_every_memb
         assert out["stale"] is not None and "version 2" in out["stale"], (rank, out)
         assert out["wrong"] == [], (rank, out)
     assert [r["version"] for r in results[1:]] == [3, 3, 3]
+
+
+def _any_version(rank: int, size: int, url: str) -> dict:
+    """Engines that receive before they know the trainer's version pass ``version="any"``: they take the version the
+    trainer names (a publish), record it, and still refuse a stale one; a source may not pass it."""
+    from rlightning_comm import CommMismatchError, TensorSlice, reshard_state_dict
+
+    ctx = init_world(rank, size, url)
+    ctx.init_group([0, 1, 2, 3], MODE)
+    full = torch.arange(64 * 8, dtype=torch.float32).reshape(64, 8)
+    out: dict = {"versions": [], "exact": []}
+    for version in (5, 9):
+        if rank < 2:
+            held = {"w": TensorSlice(full[32 * rank : 32 * rank + 32] + version, (32 * rank, 0), (64, 8))}
+            reshard_state_dict(held=held, comm_mode=MODE, version=version, async_op=True, delta=True).wait()
+        else:
+            wanted = {"w": TensorSlice(torch.zeros(64, 4), (0, 4 * (rank - 2)), (64, 8))}
+            report = reshard_state_dict(wanted=wanted, comm_mode=MODE, version="any", delta=True)
+            out["versions"].append((report.version, ctx.get_weight_version(MODE)))
+            out["exact"].append(torch.equal(wanted["w"].tensor, (full + version)[:, 4 * (rank - 2) : 4 * (rank - 1)]))
+    stale = 7 if rank < 2 else "any"
+    held = {"w": TensorSlice(full[32 * rank : 32 * rank + 32], (32 * rank, 0), (64, 8))} if rank < 2 else None
+    wanted = {"w": TensorSlice(torch.zeros(64, 4), (0, 4 * (rank - 2)), (64, 8))} if rank >= 2 else None
+    try:
+        reshard_state_dict(held=held, wanted=wanted, comm_mode=MODE, version=stale)
+        out["stale"] = None
+    except CommMismatchError as err:
+        out["stale"] = str(err)
+    try:  # a source passing "any" is refused on every member
+        reshard_state_dict(held=held, wanted=wanted, comm_mode=MODE, version="any")
+        out["source any"] = None
+    except ValueError as err:
+        out["source any"] = str(err)
+    return out
+
+
+def test_a_destination_may_take_whichever_version_the_sources_name(world4) -> None:
+    results = world4.run(_any_version, timeout=120)
+    for rank in (2, 3):
+        assert results[rank]["versions"] == [(5, 5), (9, 9)], results[rank]
+        assert results[rank]["exact"] == [True, True], results[rank]
+    for rank, out in enumerate(results):
+        assert out["stale"] is not None and "version 7 refused" in out["stale"], (rank, out["stale"])
+        assert out["source any"] is not None and "a source names the version it sends" in out["source any"], out

@@ -10,7 +10,7 @@ to its ``load`` callable). A problem anywhere raises the same error on every mem
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -44,7 +44,7 @@ def broadcast_state_dict(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     async_op: bool = False,
     *,
-    version: int | None = None,
+    version: int | Literal["any"] | None = None,
     verify: bool = False,
     atomic: bool = False,
     staging_device: torch.device | str | None = None,
@@ -140,7 +140,9 @@ def broadcast_state_dict(
             issues its own on others: keep the two groups' calls independent (the same order on every rank within each
             group), as NCCL requires of concurrent communicators.
         version: The version these weights are, or ``None`` (an unversioned sync, which clears the destinations'
-            record). Every member passes the same.
+            record). Every member passes the same, except that a destination may pass ``"any"``: it takes the version
+            the sources name (and still refuses one at or below the version it committed), which the report and its
+            record then hold (an engine that receives in the background before it knows the trainer's next version).
         verify: Check each tensor's digest on every destination against the source's.
         atomic: All or nothing: stage, verify, then commit through the mode's store (implies ``verify``). Staging holds
             one more copy of the destination's weights (of the source's manifest, with a ``load`` callable), kept

@@ -25,13 +25,17 @@ Problem = tuple[type[Exception], str] | None
 # the version this member's snapshot holds (a sender), the one its tensors hold (a receiver) and the bytes of a sender's
 # delta; -1 for none
 WORDS = 9
+ANY_VERSION = "any"
+"""A destination's ``version=``: take whichever version the sources send (newer than the one it committed, as always);
+the report and the record then hold it."""
+_ANY = -2  # its word
 
 
 class SyncOptions:
     """A weight-sync call's version, verification and commit options, checked on this member.
 
     Args:
-        version: The version the sync carries, or ``None``.
+        version: The version the sync carries, or ``None``; on a destination :data:`ANY_VERSION` takes the sources'.
         verify: Whether destinations check per-tensor digests against the source's.
         atomic: Whether destinations stage, verify and commit all or nothing (implies ``verify``).
         staging_device: Where an atomic sync's destinations stage (``None``: each tensor's own device).
@@ -50,6 +54,9 @@ class SyncOptions:
         mode: str,
         delta: Any = False,
     ) -> None:
+        self.any_version = version == ANY_VERSION  # a destination taking whichever version its source sends
+        if self.any_version:
+            version = None
         self.version = version
         self.verify = verify
         self.atomic = atomic
@@ -72,7 +79,7 @@ class SyncOptions:
         for label, value in (("verify", verify), ("atomic", atomic), ("delta", delta)):
             if not isinstance(value, bool):
                 wrong.append((TypeError, f"{label} must be a bool; got {type(value).__name__} {value!r}"))
-        if delta is True and version is None:
+        if delta is True and version is None and not self.any_version:
             wrong.append(
                 (
                     ValueError,
@@ -105,7 +112,7 @@ class SyncOptions:
         committed = CommContext().get_weight_version(self.record_as)
         ok = self.problem is None
         return [
-            self.version if ok and self.version is not None else -1,
+            _ANY if ok and self.any_version else self.version if ok and self.version is not None else -1,
             -1 if committed is None else committed,
             int(ok and self.verify),
             int(ok and self.atomic is True),
@@ -138,6 +145,23 @@ class SyncOptions:
         """
         self.committed = {rank: (None if row[1] < 0 else row[1]) for rank, row in zip(ranks, rows)}
         self.key = rows[ranks.index(src)][4]
+        if destinations is None:
+            destinations = {r for r in ranks if r != src}
+        if sources is None:
+            sources = {src}
+        takers = [r for r, row in zip(ranks, rows) if row[0] == _ANY]
+        if any(r in sources for r in takers):
+            raise ValueError(
+                f"{what}: nothing was transferred; version={ANY_VERSION!r} is a destination's (it takes the version "
+                f"its sources send), but sending members pass it (ranks {[r for r in takers if r in sources]}): a "
+                "source names the version it sends"
+            )
+        if takers:  # they take the version the others name (the same on every member), or none
+            named = {row[0] for row in rows if row[0] != _ANY}
+            agreed = named.pop() if len(named) == 1 else -1
+            rows = [[agreed if i == 0 and row[0] == _ANY else w for i, w in enumerate(row)] for row in rows]
+            if self.any_version:
+                self.version = None if agreed < 0 else agreed
         self.bases = {rank: row[6] for rank, row in zip(ranks, rows)}
         self.helds = {rank: row[7] for rank, row in zip(ranks, rows)}
         self.offers = {rank: row[8] for rank, row in zip(ranks, rows)}
@@ -154,10 +178,6 @@ class SyncOptions:
                 )
         if self.version is None:
             return
-        if destinations is None:
-            destinations = {r for r in ranks if r != src}
-        if sources is None:
-            sources = {src}
         stale = [(r, v) for r, v in self.committed.items() if r in destinations and v is not None and v >= self.version]
         other = [
             (r, v)

@@ -13,7 +13,7 @@ at once; on other backends in grouped ``batch_isend_irecv`` calls.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -43,7 +43,7 @@ def reshard_state_dict(
     wanted: Any = None,
     comm_mode: CommMode | ParallelMode | str = ParallelMode.WEIGHT_TRANSFER,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    version: int | None = None,
+    version: int | Literal["any"] | None = None,
     verify: bool = False,
     atomic: bool = False,
     staging_device: torch.device | str | None = None,
@@ -104,7 +104,9 @@ def reshard_state_dict(
         comm_mode: A mode whose members are the holders and wanters: of the world, or a connected mode.
         bucket_bytes: Largest staging buffer, in bytes; the value of the member of group rank 0 is used.
         version: The version these weights are, or ``None`` (an unversioned sync, which clears the destinations'
-            record). Every member passes the same.
+            record). Every member passes the same, except that a destination may pass ``"any"``: it takes the version
+            the sources name (and still refuses one at or below the version it committed), which the report and its
+            record then hold (an engine that receives in the background before it knows the trainer's next version).
         verify: Check every wanted slice's digest against the bytes the holders sent.
         atomic: All or nothing (implies ``verify``): stage, verify, then commit through the mode's store. Staging holds
             one more copy of this member's wanted slices, allocated for the call.
