@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.distributed.distributed_c10d import AllgatherOptions
 
-from rlightning_comm.failures import LAUNCH_ERRORS
+from rlightning_comm.failures import LAUNCH_ERRORS, await_work
 from rlightning_comm.weights._inputs import Problem
 from rlightning_comm.weights._memory import Kept
 from rlightning_comm.weights._transport import point_to_point
@@ -73,12 +73,12 @@ def exchange(comm: Any, words: list[int], memory: Kept, op: str = "broadcast_sta
         if comm.rank == 0:
             rows[0] = mine
             for work in [group.recv([rows[peer]], peer, HANDSHAKE_TAG) for peer in peers]:
-                work.wait()
+                await_work(comm, work, op)
             works = [group.send([rows], peer, HANDSHAKE_TAG) for peer in peers]
         else:
             works = [group.send([mine], 0, HANDSHAKE_TAG), group.recv([rows], 0, HANDSHAKE_TAG)]
         for work in works:
-            work.wait()
+            await_work(comm, work, op)
     except LAUNCH_ERRORS as err:
         raise comm._failure(op, err) from err
     return rows.tolist()
