@@ -109,6 +109,9 @@ class Watch:
         self._handshakes: dict[socket.socket, tuple[bytes, float]] = {}  # rank 0: challenge sent, read deadline
         self._closing = False
         self._dropped = False  # a member: rank 0 did not count it (it leaves quietly)
+        self._rank: int | None = None  # a member: its rank (rank 0 may name it as the lost one)
+        self._awake = time.monotonic()  # when the thread last looked at its sockets
+        self._suspect_until = 0.0  # until then the others may have left this process behind (see stalled)
         self._wake_r, self._wake_w = socket.socketpair()
         self._thread = threading.Thread(target=self._run, name=f"rlightning-comm-watch {where}", daemon=True)
 
@@ -164,6 +167,7 @@ class Watch:
             )
         sock.settimeout(None)
         watch = cls(False, on_lost, liveness, where)
+        watch._rank = rank
         watch._peers[sock] = _Peer(sock, 0, "")
         watch._thread.start()
         return watch
@@ -182,6 +186,13 @@ class Watch:
         with contextlib.suppress(OSError):
             self._wake_w.send(b"a")
 
+    def stalled(self) -> bool:
+        """Whether the others may have left this process behind: the watch has not run for three quarters of the
+        liveness bound (the process is stopped, or was until a moment ago), or it found such a gap less than the
+        liveness bound ago (a loss the others saw meanwhile may still be on its way)."""
+        now = time.monotonic()
+        return now - self._awake >= 0.75 * self._liveness or now < self._suspect_until
+
     def dropped(self) -> bool:
         """On a member: whether rank 0 dropped this process (it was not counted)."""
         return self._dropped
@@ -198,6 +209,16 @@ class Watch:
         try:
             while not self._closing:
                 now = time.monotonic()
+                if now - self._awake > self._liveness / 2:
+                    # This thread did not run for that long (the process was stopped, or starved): the silence since is
+                    # this process's own. What the peers sent meanwhile (a loss rank 0 named) is read before any of
+                    # them is judged silent, and the others may have given up on this process.
+                    with self._lock:
+                        for peer in self._peers.values():
+                            peer.heard = now
+                    if now - self._awake >= 0.75 * self._liveness:
+                        self._suspect_until = now + self._liveness
+                self._awake = now
                 if now >= next_ping:
                     next_ping = now + self._interval
                     if self._beat(now):
@@ -296,7 +317,10 @@ class Watch:
             if note is not None and note[0] == _DROPPED:
                 self._dropped = True
                 return True
-            if note is not None and note[0] in _LOST:
+            if note is not None and note[0] == _SILENT and note[1] == self._rank:
+                what = "(this process) stopped answering (rank 0 heard no heartbeat from it): the others left it behind"
+                self._report(peer, what, note[1])
+            elif note is not None and note[0] in _LOST:
                 self._report(peer, _LOST[note[0]], note[1])
             elif note is not None and note[0] == _CLOSING:
                 self._report(peer, "closed this generation (rank 0 re-forms the mode, or left)")
@@ -310,6 +334,9 @@ class Watch:
             return False
         if note is not None and note[0] == _LEAVING:
             self._report(peer, "left the mode (it called connect again, or destroy)", code=_LEFT)
+        elif note is not None and note[0] == _SILENT:  # a member gave up on this process while it was stopped
+            what = f"(this process) stopped answering: member {peer.rank} heard no heartbeat from it and left it behind"
+            self._report(peer, what, member=0, code=_SILENT)
         else:
             self._report(peer, "died (its connection closed)", code=_DIED)
         return True
@@ -334,10 +361,12 @@ class Watch:
     def _report(self, peer: _Peer, what: str, member: int | None = None, code: bytes = _DIED) -> None:
         """A loss: told to the other members on rank 0 (``code`` says what rank 0 saw), then to this process (once)."""
         lost = peer.rank if member is None else member
+        if not self._is_host and code == _SILENT:  # rank 0, if it was only stopped, reads why when it resumes
+            _send(peer.sock, _SILENT, lost)
         if self._is_host:
             with self._lock:
-                others = [p for p in self._peers.values() if p is not peer]
-            for other in others:
+                others = [p for p in self._peers.values() if p is not peer or code == _SILENT]
+            for other in others:  # a silent member too: one that was stopped reads, when it resumes, that it was lost
                 _send(other.sock, code, lost)
         self._on_lost(lost, what)
 
