@@ -8,13 +8,18 @@ for an async one, and raise what :func:`comm_failure` builds from it, chained to
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from rlightning_comm.errors import CommError, CommTimeoutError
+from rlightning_comm._compat import native_call
+from rlightning_comm.errors import CommError, CommTimeoutError, PeerLostError
+
+_T = TypeVar("_T")
 
 # After a timeout gloo closes the group's connections: the next op fails at once with this text, which names a timeout
 # but is not one.
@@ -72,6 +77,105 @@ def close_gloo_group(group: Any) -> None:
 
 
 _CLOSE_TAG = 0x4C4F5354  # "LOST": no member ever sends with it
+
+LOSS_GRACE = 1.25
+"""Seconds :func:`unless_lost` still waits for a call once a loss is known: a connected mode gives a call in flight 1 s
+after an orderly departure before it breaks the group, and a call that a broken group fails does so within
+milliseconds."""
+_LOOK = 0.02  # seconds between two looks at ``lost`` while the helper thread runs the call
+
+
+def mode_lost(comm: Any) -> bool:
+    """Whether ``comm``'s connected mode has lost a member (its group then refuses every call); ``False`` elsewhere."""
+    try:
+        comm.group.size()
+    except PeerLostError:
+        return True
+    return False
+
+
+def await_work(comm: Any, work: Any, op: str) -> None:
+    """Wait for ``work``, a send or receive of ``comm``'s group; on a connected mode, no longer than a loss allows.
+
+    gloo fails the pending operations of a connection that closes (the watch breaks the group on a loss), but not a
+    receive it is reading a message into: a receive whose sender died or stopped mid-message would wait out the group's
+    timeout. So on a connected mode the wait runs on a helper thread and is given up once the loss is known
+    (:func:`unless_lost`).
+
+    Raises:
+        PeerLostError: given up after a loss (naming the lost member).
+        CommTimeoutError: given up after the group's timeout and then some (the work's own timeout raises first).
+        Exception: what ``work.wait()`` raised.
+    """
+    if not comm._outside_world:
+        work.wait()
+        return
+    limit = (comm.timeout or 1800.0) + 5.0
+    try:
+        unless_lost(work.wait, lambda: mode_lost(comm), limit, f"{op} on mode {comm.mode!r}")
+    except Abandoned as err:
+        try:
+            comm.group.size()  # a lost generation's stand-in raises its PeerLostError
+        except PeerLostError as lost:
+            raise comm._failure(op, lost) from err
+        raise CommTimeoutError(f"{err} (the group's timeout is {comm.timeout:g} s)") from err
+
+
+class Abandoned(RuntimeError):
+    """:func:`unless_lost` gave up on a call (it goes on, on its thread, until it returns by itself)."""
+
+
+def unless_lost(call: Callable[[], _T], lost: Callable[[], bool], timeout: float, what: str) -> _T:
+    """``call()``, run on a helper thread and waited for until it returns, or until :data:`LOSS_GRACE` seconds after
+    ``lost()`` first said ``True``, or ``timeout`` seconds.
+
+    For a native call that a loss can leave blocked with nothing left to wake it: a gloo receive whose sender stopped or
+    died in the middle of its message (gloo fails a pair's pending operations when the pair closes, but not the receive
+    it is reading into, which then waits out the group's timeout), or an operation on a store whose host went dark
+    (torch's store client waits for the reply without a bound). The abandoned call runs inside
+    :func:`~rlightning_comm._compat.native_call`, so that it does not return into the interpreter's finalisation.
+
+    Args:
+        call: The blocking call.
+        lost: Whether the group's connected mode has lost a member (``lambda: False`` elsewhere).
+        timeout: The most seconds to wait with no loss known.
+        what: What the call waits for, for the message.
+
+    Returns:
+        What ``call`` returned.
+
+    Raises:
+        Abandoned: the call did not return within the bound (it goes on on its thread, its result dropped).
+        Exception: what ``call`` raised.
+    """
+    done: dict[str, Any] = {}
+
+    def run() -> None:
+        with native_call() as allowed:
+            try:
+                if not allowed:
+                    raise Abandoned(f"{what}: the interpreter exits")
+                done["result"] = call()
+            except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
+                done["error"] = err
+
+    thread = threading.Thread(target=run, name=f"rlightning-comm-wait {what}", daemon=True)
+    thread.start()
+    start = time.monotonic()
+    seen: float | None = None
+    while True:
+        thread.join(_LOOK)
+        if not thread.is_alive():
+            break
+        now = time.monotonic()
+        if seen is None and lost():
+            seen = now
+        if (seen is not None and now - seen >= LOSS_GRACE) or now - start >= timeout:
+            why = "the mode lost a member" if seen is not None else f"{timeout:g} s passed"
+            raise Abandoned(f"{what} did not end: {why}; given up on")
+    if "error" in done:
+        raise done["error"]
+    return done["result"]
 
 
 def comm_failure(err: BaseException, mode: str, op: str, timeout: float | None) -> Exception:

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from rlightning_comm.connect._liveness import proof
+from rlightning_comm.connect._messages import proof
 from rlightning_comm.errors import CommTimeoutError, PeerLostError
 
 # After rank 0's own deadline the others wait this much longer for its verdict, which names who did not come.

@@ -85,6 +85,7 @@ class Connection:
         class's)."""
         self.comm = comm
         comm._failure = self.failure  # type: ignore[method-assign]
+        comm._left_behind = self.left_behind  # type: ignore[attr-defined]  # read at an atomic sync's commit point
         if self.lost is not None:  # lost while the group was being built
             self._refuse()
 
@@ -125,6 +126,12 @@ class Connection:
                     break_group(group)
             except Exception:  # noqa: BLE001 - destroyed meanwhile: nothing is in flight on it any more
                 pass
+
+    def left_behind(self) -> bool:
+        """Whether the others may have gone on without this process: it was stopped for most of the liveness bound
+        (see :meth:`Watch.stalled`), whether or not the loss they saw has reached it yet."""
+        watch = self.watch
+        return watch is not None and watch.stalled()
 
     def interrupt(self) -> None:
         """Raise :class:`PeerLostError` if this generation was lost (called by the forming's waits)."""

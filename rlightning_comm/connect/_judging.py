@@ -29,7 +29,7 @@ from typing import Any
 import torch.distributed as dist
 
 from rlightning_comm.connect._forming import POLL, Interrupt, Opening, wait
-from rlightning_comm.connect._liveness import proof
+from rlightning_comm.connect._messages import proof
 from rlightning_comm.errors import CommError, CommMismatchError, CommTimeoutError, PeerLostError
 
 # A late arrival claiming the rank of a counted member waits this long to learn that member was lost, before it is told

@@ -27,69 +27,37 @@ not a loss.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import hmac
-import os
 import selectors
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
 
+from rlightning_comm.connect._admission import Admission, Peer
+from rlightning_comm.connect._messages import (
+    ACK,
+    CHALLENGE,
+    CLOSING,
+    DIED,
+    DROPPED,
+    HELLO,
+    LEAVING,
+    LEFT,
+    LOST,
+    PING,
+    SILENT,
+    connect_to,
+    proof,
+    recv_note,
+    send,
+)
 from rlightning_comm.errors import CommError, CommTimeoutError
-
-_NOTE = struct.Struct("!cI")  # a message: kind, member
-_HELLO = struct.Struct("!I16s32s")  # a member's answer to the challenge: its rank, its token, the proof
-_CHALLENGE = 16
-_PING, _ACK, _DROPPED, _LEAVING, _CLOSING = b"P", b"A", b"N", b"B", b"R"
-# Rank 0 naming a lost member to the others, by what it saw.
-_LOST = {
-    b"L": "died (its connection closed; rank 0 saw it)",
-    b"M": "left the mode (it called connect again, or destroy; rank 0 saw it)",
-    b"S": "stopped answering (rank 0 heard no heartbeat from it)",
-}
-_DIED, _LEFT, _SILENT = _LOST
-HANDSHAKE_TIMEOUT = 5.0  # how long rank 0 waits for a connection's proof; how long a member waits for rank 0's answer
-_CONNECT_TRIES = 5  # a refused connection to the watch is tried again (see _connect)
 
 # (lost member or None, what happened): called once, on the watch's thread.
 OnLost = Callable[[int | None, str], None]
 
 
-def proof(secret: str | None, *parts: object) -> bytes:
-    """The HMAC-SHA256 of ``parts`` under ``secret`` (32 zero bytes for a mode without a secret)."""
-    if secret is None:
-        return bytes(32)
-    message = "|".join(map(str, parts)).encode()
-    return hmac.new(secret.encode(), message, hashlib.sha256).digest()
-
-
-def _recv_note(sock: socket.socket) -> tuple[bytes, int] | None:
-    try:
-        data = sock.recv(_NOTE.size, socket.MSG_WAITALL)
-    except OSError:
-        return None
-    return _NOTE.unpack(data) if len(data) == _NOTE.size else None
-
-
-def _send(sock: socket.socket, kind: bytes, member: int = 0) -> bool:
-    try:
-        sock.sendall(_NOTE.pack(kind, member))
-    except OSError:
-        return False
-    return True
-
-
-class _Peer:
-    """A connection the watch keeps: who is at the other end, and when it was last heard from."""
-
-    def __init__(self, sock: socket.socket, rank: int, token: str) -> None:
-        self.sock, self.rank, self.token = sock, rank, token
-        self.heard = time.monotonic()
-
-
-class Watch:
+class Watch(Admission):
     """The sockets of one generation and the thread that watches them.
 
     Build it with :meth:`host` on rank 0 (before the generation opens) or :meth:`join` on the other members.
@@ -102,13 +70,16 @@ class Watch:
         self._interval = liveness / 4
         self._where = where
         self._lock = threading.Lock()
-        self._peers: dict[socket.socket, _Peer] = {}
+        self._peers: dict[socket.socket, Peer] = {}
         self._admitted: set[str] | None = None  # rank 0: the tokens the verdict counted (None: no verdict yet)
         self._listener: socket.socket | None = None
         self._secret: str | None = None
         self._handshakes: dict[socket.socket, tuple[bytes, float]] = {}  # rank 0: challenge sent, read deadline
         self._closing = False
         self._dropped = False  # a member: rank 0 did not count it (it leaves quietly)
+        self._rank: int | None = None  # a member: its rank (rank 0 may name it as the lost one)
+        self._awake = time.monotonic()  # when the thread last looked at its sockets
+        self._suspect_until = 0.0  # until then the others may have left this process behind (see stalled)
         self._wake_r, self._wake_w = socket.socketpair()
         self._thread = threading.Thread(target=self._run, name=f"rlightning-comm-watch {where}", daemon=True)
 
@@ -142,21 +113,21 @@ class Watch:
         """
         host, port = address
         try:
-            sock = _connect(address, deadline)
-            challenge = sock.recv(_CHALLENGE, socket.MSG_WAITALL)
-            if len(challenge) == _CHALLENGE:
-                sock.sendall(_HELLO.pack(rank, bytes.fromhex(token), proof(secret, challenge.hex(), rank, token)))
-                note = _recv_note(sock)
+            sock = connect_to(address, deadline)
+            challenge = sock.recv(CHALLENGE, socket.MSG_WAITALL)
+            if len(challenge) == CHALLENGE:
+                sock.sendall(HELLO.pack(rank, bytes.fromhex(token), proof(secret, challenge.hex(), rank, token)))
+                note = recv_note(sock)
             else:
                 note = None
         except OSError as err:
             raise CommTimeoutError(f"{where}: could not reach rank 0's watch at {host}:{port}: {err}") from err
-        if note is not None and note[0] == _DROPPED:  # the verdict was given without this process
+        if note is not None and note[0] == DROPPED:  # the verdict was given without this process
             sock.close()
             watch = cls(False, on_lost, liveness, where)
             watch._dropped = True
             return watch
-        if note is None or note[0] != _ACK:
+        if note is None or note[0] != ACK:
             sock.close()
             raise CommError(
                 f"{where}: rank 0 refused this process: it could not prove the mode's secret. Pass every member the "
@@ -164,7 +135,8 @@ class Watch:
             )
         sock.settimeout(None)
         watch = cls(False, on_lost, liveness, where)
-        watch._peers[sock] = _Peer(sock, 0, "")
+        watch._rank = rank
+        watch._peers[sock] = Peer(sock, 0, "")
         watch._thread.start()
         return watch
 
@@ -182,6 +154,13 @@ class Watch:
         with contextlib.suppress(OSError):
             self._wake_w.send(b"a")
 
+    def stalled(self) -> bool:
+        """Whether the others may have left this process behind: the watch has not run for three quarters of the
+        liveness bound (the process is stopped, or was until a moment ago), or it found such a gap less than the
+        liveness bound ago (a loss the others saw meanwhile may still be on its way)."""
+        now = time.monotonic()
+        return now - self._awake >= 0.75 * self._liveness or now < self._suspect_until
+
     def dropped(self) -> bool:
         """On a member: whether rank 0 dropped this process (it was not counted)."""
         return self._dropped
@@ -198,6 +177,16 @@ class Watch:
         try:
             while not self._closing:
                 now = time.monotonic()
+                if now - self._awake > self._liveness / 2:
+                    # This thread did not run for that long (the process was stopped, or starved): the silence since is
+                    # this process's own. What the peers sent meanwhile (a loss rank 0 named) is read before any of
+                    # them is judged silent, and the others may have given up on this process.
+                    with self._lock:
+                        for peer in self._peers.values():
+                            peer.heard = now
+                    if now - self._awake >= 0.75 * self._liveness:
+                        self._suspect_until = now + self._liveness
+                self._awake = now
                 if now >= next_ping:
                     next_ping = now + self._interval
                     if self._beat(now):
@@ -229,76 +218,34 @@ class Watch:
         with self._lock:
             peers = list(self._peers.values())
         for peer in peers:
-            _send(peer.sock, _PING)
+            send(peer.sock, PING)
         for peer in peers:
             if now - peer.heard > self._liveness:
                 what = (
                     f"stopped answering (no heartbeat for {self._liveness:g} s: stopped, hung, or its node is "
                     "unreachable)"
                 )
-                self._report(peer, what, code=_SILENT)
+                self._report(peer, what, code=SILENT)
                 return True
         return False
-
-    def _accept(self, selector: selectors.BaseSelector) -> None:
-        assert self._listener is not None
-        try:
-            sock, _ = self._listener.accept()
-        except OSError:
-            return
-        challenge = os.urandom(_CHALLENGE)
-        sock.setblocking(True)
-        sock.settimeout(HANDSHAKE_TIMEOUT)
-        if not _send_raw(sock, challenge):
-            sock.close()
-            return
-        self._handshakes[sock] = (challenge, time.monotonic() + HANDSHAKE_TIMEOUT)
-        selector.register(sock, selectors.EVENT_READ, "handshake")
-
-    def _handshake(self, selector: selectors.BaseSelector, sock: socket.socket) -> None:
-        """A connection's answer to its challenge: a candidate if it proves the secret, else refused (closed)."""
-        challenge, _ = self._handshakes.pop(sock)
-        selector.unregister(sock)
-        try:
-            sock.settimeout(0.2)  # the answer is one small message, sent at once: a partial one is refused
-            data = sock.recv(_HELLO.size, socket.MSG_WAITALL)
-        except OSError:
-            data = b""
-        if len(data) != _HELLO.size:
-            sock.close()
-            return
-        rank, token, mac = _HELLO.unpack(data)
-        if not hmac.compare_digest(mac, proof(self._secret, challenge.hex(), rank, token.hex())):
-            sock.close()  # a process that does not hold the secret: refused
-            return
-        with self._lock:
-            late = self._admitted is not None  # the verdict was given without it: it reads the verdict
-            if not late:
-                self._peers[sock] = _Peer(sock, rank, token.hex())
-        if late or not _send(sock, _ACK):
-            if late:
-                _send(sock, _DROPPED)
-            with self._lock:
-                self._peers.pop(sock, None)
-            sock.close()
-            return
-        sock.settimeout(2.0)
-        selector.register(sock, selectors.EVENT_READ, "peer")
 
     def _note(self, selector: selectors.BaseSelector, sock: socket.socket) -> bool:
         """One message (or a closed connection) from a peer; whether a loss was reported."""
         peer = self._peers[sock]
-        note = _recv_note(sock)
-        if note is not None and note[0] == _PING:
+        note = recv_note(sock)
+        if note is not None and note[0] == PING:
             peer.heard = time.monotonic()
             return False
         if not self._is_host:
-            if note is not None and note[0] == _DROPPED:
+            if note is not None and note[0] == DROPPED:
                 self._dropped = True
                 return True
-            if note is not None and note[0] in _LOST:
-                self._report(peer, _LOST[note[0]], note[1])
-            elif note is not None and note[0] == _CLOSING:
+            if note is not None and note[0] == SILENT and note[1] == self._rank:
+                what = "(this process) stopped answering (rank 0 heard no heartbeat from it): the others left it behind"
+                self._report(peer, what, note[1])
+            elif note is not None and note[0] in LOST:
+                self._report(peer, LOST[note[0]], note[1])
+            elif note is not None and note[0] == CLOSING:
                 self._report(peer, "closed this generation (rank 0 re-forms the mode, or left)")
             else:
                 self._report(peer, "died (its connection closed)")
@@ -308,10 +255,13 @@ class Watch:
         if not counted:  # a late arrival leaving: not a member of this generation
             self._forget(selector, sock)
             return False
-        if note is not None and note[0] == _LEAVING:
-            self._report(peer, "left the mode (it called connect again, or destroy)", code=_LEFT)
+        if note is not None and note[0] == LEAVING:
+            self._report(peer, "left the mode (it called connect again, or destroy)", code=LEFT)
+        elif note is not None and note[0] == SILENT:  # a member gave up on this process while it was stopped
+            what = f"(this process) stopped answering: member {peer.rank} heard no heartbeat from it and left it behind"
+            self._report(peer, what, member=0, code=SILENT)
         else:
-            self._report(peer, "died (its connection closed)", code=_DIED)
+            self._report(peer, "died (its connection closed)", code=DIED)
         return True
 
     def _prune(self, selector: selectors.BaseSelector) -> None:
@@ -320,7 +270,7 @@ class Watch:
             admitted = self._admitted or set()
             dropped = [sock for sock, peer in self._peers.items() if peer.token not in admitted]
         for sock in dropped:
-            _send(sock, _DROPPED)
+            send(sock, DROPPED)
             self._forget(selector, sock)
 
     def _forget(self, selector: selectors.BaseSelector, sock: socket.socket) -> None:
@@ -331,24 +281,26 @@ class Watch:
             self._peers.pop(sock, None)
         sock.close()
 
-    def _report(self, peer: _Peer, what: str, member: int | None = None, code: bytes = _DIED) -> None:
+    def _report(self, peer: Peer, what: str, member: int | None = None, code: bytes = DIED) -> None:
         """A loss: told to the other members on rank 0 (``code`` says what rank 0 saw), then to this process (once)."""
         lost = peer.rank if member is None else member
+        if not self._is_host and code == SILENT:  # rank 0, if it was only stopped, reads why when it resumes
+            send(peer.sock, SILENT, lost)
         if self._is_host:
             with self._lock:
-                others = [p for p in self._peers.values() if p is not peer]
-            for other in others:
-                _send(other.sock, code, lost)
+                others = [p for p in self._peers.values() if p is not peer or code == SILENT]
+            for other in others:  # a silent member too: one that was stopped reads, when it resumes, that it was lost
+                send(other.sock, code, lost)
         self._on_lost(lost, what)
 
     def close(self) -> None:
         """Leave: tell the other end (rank 0 tells every member it closes; a member tells rank 0 it leaves), stop the
         thread."""
-        kind = _CLOSING if self._is_host else _LEAVING
+        kind = CLOSING if self._is_host else LEAVING
         with self._lock:  # the thread reports nothing more, and closes no socket before the others were told
             self._closing = True
             for peer in self._peers.values():
-                _send(peer.sock, kind)
+                send(peer.sock, kind)
         with contextlib.suppress(OSError):
             self._wake_w.send(b"x")
         if self._thread.ident is not None and self._thread is not threading.current_thread():
@@ -365,30 +317,3 @@ class Watch:
             for sock in socks:
                 with contextlib.suppress(OSError):
                     sock.close()
-
-
-def _send_raw(sock: socket.socket, data: bytes) -> bool:
-    try:
-        sock.sendall(data)
-    except OSError:
-        return False
-    return True
-
-
-def _connect(address: tuple[str, int], deadline: float) -> socket.socket:
-    """A connection to rank 0's watch, tried again after a refusal while ``deadline`` allows.
-
-    The listener is open for the generation's whole life, so a refusal is a
-    transient: most likely a TIME_WAIT entry of an older connection with the
-    same addresses and ports (the listener's port is picked from the range the clients' ports come from), which answers
-    the new SYN with a reset.
-    """
-    for attempt in range(_CONNECT_TRIES):
-        timeout = max(0.001, min(HANDSHAKE_TIMEOUT, deadline - time.monotonic()))
-        try:
-            return socket.create_connection(address, timeout=timeout)
-        except ConnectionRefusedError:
-            if attempt == _CONNECT_TRIES - 1 or time.monotonic() + 0.05 >= deadline:
-                raise
-            time.sleep(0.05)
-    raise AssertionError("unreachable")

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from rlightning_comm.errors import CommError
-from rlightning_comm.failures import LAUNCH_ERRORS, close_gloo_group
+from rlightning_comm.failures import LAUNCH_ERRORS, await_work, close_gloo_group
 from rlightning_comm.weights.broadcast._plan import Plan
 
 _TAG = 0x5754  # the point-to-point tag of every unit ("WT"); other traffic on the group is told apart by its own tags
@@ -283,7 +283,7 @@ class Transfer:
         sent = self._from is None if sent is None else sent
         for k, work in enumerate(works):
             try:
-                work.wait()
+                await_work(self._comm, work, "broadcast_state_dict")
             except CommError:
                 if self._sends and sent and self._peers:
                     self._failed_peer = self._peers[

@@ -15,7 +15,6 @@ A transfer kind calls :class:`Sync` with its own data phase; nothing here knows 
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -23,8 +22,8 @@ from typing import Any
 import torch
 
 from rlightning_comm.errors import CommError, CommMismatchError, PeerLostError
-from rlightning_comm.failures import close_gloo_group
-from rlightning_comm.weights.commit._digest import differing, fingerprint
+from rlightning_comm.failures import LOSS_GRACE, close_gloo_group, mode_lost, unless_lost
+from rlightning_comm.weights.commit._checks import SourceCheck
 from rlightning_comm.weights.commit._report import WeightSyncReport
 from rlightning_comm.weights.commit._versions import SyncOptions, commit, forget
 from rlightning_comm.weights.core._memory import kept
@@ -37,49 +36,28 @@ _FIRST_PAUSE, _LAST_PAUSE = 0.0005, 0.01
 
 
 def _lost(comm: Any) -> bool:
-    """Whether ``comm``'s connected mode has lost a member (its group then refuses every call); ``False`` elsewhere."""
-    try:
-        comm.group.size()
-    except PeerLostError:
-        return True
-    return False
+    """Whether ``comm``'s connected mode has lost a member (its group then refuses every call), or this process may
+    have been left behind by the others (its watch did not run for most of the liveness bound: it was stopped);
+    ``False`` elsewhere."""
+    behind = getattr(comm, "_left_behind", None)
+    return mode_lost(comm) or (behind is not None and behind())
 
 
-def shown(names: list[str]) -> str:
-    """Up to eight names, quoted."""
-    return ", ".join(repr(n) for n in names[:8]) + (", ..." if len(names) > 8 else "")
+def _peer_lost(comm: Any, op: str) -> PeerLostError | None:
+    """The :class:`PeerLostError` of ``comm``'s lost generation (naming the lost member), or ``None``.
 
-
-class SourceCheck:
-    """Verification against one source: every member's digests must equal the source's (a fingerprint of two words
-    per member, then the texts of the source and of the members that differ)."""
-
-    def __init__(self, comm: Any, src: int) -> None:
-        self._comm = comm
-        self._src = src
-
-    def words(self, mine: dict[str, int]) -> list[int]:
-        """This member's words for the round: a fingerprint of its digests."""
-        return fingerprint(mine)
-
-    def bad(self, rows: list[list[int]]) -> list[int]:
-        """The ranks whose digests differ from the source's."""
-        src_row = rows[self._comm.ranks.index(self._src)]
-        return [rank for rank, row in zip(self._comm.ranks, rows) if row != src_row]
-
-    def text(self, mine: dict[str, int], bad: list[int]) -> str | None:
-        """This member's digests when they are needed to name the tensors (the source's, a differing member's)."""
-        me = self._comm._global_rank
-        return json.dumps(mine) if me == self._src or me in bad else None
-
-    def mismatch(self, texts: dict[int, str | None], bad: list[int]) -> str:
-        """The message naming each differing member's tensors."""
-        reference = json.loads(texts[self._src] or "{}")
-        named = []
-        for rank in bad:
-            names = differing(reference, json.loads(texts[rank] or "{}"))
-            named.append(f"rank {rank}: {len(names)} tensors differ ({shown(names)})")
-        return f"digests differ from the source's (rank {self._src}): {'; '.join(named)}"
+    A process that was stopped may look at it before its watch has read what the others said meanwhile: then the
+    watch's word is waited for, briefly.
+    """
+    deadline = time.monotonic() + LOSS_GRACE
+    while True:
+        try:
+            comm.group.size()
+        except PeerLostError as err:
+            return comm._failure(op, err)
+        if not _lost(comm) or time.monotonic() > deadline:
+            return None
+        time.sleep(_LAST_PAUSE)
 
 
 class Sync:
@@ -245,6 +223,8 @@ class Sync:
         else:
             verdict = self._await_decision()
         if verdict != COMMIT:
+            if failure is None and mismatch is None:
+                failure = _peer_lost(comm, self._what)  # the loss is the error, naming the lost member
             if failure is not None:
                 raise self._not_committed(failure, verdict) from failure
             error = CommMismatchError if mismatch is not None or "digests differ" in verdict else CommError
@@ -256,10 +236,24 @@ class Sync:
     def _decide(self, verdict: str) -> str:
         """Record ``verdict`` as the decision unless one is recorded; the decision that holds (``"unknown: ..."`` when
         the store cannot be reached)."""
+        if verdict == COMMIT and _lost(self._comm):
+            # Every member voted, but a member was lost since, or this one was stopped: the others may have given up on
+            # the sync already, and a commit now could be this member's alone.
+            verdict = "abort: a member of the mode was lost, or this member was stopped, before the commit"
         try:
-            return self._store.compare_set(self._key, "", verdict).decode()
-        except RuntimeError as err:  # the store's host is gone
+            return self._at_store(lambda: self._store.compare_set(self._key, "", verdict)).decode()
+        except RuntimeError as err:  # the store's host is gone, or dark
             return f"unknown: the mode's store could not be reached ({err})"
+
+    def _at_store(self, call: Callable[[], Any]) -> Any:
+        """``call()`` on the mode's store, given up once the mode lost a member (its host may be dark: torch's store
+        client waits for a reply without a bound) or after the group's timeout.
+
+        Raises:
+            RuntimeError: the store's error, or :class:`~rlightning_comm.failures.Abandoned`.
+        """
+        comm = self._comm
+        return unless_lost(call, lambda: _lost(comm), comm.timeout or 1800.0, f"the store of mode {comm.mode!r}")
 
     def _await_decision(self) -> str:
         """On a destination: the decision, once recorded; ``abort`` recorded by this member when the mode lost a member
@@ -270,9 +264,9 @@ class Sync:
         while True:
             try:
                 # check(), not a wait with a short timeout: a TCPStore logs a warning for every wait that times out.
-                if self._store.check([self._key]):
-                    return self._store.get(self._key).decode()
-            except RuntimeError as err:  # the store's host is gone
+                if self._at_store(lambda: self._store.check([self._key])):
+                    return self._at_store(lambda: self._store.get(self._key)).decode()
+            except RuntimeError as err:  # the store's host is gone, or dark
                 return f"unknown: the mode's store could not be reached ({err})"
             time.sleep(pause)
             pause = min(2 * pause, _LAST_PAUSE)

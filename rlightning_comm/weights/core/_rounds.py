@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch.distributed.distributed_c10d import AllgatherOptions
 
-from rlightning_comm.errors import CommTimeoutError
-from rlightning_comm.failures import LAUNCH_ERRORS
+from rlightning_comm.errors import CommError, CommTimeoutError
+from rlightning_comm.failures import LAUNCH_ERRORS, await_work
 from rlightning_comm.weights.core._checks import Problem
 from rlightning_comm.weights.core._memory import Kept
 from rlightning_comm.weights.core._wire import mode_store, point_to_point
@@ -88,7 +88,7 @@ def exchange(comm: Any, words: list[int], memory: Kept, op: str = "broadcast_sta
         else:
             works = [group.send([mine], 0, HANDSHAKE_TAG), group.recv([rows], 0, HANDSHAKE_TAG)]
         for work in works:
-            work.wait()
+            await_work(comm, work, op)
     except LAUNCH_ERRORS as err:
         # A member that waited as long as the group's timeout: member 0 may have found a member absent (gloo then
         # closes every connection of the group, so it says so through the mode's store instead).
@@ -140,7 +140,12 @@ def _collect(comm: Any, op: str, recvs: list[tuple[int, Any]]) -> list[int]:
     absent = []
     for peer, work in recvs:
         try:
-            work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.05)))
+            if comm._outside_world:  # a connected mode: given up once a loss is known, else at gloo's own timeout
+                await_work(comm, work, op)
+            else:
+                work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.05)))
+        except CommError:  # the library's own (a lost member): as it is
+            raise
         except LAUNCH_ERRORS as err:
             if not _timed_out(err):
                 raise comm._failure(op, err) from err

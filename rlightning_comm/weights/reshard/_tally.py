@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
+from rlightning_comm.weights.commit._checks import shown
 from rlightning_comm.weights.commit._digest import block_digest
-from rlightning_comm.weights.commit._sync import shown
 
 _MASK = (1 << 64) - 1
 
