@@ -220,11 +220,18 @@ def _publish(
         items, problem = named_tensors(state_dict, True)
         if problem is None and isinstance(items, list):  # else the call itself reports it, on every member
             pool = captures(memory)
-            copies = pool.take([t for _, t in items])
-            state_dict = [(name, copy) for (name, _), copy in zip(items, copies)]
+            try:
+                copies = pool.take([t for _, t in items])
+            except Exception as err:  # noqa: BLE001 - raised by the call on every member, before any byte moves
+                options.problem = options.problem or (
+                    RuntimeError,
+                    f"async_op: its tensors could not be captured: {err}",
+                )
+            else:
+                state_dict = [(name, copy) for (name, _), copy in zip(items, copies)]
 
-            def release() -> None:
-                pool.give_back(copies)
+                def release() -> None:
+                    pool.give_back(copies)
 
     captured = state_dict
     return StateDictTransfer(

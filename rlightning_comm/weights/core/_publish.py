@@ -42,8 +42,8 @@ class Captures:
         self._lock = threading.Lock()
 
     def take(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Copies of ``tensors`` (same dtypes, shapes, strides, devices; the same view captured once, so tied tensors
-        stay tied), in buffers kept from an earlier publish where they fit."""
+        """Copies of ``tensors`` (same dtypes, shapes and devices, and strides where they are dense; the same view
+        captured once, so tied tensors stay tied), in buffers kept from an earlier publish where they fit."""
         firsts: dict[tuple[int, _Key], int] = {}
         order: list[int] = []
         uniques: list[torch.Tensor] = []
@@ -58,7 +58,7 @@ class Captures:
             found = next((i for i, (k, _) in enumerate(self._free) if k == keys), None)
             buffers = self._free.pop(found)[1] if found is not None else None
         if buffers is None:
-            buffers = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) for t in uniques]
+            buffers = [torch.empty_like(t, memory_format=torch.preserve_format) for t in uniques]  # overlap: dense
         with torch.no_grad():
             for buffer, t in zip(buffers, uniques):
                 buffer.copy_(t.detach())

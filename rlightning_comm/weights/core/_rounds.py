@@ -24,7 +24,7 @@ import torch
 from torch.distributed.distributed_c10d import AllgatherOptions
 
 from rlightning_comm.errors import CommError, CommTimeoutError
-from rlightning_comm.failures import LAUNCH_ERRORS, await_work
+from rlightning_comm.failures import LAUNCH_ERRORS, await_work, close_gloo_group
 from rlightning_comm.weights.core._checks import Problem
 from rlightning_comm.weights.core._memory import Kept
 from rlightning_comm.weights.core._wire import mode_store, point_to_point
@@ -78,54 +78,60 @@ def exchange(comm: Any, words: list[int], memory: Kept, op: str = "broadcast_sta
     group, peers = comm.group, range(1, comm.world_size)
     memory.rounds += 1
     started = time.monotonic()
+    absent: list[int] = []
     try:
         if comm.rank == 0:
             rows[0] = mine
             absent = _collect(comm, op, [(peer, group.recv([rows[peer]], peer, HANDSHAKE_TAG)) for peer in peers])
-            if absent:
-                raise _absent(comm, op, [comm.ranks[r] for r in absent], memory.rounds)
-            works = [group.send([rows], peer, HANDSHAKE_TAG) for peer in peers]
+            works = [] if absent else [group.send([rows], peer, HANDSHAKE_TAG) for peer in peers]
         else:
             works = [group.send([mine], 0, HANDSHAKE_TAG), group.recv([rows], 0, HANDSHAKE_TAG)]
         for work in works:
             await_work(comm, work, op)
+    except CommError:  # the library's own: a loss the watch named
+        raise
     except LAUNCH_ERRORS as err:
         # A member that waited as long as the group's timeout: member 0 may have found a member absent (gloo then
         # closes every connection of the group, so it says so through the mode's store instead).
-        gone = _noted(comm, memory.rounds) if time.monotonic() - started > 0.9 * _timeout(comm) else None
+        waited = time.monotonic() - started > 0.9 * _timeout(comm)
+        gone = _noted(comm, memory.rounds) if waited else None
         if gone is not None:
             raise _absent(comm, op, gone, None) from err
+        close_gloo_group(comm.group)  # a member failed the round: no other may wait out the group's timeout for it
         raise comm._failure(op, err) from err
+    if absent:
+        raise _absent(comm, op, [comm.ranks[r] for r in absent], memory.rounds)
     return rows.tolist()
 
 
 def _absent(comm: Any, op: str, gone: list[int], note: int | None) -> CommTimeoutError:
     """The error of a round some members did not join (on member 0, ``note``: the round, noted in the mode's store for
     the others first)."""
-    store = mode_store(comm) if note is not None else None
-    if store is not None:
+    if note is not None:
         with contextlib.suppress(Exception):  # the note is a courtesy: the others then fail at their own timeout
-            store.set(f"{_NOTE}/{note}", json.dumps(gone))
+            store = mode_store(comm)
+            if store is not None:
+                store.set(f"{_NOTE}/{note}", json.dumps(gone))
     return CommTimeoutError(
-        f"{op}: the members at ranks {gone} of mode {comm.mode!r} did not join within the group's timeout "
-        f"({_timeout(comm):g} s), while every other member called {op}; nothing was transferred"
+        f"{op} on mode {comm.mode!r} timed out after {_timeout(comm):g} s (the group's timeout): the members at ranks "
+        f"{gone} did not join it, while every other member called it; nothing was transferred"
     )
 
 
 def _noted(comm: Any, round_: int) -> list[int] | None:
     """The absent members member 0 noted for ``round_``, waiting a few seconds for the note; ``None``: none."""
-    store = mode_store(comm)
-    if store is None:
-        return None
     key = f"{_NOTE}/{round_}"
     deadline = time.monotonic() + _GRACE
     try:
+        store = mode_store(comm)
+        if store is None:
+            return None
         while not store.check([key]):
             if time.monotonic() > deadline:
                 return None
             time.sleep(0.02)
         return json.loads(store.get(key))
-    except Exception:  # noqa: BLE001 - the store's host is gone: no note
+    except Exception:  # noqa: BLE001 - no store this group reaches, or its host is gone: no note
         return None
 
 
@@ -147,7 +153,10 @@ def _collect(comm: Any, op: str, recvs: list[tuple[int, Any]]) -> list[int]:
         except CommError:  # the library's own (a lost member): as it is
             raise
         except LAUNCH_ERRORS as err:
-            if not _timed_out(err):
+            # Absent: its words did not come within the group's timeout (gloo then closes every connection, so the
+            # peers after it fail at once); anything earlier is a failure of the round, raised as such.
+            if not (_timed_out(err) and time.monotonic() > deadline - 0.1 * _timeout(comm)):
+                close_gloo_group(comm.group)
                 raise comm._failure(op, err) from err
             absent.append(peer)
     return absent

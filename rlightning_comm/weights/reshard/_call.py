@@ -154,13 +154,17 @@ def _publish(comm: Any, held: Any, wanted: Any, bucket_bytes: Any, options: Sync
     if problem is None and names:  # else the call itself reports it, on every member
         pool = captures(memory)
         blocks = [(name, e.global_shape, b) for name, e in names.items() for b in e.held]
-        copies = pool.take([b.tensor for _, _, b in blocks])
-        held = {}
-        for (name, shape, b), copy in zip(blocks, copies):
-            held.setdefault(name, []).append(TensorSlice(copy, b.offsets, shape))
+        try:
+            copies = pool.take([b.tensor for _, _, b in blocks])
+        except Exception as err:  # noqa: BLE001 - raised by the call on every member, before any byte moves
+            options.problem = options.problem or (RuntimeError, f"async_op: its tensors could not be captured: {err}")
+        else:
+            held = {}
+            for (name, shape, b), copy in zip(blocks, copies):
+                held.setdefault(name, []).append(TensorSlice(copy, b.offsets, shape))
 
-        def release() -> None:
-            pool.give_back(copies)
+            def release() -> None:
+                pool.give_back(copies)
 
     captured = held
     return StateDictTransfer(memory, lambda: reshard(comm, captured, wanted, bucket_bytes, options), OP, release)
