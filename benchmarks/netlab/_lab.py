@@ -322,6 +322,24 @@ class Lab:
         the host's own interface stays up (as when a switch port or cable fails; no reset reaches anyone)."""
         _run("ip", "-n", self.bridge, "link", "set", f"h{host}", "nomaster")
 
+    def port_bytes(self, host: int) -> tuple[int, int]:
+        """Bytes ``host`` has sent into its link and received from it so far (its bridge port's counters)."""
+
+        def read() -> str:
+            with open("/proc/thread-self/net/dev") as f:  # this thread's namespace (``/proc/net`` is the process's)
+                return f.read()
+
+        for line in self.run_in_bridge(read).splitlines():
+            name, _, fields = line.partition(":")
+            if name.strip() == f"h{host}":
+                values = fields.split()
+                return int(values[0]), int(values[8])  # the port receives what the host sends, and the other way
+        raise LabError(f"no port h{host} on the bridge of {self.name}")
+
+    def run_in_bridge(self, fn: Callable[[], Any], timeout: float = 10.0) -> Any:
+        """``fn()`` in a thread of this process in the bridge's namespace."""
+        return in_namespace(self.bridge, fn, timeout)
+
     def restore(self, host: int) -> None:
         """Undo :meth:`cut`."""
         _run("ip", "-n", self.bridge, "link", "set", f"h{host}", "master", "br0")
