@@ -121,10 +121,15 @@ def test_a_stopped_driver_leaves_no_namespace(how):
 @needs_lab
 @pytest.mark.parametrize("rate", ["1gbit", "2500mbit"])
 def test_the_calibration_measures_the_shapers_rate(rate):
-    """The lab's contract: the link's achieved rate is the configured one (generous bounds: a loaded 2-core machine)."""
+    """The lab's contract: the link's achieved rate is the configured one, +-25%. No transfer may beat the shaper; a
+    loaded 2-core machine may slow one, so the best of up to three per direction counts for the lower bound."""
     with netlab.Lab(2, netlab.parse_rate(rate)) as lab:
-        got = [netlab.calibrate(lab, 0, 1).bits_per_s, netlab.calibrate(lab, 1, 0).bits_per_s]
-    assert all(0.75 <= g / lab.rate_bit <= 1.25 for g in got), f"{rate}: measured {got} bit/s; expected +-25%"
+        for src, dst in [(0, 1), (1, 0)]:
+            got = []
+            while len(got) < 3 and not any(g >= 0.75 * lab.rate_bit for g in got):
+                got.append(netlab.calibrate(lab, src, dst).bits_per_s)
+            assert max(got) <= 1.25 * lab.rate_bit, f"{rate} {src}->{dst}: {got} bit/s, faster than the shaper"
+            assert max(got) >= 0.75 * lab.rate_bit, f"{rate} {src}->{dst}: {got} bit/s; expected {lab.rate_bit:g} +-25%"
 
 
 # ---------------------------------------------------------------------- torch.distributed across hosts
