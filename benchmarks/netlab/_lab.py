@@ -252,6 +252,8 @@ class Lab:
         self.close()
 
     def _ns(self, name: str) -> None:
+        if (NETNS_DIR / name).exists():  # ours by name (pid and serial): a dead process's whose pid this one reuses
+            _run("ip", "netns", "delete", name)
         _run("ip", "netns", "add", name)
         self._built.append(name)
         _run("ip", "-n", name, "link", "set", "lo", "up")
