@@ -25,7 +25,7 @@ needs_lab = pytest.mark.skipif(netlab.unavailable() is not None, reason=str(netl
 
 
 def _ours() -> set[str]:
-    return {n for n in netlab._lab._namespaces() if n.startswith(f"{netlab.PREFIX}{os.getpid()}-")}
+    return {n for n in netlab._netns._namespaces() if n.startswith(f"{netlab.PREFIX}{os.getpid()}-")}
 
 
 def _root_links() -> str:
@@ -80,9 +80,9 @@ def test_stale_namespaces_of_dead_builders_are_removed_and_live_ones_kept(tmp_pa
     subprocess.run(["ip", "netns", "add", stale], check=True, timeout=10)
     try:
         with netlab.Lab(1) as lab:
-            assert stale not in netlab._lab._namespaces()  # the lab removed it at start
+            assert stale not in netlab._netns._namespaces()  # the lab removed it at start
             assert netlab.cleanup(stale_only=True) == []  # its own namespaces are live
-            assert lab.namespaces[0] in netlab._lab._namespaces()
+            assert lab.namespaces[0] in netlab._netns._namespaces()
     finally:
         subprocess.run(["ip", "netns", "delete", stale], capture_output=True, timeout=10)
 
@@ -103,15 +103,15 @@ def test_a_stopped_driver_leaves_no_namespace(how):
     driver = subprocess.Popen([sys.executable, "-c", _DRIVER.format(root=str(ROOT))], stdout=subprocess.PIPE, text=True)
     try:
         names = driver.stdout.readline().split()
-        assert len(names) == 3 and set(names) <= set(netlab._lab._namespaces()), names
+        assert len(names) == 3 and set(names) <= set(netlab._netns._namespaces()), names
         driver.send_signal({"SIGTERM": signal.SIGTERM, "SIGINT": signal.SIGINT}.get(how, signal.SIGKILL))
         driver.wait(10)
         if how.startswith("SIGKILL"):
-            assert set(names) <= set(netlab._lab._namespaces())  # nothing ran in the killed driver
+            assert set(names) <= set(netlab._netns._namespaces())  # nothing ran in the killed driver
             cli = [sys.executable, "-m", "benchmarks.netlab", "cleanup"]
             out = subprocess.run(cli, cwd=ROOT, capture_output=True, text=True, timeout=30, check=True).stdout
             assert set(names) <= set(out.split()), out  # "removed N lab namespaces: <names>"
-        left = set(names) & set(netlab._lab._namespaces())
+        left = set(names) & set(netlab._netns._namespaces())
         assert not left, f"{how}: the driver left {sorted(left)}"
     finally:
         driver.kill()
@@ -130,6 +130,40 @@ def test_the_calibration_measures_the_shapers_rate(rate):
                 got.append(netlab.calibrate(lab, src, dst).bits_per_s)
             assert max(got) <= 1.25 * lab.rate_bit, f"{rate} {src}->{dst}: {got} bit/s, faster than the shaper"
             assert max(got) >= 0.75 * lab.rate_bit, f"{rate} {src}->{dst}: {got} bit/s; expected {lab.rate_bit:g} +-25%"
+
+
+_LAUNCHED = """
+import os
+import torch
+import torch.distributed as dist
+from rlightning_comm import launch
+
+def main():
+    t = torch.full((4,), float(int(os.environ["RANK"]) + 1))
+    dist.all_reduce(t)
+    os.write(1, f"host {os.environ['RLCNL_HOST']} {t.tolist()}\\n".encode())  # one write: the hosts share the pipe
+
+if __name__ == "__main__":
+    launch.run(main, timeout=30)
+"""
+
+
+@needs_lab
+def test_run_starts_a_launch_run_script_once_per_host_as_one_world(tmp_path):
+    """``python -m benchmarks.netlab run``: each host's process is a rank of one world (torchrun's variables), as
+    :func:`rlightning_comm.launch.run` reads them."""
+    script = tmp_path / "launched.py"
+    script.write_text(_LAUNCHED)
+    cli = [sys.executable, "-m", "benchmarks.netlab", "run", "--hosts", "2", "--rate", "1gbit", "--timeout", "60"]
+    done = subprocess.run(
+        [*cli, "--", sys.executable, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=90
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(line for line in done.stdout.splitlines() if line.startswith("host")) == [
+        "host 0 [3.0, 3.0, 3.0, 3.0]",
+        "host 1 [3.0, 3.0, 3.0, 3.0]",
+    ], done.stdout
+    assert "calibration:" in done.stdout, done.stdout
 
 
 # ---------------------------------------------------------------------- torch.distributed across hosts

@@ -2,11 +2,11 @@
 ``tc tbf``, to measure weight sync over links slower than loopback (guide: docs/benchmarks.md, "The network lab")."""
 
 from ._calibrate import Calibration, calibrate
-from ._lab import (
+from ._lab import Lab
+from ._netns import (
     IFNAME,
     PREFIX,
     SUBNET,
-    Lab,
     LabError,
     cleanup,
     enter,

@@ -7,7 +7,8 @@ import socket
 import threading
 import time
 
-from ._lab import Lab, LabError, format_rate
+from ._lab import Lab
+from ._netns import LabError, format_rate
 
 _CHUNK = 1 << 20
 _WAIT = 30.0  # seconds any socket operation of the calibration may block
