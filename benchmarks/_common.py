@@ -1,7 +1,14 @@
-"""Shared by the benchmark scripts: spawn local gloo ranks on a file store, collect rank 0's result."""
+"""Shared by the benchmark scripts: spawn local gloo ranks on a file store, collect rank 0's result.
+
+``--netlab RATE`` on any benchmark's command line (taken off ``sys.argv`` here, before the benchmark parses its own
+options) runs each rank on a host of its own in the network lab (``benchmarks/netlab``, needs root), every host's link
+shaped to ``RATE`` (``1gbit``, ``2500mbit``) in each direction; the lab and its calibrated rate are printed first.
+"""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import multiprocessing as mp
 import os
 import statistics
@@ -14,6 +21,39 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT))
+
+
+def _take_netlab_option(argv: list[str]) -> str | None:
+    """The rate of ``--netlab RATE`` (or ``--netlab=RATE``) in ``argv``, removed from it; ``None`` without one."""
+    for i, arg in enumerate(argv):
+        if arg == "--netlab" and i + 1 < len(argv):
+            rate = argv[i + 1]
+            del argv[i : i + 2]
+            return rate
+        if arg.startswith("--netlab="):
+            del argv[i]
+            return arg.partition("=")[2]
+    return None
+
+
+NETLAB_RATE = _take_netlab_option(sys.argv)
+"""The lab's rate (``--netlab``), or ``None``: the ranks on loopback."""
+
+_labs: dict[int, Any] = {}
+_lab_stack = contextlib.ExitStack()
+atexit.register(_lab_stack.close)
+
+
+def _lab(hosts: int) -> Any:
+    """The lab of ``hosts`` hosts at ``NETLAB_RATE``, built (and calibrated, printed) on first use, removed at exit."""
+    if hosts not in _labs:
+        from benchmarks.netlab import Lab, calibrate, parse_rate
+
+        lab = _labs[hosts] = _lab_stack.enter_context(Lab(hosts, parse_rate(NETLAB_RATE)))
+        print(f"# {lab.describe()}", flush=True)
+        if hosts > 1:
+            print(f"# {calibrate(lab, 0, 1)}; {calibrate(lab, 1, 0)}", flush=True)
+    return _labs[hosts]
 
 
 class _Failed(str):
@@ -58,15 +98,20 @@ def run_ranks(
 ) -> list[Any]:
     """Run ``fn(rank, nproc, *args)`` on ``nproc`` spawned ranks (gloo unless told); return the results in rank order.
 
-    With ``own_worlds`` each rank is in a world of its own (of size 1) instead of all in one world of ``nproc``.
+    With ``own_worlds`` each rank is in a world of its own (of size 1) instead of all in one world of ``nproc``. With
+    ``--netlab RATE``, rank ``r`` runs on host ``r`` of a lab of ``nproc`` hosts (gloo on the lab's interface).
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     store = tempfile.mkdtemp(prefix="rlc-benchmark-")
-    procs = [
-        ctx.Process(target=_worker, args=(fn, r, nproc, f"file://{store}/store", args, results, backend, own_worlds))
-        for r in range(nproc)
-    ]
+    lab = _lab(nproc) if NETLAB_RATE else None
+    procs = []
+    for r in range(nproc):
+        worker_args = (fn, r, nproc, f"file://{store}/store", args, results, backend, own_worlds)
+        if lab is None:
+            procs.append(ctx.Process(target=_worker, args=worker_args))
+        else:
+            procs.append(lab.process(r, _worker, *worker_args, context=ctx))
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
@@ -102,4 +147,5 @@ def machine() -> str:
     import torch
 
     cores = f"{os.cpu_count()} CPU cores ({platform.machine()})"
-    return f"{cores}, torch {torch.__version__}, python {platform.python_version()}"
+    where = f"; ranks on lab hosts, links at {NETLAB_RATE} each" if NETLAB_RATE else ""
+    return f"{cores}, torch {torch.__version__}, python {platform.python_version()}{where}"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import threading
 from collections.abc import Iterator
 from datetime import timedelta
@@ -80,14 +81,25 @@ it takes the same arguments under these names.
 
 
 def gloo_options(timeout: timedelta, host: str | None) -> Any:
-    """Options of a ``ProcessGroupGloo`` with ``timeout`` whose device listens on ``host`` (``None``: torch's default
-    interface)."""
+    """Options of a ``ProcessGroupGloo`` with ``timeout`` whose devices listen on ``host``, or with ``host`` ``None`` on
+    the interfaces ``GLOO_SOCKET_IFNAME`` names (a comma-separated list), else on the address the host name resolves
+    to: what torch's ``ProcessGroupGloo(store, rank, size, timeout)`` does, which building from options skips."""
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timeout
-    opts._devices = [
-        dist.ProcessGroupGloo.create_device(hostname=host) if host else dist.ProcessGroupGloo.create_default_device()
-    ]
+    if host:
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    elif interfaces := gloo_interfaces():
+        opts._devices = [dist.ProcessGroupGloo.create_device(interface=name) for name in interfaces]
+    else:
+        opts._devices = [dist.ProcessGroupGloo.create_default_device()]
     return opts
+
+
+def gloo_interfaces() -> list[str]:
+    """The interfaces ``GLOO_SOCKET_IFNAME`` names, in order (torch reads it only when it builds gloo's devices itself,
+    and ignores a value of one character)."""
+    value = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    return [name for name in value.split(",") if name] if len(value) > 1 else []
 
 
 def default_store() -> dist.Store:
