@@ -41,6 +41,7 @@ from vllm.model_executor.model_loader.reload.inplace import reload_weights
 from rlightning_comm.context import CommContext
 from rlightning_comm.integrations.vllm._layout import WorkerLayout, derive
 from rlightning_comm.integrations.vllm._reload import reloading
+from rlightning_comm.integrations.vllm._staging import Stager
 from rlightning_comm.integrations.vllm._workers import fail, outcomes, reporter
 from rlightning_comm.integrations.vllm.extension import DEFAULT_MODE
 from rlightning_comm.weights import reshard_state_dict
@@ -73,6 +74,11 @@ class RLightningInitInfo(WeightTransferInitInfo):
         mode: The connected mode's name (``"WEIGHT_SYNC"`` by default).
         timeout: Seconds of every transfer's wait (the mode's collectives' timeout).
         connect_timeout: Seconds to wait for the members to arrive (``None``: ``timeout``).
+        background: Receive each version while the engine generates (in-flight updates): ``True``, or a dict of the
+            options of ``reshard_state_dict`` the workers pass (``atomic``, ``verify``, ``delta``; :data:`OPTIONS`).
+            Each worker then receives the trainer's next publish into buffers of its own in the background, and
+            ``update_weights({"version": V})`` only applies V (waiting for what has not arrived). ``False``: each
+            ``update_weights`` receives its version.
     """
 
     address: str
@@ -81,6 +87,7 @@ class RLightningInitInfo(WeightTransferInitInfo):
     mode: str = DEFAULT_MODE
     timeout: float = 1800.0
     connect_timeout: float | None = None
+    background: bool | dict[str, Any] = False
 
 
 @dataclass
@@ -114,6 +121,7 @@ class RLightningWeightTransferEngine(WeightTransferEngine[RLightningInitInfo, RL
         self._init: RLightningInitInfo | None = None
         self._layout: WorkerLayout | None = None
         self._kept: tuple[dict, list] | None = None  # delta=True: the receive buffers, kept between updates
+        self._stager: Stager | None = None  # background=...: the background receive
         self.last_sync: dict[str, Any] | None = None  # what the last update_weights did (WeightSyncWorker reads it)
 
     # ------------------------------------------------------------------ joining the mode
@@ -148,6 +156,7 @@ class RLightningWeightTransferEngine(WeightTransferEngine[RLightningInitInfo, RL
             return
         member = init_info.rank + get_tp_group().rank_in_group
         self._init = None
+        self._stop_staging(init_info.timeout)
         try:
             CommContext().connect(
                 init_info.mode,
@@ -163,14 +172,29 @@ class RLightningWeightTransferEngine(WeightTransferEngine[RLightningInitInfo, RL
             return
         self._init = init_info
         assert self._layout is not None
+        if init_info.background is not False:
+            options = {} if init_info.background is True else dict(init_info.background)
+            device = CommContext().get_communicator(init_info.mode).device  # the host for gloo, the GPU for NCCL
+            self._stager = Stager(init_info.mode, self._layout, options, device, logger)
+            self._stager.arm()
         logger.info(
-            "rlightning: member %d of %d of mode %r; this worker keeps %d checkpoint tensors' blocks (%.2f MiB)",
+            "rlightning: member %d of %d of mode %r; this worker keeps %d checkpoint tensors' blocks (%.2f MiB)%s",
             member,
             init_info.world_size,
             init_info.mode,
             len(self._layout.names),
             self._layout.wanted_bytes / 2**20,
+            "; receiving in the background" if self._stager is not None else "",
         )
+
+    def _stop_staging(self, timeout: float) -> None:
+        """End the background receive of an earlier generation (it failed with its peers, or waits in a publish's
+        handshake, which destroying the mode ends)."""
+        stager, self._stager = self._stager, None
+        if stager is not None and not stager.join(0.0):
+            CommContext().destroy()
+            if not stager.join(min(timeout, 30.0)):
+                logger.warning("rlightning: the background receive of the previous generation did not end")
 
     def _check_engine(self) -> None:
         parallel = self.parallel_config
@@ -223,6 +247,9 @@ class RLightningWeightTransferEngine(WeightTransferEngine[RLightningInitInfo, RL
         is refused or fails leaves the engine serving its previous weights on every worker, and raises.
         """
         ctx, init = CommContext(), self._init
+        if self._stager is not None and init is not None:
+            self._apply_staged(update_info, init, self._stager)
+            return
         before = None if init is None else ctx.get_weight_version(init.mode)
         start = time.perf_counter()
         error: BaseException | None = None
@@ -243,8 +270,44 @@ class RLightningWeightTransferEngine(WeightTransferEngine[RLightningInitInfo, RL
             record_weight_version(init.mode, before)  # committed only once loaded, on every worker
         if _failed(self, error, f"; every worker of this engine still serves {_held(before)}"):
             return
-        assert init is not None and self._layout is not None
+        assert init is not None
+        self._load(init, loads, update_info.version, report, start)
+
+    def _apply_staged(self, update_info: RLightningUpdateInfo, init: RLightningInitInfo, stager: Stager) -> None:
+        """``update_weights`` with a background receive: wait for ``version`` to be staged on this worker (a staged
+        older one is superseded: discarded), agree with the engine's other workers, load it, and arm the receive of the
+        next one. Nothing is sent to the trainer ranks here: they published already (or will)."""
+        before = CommContext().get_weight_version(init.mode)
+        start = time.perf_counter()
+        error: BaseException | None = None
+        report = None
+        try:
+            if update_info.problem is not None:
+                raise update_info.problem[0](update_info.problem[1])
+            version = update_info.version
+            if update_info.options:
+                raise ValueError(
+                    f"update_info has options {sorted(update_info.options)}; with a background receive the options are "
+                    "init_info['background']'s: update_info holds 'version' only"
+                )
+            if isinstance(version, bool) or not isinstance(version, int):
+                raise ValueError(f"update_info['version'] must be an int with a background receive; got {version!r}")
+            report = stager.take(version, before, init.timeout)
+        except Exception as err:  # noqa: BLE001 - every worker learns it before any weight is touched
+            error = err
+        if _failed(self, error, f"; every worker of this engine still serves {_held(before)}"):
+            return
+        stager.ready()
+        try:
+            self._load(init, stager.loads, update_info.version, report, start)
+        finally:
+            stager.arm()
+
+    def _load(self, init: RLightningInitInfo, loads: list, version: Any, report: Any, start: float) -> None:
+        """vLLM's reload of what every worker received, and the version recorded once every worker has loaded it."""
+        assert self._layout is not None
         received = time.perf_counter()
+        error: BaseException | None = None
         try:
             with reloading(self.model):  # packs a tied LM head again, which vLLM's reload leaves stale
                 reload_weights(
@@ -256,7 +319,7 @@ class RLightningWeightTransferEngine(WeightTransferEngine[RLightningInitInfo, RL
         tail = "; the engine's weights may be a mix of the previous and the new version: sync again before serving"
         if _failed(self, error, tail):
             return
-        record_weight_version(init.mode, update_info.version)
+        record_weight_version(init.mode, version)
         done = time.perf_counter()
         self.last_sync = {
             **dataclasses.asdict(report),
@@ -282,7 +345,10 @@ class RLightningWeightTransferEngine(WeightTransferEngine[RLightningInitInfo, RL
     def shutdown(self) -> None:
         """Leave the mode: destroys this worker's context (every mode this process joined through the library)."""
         if self._init is not None:
-            CommContext().destroy()
+            stager, self._stager = self._stager, None
+            CommContext().destroy()  # ends a background receive waiting for a publish
+            if stager is not None:
+                stager.join(5.0)
             self._init = None
 
 
@@ -299,6 +365,12 @@ def _parse_init(init_dict: Any, workers: int) -> RLightningInitInfo:
         value = getattr(info, key)
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"init_info[{key!r}] must be an int; got {type(value).__name__} {value!r}")
+    background = info.background
+    if not isinstance(background, (bool, dict)) or (isinstance(background, dict) and set(background) - set(OPTIONS)):
+        raise ValueError(
+            f"init_info['background'] must be a bool or a dict of options of reshard_state_dict {list(OPTIONS)}; got "
+            f"{background!r}"
+        )
     if not isinstance(info.address, str) or not isinstance(info.mode, str):
         raise ValueError(f"init_info's address and mode must be strings; got {info.address!r}, {info.mode!r}")
     if not 0 <= info.rank <= info.world_size - workers:
