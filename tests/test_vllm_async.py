@@ -29,7 +29,7 @@ pytest.importorskip("transformers")
 from vllm_backend_trainer import MEMBERS, TRAINERS, replacement, trainer  # noqa: E402
 
 BOUND = 300  # seconds: the longest any wait of these tests lasts
-NEW_TOKENS = 8
+NEW_TOKENS = 16
 IN_FLIGHT_TOKENS = 300  # long enough to stay in flight across an update
 CONFIG = dict(
     vocab_size=1000,
@@ -42,7 +42,7 @@ CONFIG = dict(
     tie_word_embeddings=False,
     initializer_range=0.1,
 )
-PROMPT_LENGTH = 40  # two and a half of vLLM's 16-token blocks: the in-flight request caches two
+PROMPT_LENGTH = 100  # six and a quarter of vLLM's 16-token blocks: the in-flight requests cache six
 
 
 class Session:
@@ -125,7 +125,8 @@ class Session:
                 final = out
                 if arrivals is not None:
                     arrivals.append((time.monotonic(), len(out.outputs[0].token_ids)))
-            return list(final.outputs[0].token_ids), final.outputs[0].weight_versions
+            out = final.outputs[0]
+            return list(out.token_ids), out.weight_versions
 
         return asyncio.run_coroutine_threadsafe(one(), self.loop)
 
@@ -183,6 +184,7 @@ def session(tmp_path_factory):
             max_num_seqs=8,
             tensor_parallel_size=2,
             distributed_executor_backend="mp",
+            enable_prefix_caching=True,
             weight_transfer_config=WeightTransferConfig(backend="rlightning"),
             worker_extension_cls="rlightning_comm.integrations.vllm.WeightSyncWorker",
         )
@@ -193,6 +195,7 @@ def session(tmp_path_factory):
         llm = asyncio.run_coroutine_threadsafe(start(), loop).result(BOUND)
         s = Session(llm, loop, orders, replies, procs, str(tmp))
         s.address = s.collect("address", range(TRAINERS))[0][1]
+        s.order("lr", 2e-3)  # small steps: the tiny model's tokens stay varied (at 0.02 they collapse to one)
         s.run(llm.init_weight_transfer_engine(_init_request(s.address)))
         yield s
     finally:
@@ -245,8 +248,7 @@ def test_a_version_received_while_generating_is_applied_in_a_short_pause(session
     fresh, spans = s.generate("w2").result(BOUND)
     assert fresh == expected, (fresh, expected)
     assert [(sp.version, sp.start, sp.end) for sp in spans] == [("2", 0, NEW_TOKENS)]
-    old_salt, _ = s.generate("w1").result(BOUND)  # the in-flight requests' blocks, computed with version 1
-    print(f"with the old salt {sum(a == b for a, b in zip(old_salt, expected))}/{NEW_TOKENS} tokens match")
+    print(f"pause {pause * 1e3:.0f} ms, reload {max(w['load_s'] for w in workers) * 1e3:.0f} ms")
 
     for f in in_flight:
         tokens, spans = f.result(BOUND)

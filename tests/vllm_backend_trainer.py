@@ -5,6 +5,7 @@ Three processes form an FSDP2 world (gloo) around a tiny Qwen2 and, with the eng
 ``(rank, kind, ...)`` on the shared replies queue; any failure is replied as ``(rank, "error", traceback)``. Orders:
 
 * ``("step", seed)``: an optimizer step on a batch of its own;
+* ``("lr", value)``: the optimizer's learning rate from then on;
 * ``("tokens", prompts, new_tokens)``: the Hugging Face model's greedy tokens on the current weights (the full state
   gathered for the oracle on every rank, replied by rank 0);
 * ``("sync", version, options)``: ``reshard_state_dict(held=<its FSDP2 parameters>, ...)``; replies the report, or what
@@ -147,6 +148,9 @@ def trainer(rank: int, store: str, config_dir: str, orders, replies) -> None:
                 optimizer.step()
                 optimizer.zero_grad()
                 replies.put((rank, "stepped"))
+            elif kind == "lr":
+                for group in optimizer.param_groups:
+                    group["lr"] = args[0]
             elif kind == "tokens":
                 full = {n: t.full_tensor() for n, t in model.state_dict().items()}  # the oracle's gather only
                 if rank == 0:
