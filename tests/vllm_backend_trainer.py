@@ -5,10 +5,14 @@ Three processes form an FSDP2 world (gloo) around a tiny Qwen2 and, with the eng
 ``(rank, kind, ...)`` on the shared replies queue; any failure is replied as ``(rank, "error", traceback)``. Orders:
 
 * ``("step", seed)``: an optimizer step on a batch of its own;
+* ``("lr", value)``: the optimizer's learning rate from then on;
 * ``("tokens", prompts, new_tokens)``: the Hugging Face model's greedy tokens on the current weights (the full state
   gathered for the oracle on every rank, replied by rank 0);
 * ``("sync", version, options)``: ``reshard_state_dict(held=<its FSDP2 parameters>, ...)``; replies the report, or what
   it raised and how long it took. ``options["rename"]`` holds a tensor under another name (a mismatched manifest);
+* ``("publish", version, options)``: ``reshard_state_dict(..., async_op=True)`` (in-flight updates); replies how long
+  it blocked the caller;
+* ``("wait",)``: waits for the oldest publish not waited for; replies as ``"sync"`` does;
 * ``("checkpoint", folder)``: writes its local blocks to ``folder`` (what a replacement resumes from);
 * ``("arm",)``: dies (SIGKILL) at its second send of the next sync;
 * ``("connect", address)``: joins the mode again (a new generation).
@@ -72,6 +76,30 @@ def _sync(rank: int, held: dict, version: int, options: dict, replies) -> None:
         replies.put((rank, "failed", type(err).__name__, str(err), member, time.monotonic() - start))
 
 
+_PUBLISHED: list = []  # this process's publishes not waited for yet: (handle, start, bytes)
+
+
+def _publish(rank: int, held: dict, version: int, options: dict, replies) -> None:
+    from rlightning_comm import reshard_state_dict
+
+    start = time.monotonic()
+    handle = reshard_state_dict(held=held, comm_mode=MODE, version=version, async_op=True, **options)
+    _PUBLISHED.append((handle, start))
+    replies.put((rank, "published", version, time.monotonic() - start))
+
+
+def _wait(rank: int, replies) -> None:
+    from rlightning_comm import PeerLostError
+
+    handle, start = _PUBLISHED.pop(0)
+    try:
+        report = handle.wait()
+        replies.put((rank, "synced", dataclasses.asdict(report), time.monotonic() - start, 0))
+    except Exception as err:  # noqa: BLE001 - the test names it
+        member = err.member if isinstance(err, PeerLostError) else None
+        replies.put((rank, "failed", type(err).__name__, str(err), member, time.monotonic() - start))
+
+
 def _arm() -> None:
     from rlightning_comm.weights.reshard import _mover
 
@@ -120,6 +148,9 @@ def trainer(rank: int, store: str, config_dir: str, orders, replies) -> None:
                 optimizer.step()
                 optimizer.zero_grad()
                 replies.put((rank, "stepped"))
+            elif kind == "lr":
+                for group in optimizer.param_groups:
+                    group["lr"] = args[0]
             elif kind == "tokens":
                 full = {n: t.full_tensor() for n, t in model.state_dict().items()}  # the oracle's gather only
                 if rank == 0:
@@ -129,6 +160,10 @@ def trainer(rank: int, store: str, config_dir: str, orders, replies) -> None:
                     replies.put((rank, "tokens", _greedy(reference, *args), nbytes))
             elif kind == "sync":
                 _sync(rank, dict(model.named_parameters()), *args, replies)
+            elif kind == "publish":
+                _publish(rank, dict(model.named_parameters()), *args, replies)
+            elif kind == "wait":
+                _wait(rank, replies)
             elif kind == "checkpoint":
                 torch.save(_blocks(model), os.path.join(args[0], f"rank{rank}.pt"))
                 replies.put((rank, "saved", sum(p.to_local().numel() * 4 for p in model.parameters())))
@@ -161,6 +196,10 @@ def replacement(rank: int, folder: str, address: str, orders, replies) -> None:
             kind, *args = order
             if kind == "sync":
                 _sync(rank, held, *args, replies)
+            elif kind == "publish":
+                _publish(rank, held, *args, replies)
+            elif kind == "wait":
+                _wait(rank, replies)
         ctx.destroy()
     except BaseException:
         replies.put((rank, "error", traceback.format_exc()))

@@ -24,79 +24,28 @@ Imports vLLM: vLLM imports this module in its workers when an engine uses the ba
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from vllm.distributed import get_tp_group
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
-    WeightTransferInitInfo,
-    WeightTransferUpdateInfo,
 )
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
 from rlightning_comm.context import CommContext
+from rlightning_comm.integrations.vllm._info import OPTIONS, RLightningInitInfo, RLightningUpdateInfo, parse_init
 from rlightning_comm.integrations.vllm._layout import WorkerLayout, derive
 from rlightning_comm.integrations.vllm._reload import reloading
+from rlightning_comm.integrations.vllm._staging import Stager
 from rlightning_comm.integrations.vllm._workers import fail, outcomes, reporter
-from rlightning_comm.integrations.vllm.extension import DEFAULT_MODE
 from rlightning_comm.weights import reshard_state_dict
 from rlightning_comm.weights.engines import record_weight_version, refuse_reshard
 
 __all__ = ["OPTIONS", "RLightningInitInfo", "RLightningUpdateInfo", "RLightningWeightTransferEngine"]
 
 logger = init_logger("vllm.rlightning_comm")
-
-# update_info's keys besides "version": the options of reshard_state_dict that a destination passes (verify, atomic, and
-# any later one). bucket_bytes is the trainer's rank 0's, so a worker has none to give; async_op is the worker's own
-# business (vLLM's update_weights returns once the weights are in).
-OPTIONS = tuple(
-    sorted(
-        n
-        for n, p in inspect.signature(reshard_state_dict).parameters.items()
-        if p.kind is p.KEYWORD_ONLY and n not in ("held", "wanted", "comm_mode", "bucket_bytes", "version", "async_op")
-    )
-)
-
-
-@dataclass
-class RLightningInitInfo(WeightTransferInitInfo):
-    """``init_info`` of ``llm.init_weight_transfer_engine``: where and as whom each worker joins the connected mode.
-
-    Args:
-        address: What the trainer's rank 0 ``listen()`` returned (``"host:port/secret"``).
-        rank: The member of the engine's first worker; the worker of tensor-parallel rank ``r`` is ``rank + r``.
-        world_size: Members of the mode: every trainer rank and every worker of every engine in it.
-        mode: The connected mode's name (``"WEIGHT_SYNC"`` by default).
-        timeout: Seconds of every transfer's wait (the mode's collectives' timeout).
-        connect_timeout: Seconds to wait for the members to arrive (``None``: ``timeout``).
-    """
-
-    address: str
-    rank: int
-    world_size: int
-    mode: str = DEFAULT_MODE
-    timeout: float = 1800.0
-    connect_timeout: float | None = None
-
-
-@dataclass
-class RLightningUpdateInfo(WeightTransferUpdateInfo):
-    """``update_info`` of ``llm.update_weights``: ``{"version": V}`` plus options of ``reshard_state_dict``.
-
-    Args:
-        version: The version of the weights the trainer sends (``None`` for an unversioned sync).
-        options: ``verify``, ``atomic`` and any other keyword of ``reshard_state_dict`` a destination passes
-            (:data:`OPTIONS`), as given.
-        problem: What is wrong with ``update_info`` (refused on every member of the mode), or ``None``.
-    """
-
-    version: Any = None
-    options: dict[str, Any] = dataclasses.field(default_factory=dict)
-    problem: tuple[type[Exception], str] | None = None
 
 
 class RLightningWeightTransferEngine(WeightTransferEngine[RLightningInitInfo, RLightningUpdateInfo]):
@@ -114,6 +63,7 @@ class RLightningWeightTransferEngine(WeightTransferEngine[RLightningInitInfo, RL
         self._init: RLightningInitInfo | None = None
         self._layout: WorkerLayout | None = None
         self._kept: tuple[dict, list] | None = None  # delta=True: the receive buffers, kept between updates
+        self._stager: Stager | None = None  # background=...: the background receive
         self.last_sync: dict[str, Any] | None = None  # what the last update_weights did (WeightSyncWorker reads it)
 
     # ------------------------------------------------------------------ joining the mode
@@ -129,7 +79,7 @@ class RLightningWeightTransferEngine(WeightTransferEngine[RLightningInitInfo, RL
                 type, or places the engine's workers outside the mode (``rank + tensor_parallel_size > world_size``).
         """
         try:
-            return _parse_init(init_dict, self.parallel_config.tensor_parallel_size)
+            return parse_init(init_dict, self.parallel_config.tensor_parallel_size)
         except ValueError as err:
             if reporter():
                 raise
@@ -148,6 +98,7 @@ class RLightningWeightTransferEngine(WeightTransferEngine[RLightningInitInfo, RL
             return
         member = init_info.rank + get_tp_group().rank_in_group
         self._init = None
+        self._stop_staging(init_info.timeout)
         try:
             CommContext().connect(
                 init_info.mode,
@@ -163,14 +114,29 @@ class RLightningWeightTransferEngine(WeightTransferEngine[RLightningInitInfo, RL
             return
         self._init = init_info
         assert self._layout is not None
+        if init_info.background is not False:
+            options = {} if init_info.background is True else dict(init_info.background)
+            device = CommContext().get_communicator(init_info.mode).device  # the host for gloo, the GPU for NCCL
+            self._stager = Stager(init_info.mode, self._layout, options, device, logger)
+            self._stager.arm()
         logger.info(
-            "rlightning: member %d of %d of mode %r; this worker keeps %d checkpoint tensors' blocks (%.2f MiB)",
+            "rlightning: member %d of %d of mode %r; this worker keeps %d checkpoint tensors' blocks (%.2f MiB)%s",
             member,
             init_info.world_size,
             init_info.mode,
             len(self._layout.names),
             self._layout.wanted_bytes / 2**20,
+            "; receiving in the background" if self._stager is not None else "",
         )
+
+    def _stop_staging(self, timeout: float) -> None:
+        """End the background receive of an earlier generation (it failed with its peers, or waits in a publish's
+        handshake, which destroying the mode ends)."""
+        stager, self._stager = self._stager, None
+        if stager is not None and not stager.join(0.0):
+            CommContext().destroy()
+            if not stager.join(min(timeout, 30.0)):
+                logger.warning("rlightning: the background receive of the previous generation did not end")
 
     def _check_engine(self) -> None:
         parallel = self.parallel_config
@@ -223,6 +189,9 @@ class RLightningWeightTransferEngine(WeightTransferEngine[RLightningInitInfo, RL
         is refused or fails leaves the engine serving its previous weights on every worker, and raises.
         """
         ctx, init = CommContext(), self._init
+        if self._stager is not None and init is not None:
+            self._apply_staged(update_info, init, self._stager)
+            return
         before = None if init is None else ctx.get_weight_version(init.mode)
         start = time.perf_counter()
         error: BaseException | None = None
@@ -243,8 +212,44 @@ class RLightningWeightTransferEngine(WeightTransferEngine[RLightningInitInfo, RL
             record_weight_version(init.mode, before)  # committed only once loaded, on every worker
         if _failed(self, error, f"; every worker of this engine still serves {_held(before)}"):
             return
-        assert init is not None and self._layout is not None
+        assert init is not None
+        self._load(init, loads, update_info.version, report, start)
+
+    def _apply_staged(self, update_info: RLightningUpdateInfo, init: RLightningInitInfo, stager: Stager) -> None:
+        """``update_weights`` with a background receive: wait for ``version`` to be staged on this worker (a staged
+        older one is superseded: discarded), agree with the engine's other workers, load it, and arm the receive of the
+        next one. Nothing is sent to the trainer ranks here: they published already (or will)."""
+        before = CommContext().get_weight_version(init.mode)
+        start = time.perf_counter()
+        error: BaseException | None = None
+        report = None
+        try:
+            if update_info.problem is not None:
+                raise update_info.problem[0](update_info.problem[1])
+            version = update_info.version
+            if update_info.options:
+                raise ValueError(
+                    f"update_info has options {sorted(update_info.options)}; with a background receive the options are "
+                    "init_info['background']'s: update_info holds 'version' only"
+                )
+            if isinstance(version, bool) or not isinstance(version, int):
+                raise ValueError(f"update_info['version'] must be an int with a background receive; got {version!r}")
+            report = stager.take(version, before, init.timeout)
+        except Exception as err:  # noqa: BLE001 - every worker learns it before any weight is touched
+            error = err
+        if _failed(self, error, f"; every worker of this engine still serves {_held(before)}"):
+            return
+        stager.ready()
+        try:
+            self._load(init, stager.loads, update_info.version, report, start)
+        finally:
+            stager.arm()
+
+    def _load(self, init: RLightningInitInfo, loads: list, version: Any, report: Any, start: float) -> None:
+        """vLLM's reload of what every worker received, and the version recorded once every worker has loaded it."""
+        assert self._layout is not None
         received = time.perf_counter()
+        error: BaseException | None = None
         try:
             with reloading(self.model):  # packs a tied LM head again, which vLLM's reload leaves stale
                 reload_weights(
@@ -256,7 +261,7 @@ class RLightningWeightTransferEngine(WeightTransferEngine[RLightningInitInfo, RL
         tail = "; the engine's weights may be a mix of the previous and the new version: sync again before serving"
         if _failed(self, error, tail):
             return
-        record_weight_version(init.mode, update_info.version)
+        record_weight_version(init.mode, version)
         done = time.perf_counter()
         self.last_sync = {
             **dataclasses.asdict(report),
@@ -282,31 +287,11 @@ class RLightningWeightTransferEngine(WeightTransferEngine[RLightningInitInfo, RL
     def shutdown(self) -> None:
         """Leave the mode: destroys this worker's context (every mode this process joined through the library)."""
         if self._init is not None:
-            CommContext().destroy()
+            stager, self._stager = self._stager, None
+            CommContext().destroy()  # ends a background receive waiting for a publish
+            if stager is not None:
+                stager.join(5.0)
             self._init = None
-
-
-def _parse_init(init_dict: Any, workers: int) -> RLightningInitInfo:
-    known = [f.name for f in dataclasses.fields(RLightningInitInfo)]
-    if not isinstance(init_dict, dict):
-        raise ValueError(f"init_info must be a dict with keys {known}; got {type(init_dict).__name__}")
-    missing = [k for k in ("address", "rank", "world_size") if k not in init_dict]
-    unknown = sorted(set(init_dict) - set(known))
-    if missing or unknown:
-        raise ValueError(f"init_info: missing keys {missing}, unknown keys {unknown}; the keys are {known}")
-    info = RLightningInitInfo(**init_dict)
-    for key in ("rank", "world_size"):
-        value = getattr(info, key)
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"init_info[{key!r}] must be an int; got {type(value).__name__} {value!r}")
-    if not isinstance(info.address, str) or not isinstance(info.mode, str):
-        raise ValueError(f"init_info's address and mode must be strings; got {info.address!r}, {info.mode!r}")
-    if not 0 <= info.rank <= info.world_size - workers:
-        raise ValueError(
-            f"init_info: rank {info.rank} with world_size {info.world_size} leaves no room for this engine's {workers} "
-            f"workers (members {info.rank} to {info.rank + workers - 1})"
-        )
-    return info
 
 
 def _failed(engine: RLightningWeightTransferEngine, error: BaseException | None, tail: str) -> bool:
