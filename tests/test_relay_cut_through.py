@@ -29,6 +29,7 @@ def _run(rank: int, size: int, url: str, options: dict) -> dict:
     from rlightning_comm import broadcast_state_dict
     from rlightning_comm.weights.broadcast import _transport
 
+    cut = _transport.CUT_BYTES
     _transport.CUT_BYTES = CUT
     cuts = []
     chunks = _transport.Transfer._chunks
@@ -59,7 +60,7 @@ def _run(rank: int, size: int, url: str, options: dict) -> dict:
                     wrong.append((version, name))
         return {"wrong": wrong, "most": max(cuts), "sent": dict(report.sent)}
     finally:
-        _transport.CUT_BYTES = 1 << 20
+        _transport.CUT_BYTES = cut
         _transport.Transfer._chunks = chunks
 
 

@@ -254,7 +254,7 @@ def assemble_delta(
         snap, changes, version = memory.snapshot, offer.changes, options.version
         sync.succeeded = lambda: _guarded(memory, lambda: snap.advance(changes, version))
     else:
-        sync.succeeded = _noting(memory, options, items)
+        sync.succeeded = _noting(memory, options, items, sync)
     return sync
 
 
@@ -283,7 +283,7 @@ def full(
 
         sync.succeeded = lambda: _guarded(memory, take)
     else:
-        sync.succeeded = _noting(memory, options, items)
+        sync.succeeded = _noting(memory, options, items, sync)
 
 
 def _report(sync: Sync, comm: Any, src: int, kind: str, nbytes: int) -> None:
@@ -292,9 +292,15 @@ def _report(sync: Sync, comm: Any, src: int, kind: str, nbytes: int) -> None:
     report.delivered = {r: nbytes for r in comm.ranks if r != src}
 
 
-def _noting(memory: Any, options: SyncOptions, items: Any) -> Any:
+def _noting(memory: Any, options: SyncOptions, items: Any, sync: Sync) -> Any:
+    """Once the sync succeeded: a destination notes the version its tensors hold and their content key (from the
+    digests a verified sync computed as the bytes passed; else one pass over them)."""
+
     def note() -> None:
-        memory.held = (options.version, content_key([t for _, t in items]))
+        found = sync._report.digests if sync._report is not None else {}
+        digests = [found.get(name) for name, _ in items]
+        known = digests if found and None not in digests else None
+        memory.held = (options.version, content_key([t for _, t in items], known))
 
     return note
 

@@ -54,7 +54,7 @@ from rlightning_comm.failures import LAUNCH_ERRORS, await_work, close_gloo_group
 from rlightning_comm.weights.broadcast._plan import Plan
 
 _TAG = 0x5754  # the point-to-point tag of every unit ("WT"); other traffic on the group is told apart by its own tags
-CUT_BYTES = 1 << 20
+CUT_BYTES = 512 << 10
 """In a relay, the largest message a unit travels as: a relay forwards each such run of its bytes as soon as it has
 arrived, so a hop adds the time of one run, not of a whole unit (an 8 MiB embedding, a 64 MiB bucket)."""
 

@@ -207,17 +207,19 @@ def tensor_digest(tensor: torch.Tensor) -> int:
     return digest_int(block_digest(tensor, (0,) * tensor.dim(), tuple(tensor.shape)))
 
 
-def content_key(tensors: Sequence[torch.Tensor]) -> tuple[int, int]:
+def content_key(tensors: Sequence[torch.Tensor], digests: Sequence[int] | None = None) -> tuple[int, int]:
     """What ``tensors`` hold, by content: each one's dtype, shape and digest (one pass over their bytes, one device
-    read for all of them).
+    read for all of them; none with ``digests``, their digests as a verified sync reported them).
 
     A delta applies only onto the bytes it was computed against, so a destination proves what it holds by this key, not
     by which tensors they are: a receive that moves no version counter, an op under ``torch.inference_mode``, a fresh
     tensor at a reused address or a write torch does not see all change the key.
     """
-    sums = [block_digest(t, (0,) * t.dim(), tuple(t.shape)) for t in tensors if t.numel()]
-    values = torch.stack([s.reshape(()).to(sums[0].device) for s in sums]).tolist() if sums else []
-    return hash_key([(str(t.dtype), tuple(t.shape)) for t in tensors] + values)
+    if digests is None:
+        sums = [block_digest(t, (0,) * t.dim(), tuple(t.shape)) for t in tensors]
+        values = torch.stack([s.reshape(()).to(sums[0].device) for s in sums]).tolist() if sums else []
+        digests = [v & _MASK for v in values]
+    return hash_key([(str(t.dtype), tuple(t.shape)) for t in tensors] + list(digests))
 
 
 def digest_int(value: torch.Tensor) -> int:
