@@ -102,7 +102,8 @@ def assemble(
     if load is not None and not options.atomic:
         if digests is not None:
             load = _hashing(load, digests, plan)
-        data: Transfer = LoadPipeline(comm, plan, load, src, memory.slots, sends, load_deliveries)
+        route = routes[me] if routes else None  # a leaf of a chain: the source's messages come cut as in the chain
+        data: Transfer = LoadPipeline(comm, plan, load, src, memory.slots, sends, load_deliveries, route)
     else:
         tensors: list[torch.Tensor] | None = None
         if load is None:

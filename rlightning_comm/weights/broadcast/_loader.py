@@ -27,7 +27,8 @@ class LoadPipeline(Transfer):
     Args:
         comm, plan, src, slots, sends: as for :class:`Transfer` (this rank is a destination).
         load: Called once per delivery with a list of ``(name, tensor)``.
-        deliveries: The plan's deliveries (:func:`._weight_plan.deliveries`).
+        deliveries: The plan's deliveries (:func:`._plan.deliveries`).
+        route: In a chain, this leaf's route (the source, no successors): it receives the units cut as the chain's.
     """
 
     def __init__(
@@ -39,8 +40,9 @@ class LoadPipeline(Transfer):
         slots: list[torch.Tensor | None],
         sends: bool,
         deliveries: tuple[Delivery, ...],
+        route: tuple[int | None, list[int]] | None = None,
     ) -> None:
-        super().__init__(comm, plan, src, False, slots, sends)
+        super().__init__(comm, plan, src, False, slots, sends, route)
         self._load = load
         self._deliveries = deliveries
         self._floors = [max((d.nbytes for d in deliveries[k::2]), default=0) for k in (0, 1)]
