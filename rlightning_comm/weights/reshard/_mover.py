@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from rlightning_comm.errors import CommError
-from rlightning_comm.failures import LAUNCH_ERRORS, close_gloo_group
+from rlightning_comm.failures import LAUNCH_ERRORS, await_work, close_gloo_group
 from rlightning_comm.weights.core._staging import copy_pieces, typed
 from rlightning_comm.weights.core._wire import point_to_point
 from rlightning_comm.weights.reshard._batched import run_batched
@@ -122,7 +122,9 @@ class Mover:
 
     def _wait(self, peer: int, work: Any) -> None:
         try:
-            work.wait()
+            # On a connected mode, given up once a loss is known: gloo does not wake a receive it is reading a message
+            # into when the sender's connection closes (a member that died or went dark mid-message).
+            await_work(self._comm, work, OP)
         except CommError:
             self._failed_peer = peer
             raise
