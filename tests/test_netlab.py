@@ -175,7 +175,7 @@ def _all_reduce(conn, host: int, url: str) -> None:
         t = torch.arange(1000, dtype=torch.float64) * (host + 1) + host
         dist.all_reduce(t)
         peer = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
-        conn.send((t, type(peer).__name__))
+        conn.send((t.tolist(), type(peer).__name__))  # plain values: a tensor would be shared through this process
     finally:
         dist.destroy_process_group()
 
@@ -186,7 +186,7 @@ def test_a_gloo_all_reduce_across_three_hosts_equals_the_local_sum(tmp_path):
         results = hosts.gather(60)
     expected = sum(torch.arange(1000, dtype=torch.float64) * (h + 1) + h for h in range(3))
     for got, _ in results:
-        assert torch.equal(got, expected)
+        assert torch.equal(torch.tensor(got, dtype=torch.float64), expected)
 
 
 _STATE = {"a": (1 << 20,), "b": (3, 1000)}

@@ -221,7 +221,7 @@ def _publish(
         if problem is None and isinstance(items, list):  # else the call itself reports it, on every member
             pool = captures(memory)
             try:
-                copies = pool.take([t for _, t in items])
+                copies, token = pool.take([t for _, t in items])
             except Exception as err:  # noqa: BLE001 - raised by the call on every member, before any byte moves
                 options.problem = options.problem or (
                     RuntimeError,
@@ -231,7 +231,7 @@ def _publish(
                 state_dict = [(name, copy) for (name, _), copy in zip(items, copies)]
 
                 def release() -> None:
-                    pool.give_back(copies)
+                    pool.give_back(token)
 
     captured = state_dict
     return StateDictTransfer(

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from rlightning_comm._compat import native_call
+from rlightning_comm.errors import CommError
 from rlightning_comm.weights.core._memory import Kept
 
 MAX_QUEUED = 1
@@ -41,9 +43,10 @@ class Captures:
         self._free: list[tuple[tuple[_Key, ...], list[torch.Tensor]]] = []
         self._lock = threading.Lock()
 
-    def take(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def take(self, tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
         """Copies of ``tensors`` (same dtypes, shapes and devices, and strides where they are dense; the same view
-        captured once, so tied tensors stay tied), in buffers kept from an earlier publish where they fit."""
+        captured once, so tied tensors stay tied), in buffers kept from an earlier publish where they fit; and the
+        token that gives them back (:meth:`give_back`)."""
         firsts: dict[tuple[int, _Key], int] = {}
         order: list[int] = []
         uniques: list[torch.Tensor] = []
@@ -53,7 +56,7 @@ class Captures:
                 firsts[where] = len(uniques)
                 uniques.append(t)
             order.append(firsts[where])
-        keys = tuple(_key(t) for t in uniques)
+        keys = tuple(_key(t) for t in uniques)  # of the tensors captured: what the next publish of them looks for
         with self._lock:
             found = next((i for i, (k, _) in enumerate(self._free) if k == keys), None)
             buffers = self._free.pop(found)[1] if found is not None else None
@@ -62,13 +65,12 @@ class Captures:
         with torch.no_grad():
             for buffer, t in zip(buffers, uniques):
                 buffer.copy_(t.detach())
-        return [buffers[i] for i in order]
+        return [buffers[i] for i in order], (keys, buffers)
 
-    def give_back(self, copies: Sequence[torch.Tensor]) -> None:
+    def give_back(self, token: Any) -> None:
         """Keep the buffers of a finished publish for the next one (at most two sets: one draining, one filling)."""
-        uniques = list({id(t): t for t in copies}.values())
         with self._lock:
-            self._free.append((tuple(_key(t) for t in uniques), uniques))
+            self._free.append(token)
             del self._free[:-2]
 
 
@@ -109,7 +111,12 @@ class StateDictTransfer:
         try:
             if self._after is not None:
                 self._after._done.wait()  # in order, as on every other member
-            self._report = self._run()
+            # Kept out of the interpreter's finalisation: at its exit no publish starts, and the exit waits (bounded)
+            # for the ones in flight (a native call returning into the finalisation would abort the process).
+            with native_call() as allowed:
+                if not allowed:
+                    raise CommError("the publish did not start: the interpreter exits")
+                self._report = self._run()
         except BaseException as err:  # noqa: BLE001 - raised by wait(), in the caller's thread
             self._error = err
         finally:

@@ -155,7 +155,7 @@ def _publish(comm: Any, held: Any, wanted: Any, bucket_bytes: Any, options: Sync
         pool = captures(memory)
         blocks = [(name, e.global_shape, b) for name, e in names.items() for b in e.held]
         try:
-            copies = pool.take([b.tensor for _, _, b in blocks])
+            copies, token = pool.take([b.tensor for _, _, b in blocks])
         except Exception as err:  # noqa: BLE001 - raised by the call on every member, before any byte moves
             options.problem = options.problem or (RuntimeError, f"async_op: its tensors could not be captured: {err}")
         else:
@@ -164,7 +164,7 @@ def _publish(comm: Any, held: Any, wanted: Any, bucket_bytes: Any, options: Sync
                 held.setdefault(name, []).append(TensorSlice(copy, b.offsets, shape))
 
             def release() -> None:
-                pool.give_back(copies)
+                pool.give_back(token)
 
     captured = held
     return StateDictTransfer(memory, lambda: reshard(comm, captured, wanted, bucket_bytes, options), OP, release)
