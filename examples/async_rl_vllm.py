@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import multiprocessing as mp
 import os
@@ -371,7 +370,6 @@ def run(steps: int = 4, staleness: int = 1) -> int:
         record: dict = {}
         try:
             record = asyncio.run(drive(config_dir, messages, orders, procs, steps, staleness))
-            gc.collect()  # vLLM's AsyncLLM shuts down again when collected, which fails at the interpreter's exit
         finally:
             for q in orders:
                 q.put(None)
