@@ -8,7 +8,7 @@ generation loops keep 8 requests of 200 tokens in flight throughout. Three train
 driver counts decode tokens over a quiet window, then the trainer ranks publish the next version, alternately with
 ``reshard_state_dict(..., atomic=True, async_op=True)`` (then ``wait()``) and with the blocking call, while the engine's
 workers receive it in the background; once every worker has staged it, the driver applies it with vLLM's keep-mode
-flow. Per update:
+flow (``--no-atomic``: both sides without ``atomic``, so no staging copy and no digests). Per update:
 
 * **pause**: ``pause_generation(mode="keep", clear_cache=False)`` to ``resume_generation`` returned, on the driver
   (and its parts: until ``pause_generation`` returned, and the three update calls); **reload**: vLLM's reload on
@@ -22,7 +22,7 @@ Medians over the updates (the first, which agrees the plan, is dropped). Needs v
 transformers, and the package installed where vLLM finds its plugin (``pip install --no-deps -e .``); from the
 repository root::
 
-    python benchmarks/bench_vllm_async.py [--updates 8] [--quiet 2.0]
+    python benchmarks/bench_vllm_async.py [--updates 8] [--quiet 2.0] [--no-atomic]
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ CONFIG = dict(
 )
 
 
-def _trainer(rank: int, store: str, config_dir: str, orders, replies) -> None:
+def _trainer(rank: int, store: str, config_dir: str, options: dict, orders, replies) -> None:
     """One FSDP2 trainer rank (gloo): perturbs its shards and publishes them on the driver's orders."""
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     import torch
@@ -96,11 +96,11 @@ def _trainer(rank: int, store: str, config_dir: str, orders, replies) -> None:
                 raise RuntimeError("expected 'go'")
             start = time.monotonic()
             if blocking:
-                reshard_state_dict(held=held, comm_mode="WEIGHT_SYNC", version=version, atomic=True)
+                reshard_state_dict(held=held, comm_mode="WEIGHT_SYNC", version=version, **options)
                 returned = staged = time.monotonic()
             else:
                 handle = reshard_state_dict(
-                    held=held, comm_mode="WEIGHT_SYNC", version=version, atomic=True, async_op=True
+                    held=held, comm_mode="WEIGHT_SYNC", version=version, async_op=True, **options
                 )
                 returned = time.monotonic()
                 handle.wait()
@@ -210,7 +210,9 @@ class Bench:
         }
 
 
-async def bench(config_dir: str, orders, replies, procs, updates: int, quiet: float) -> tuple[list[dict], int]:
+async def bench(
+    config_dir: str, orders, replies, procs, updates: int, quiet: float, options: dict
+) -> tuple[list[dict], int]:
     from vllm.config import WeightTransferConfig
     from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -235,7 +237,7 @@ async def bench(config_dir: str, orders, replies, procs, updates: int, quiet: fl
     try:
         _, address, nbytes = await b.reply("address")
         init = {"address": address, "rank": TRAINERS, "world_size": TRAINERS + WORKERS, "timeout": BOUND}
-        init["background"] = {"atomic": True}
+        init["background"] = options
         await engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init))
         results = [await b.update(1, False, 0.0)]  # the first: the engine serves nothing before it
         loops = [asyncio.create_task(b.loop(seed)) for seed in range(REQUESTS)]
@@ -265,6 +267,7 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=8, help="updates measured, alternately async_op and blocking")
     parser.add_argument("--quiet", type=float, default=2.0, help="seconds of the quiet window before each publish")
     parser.add_argument("--json", help="write every update's figures here")
+    parser.add_argument("--no-atomic", action="store_true", help="publish without atomic=True (no staging, no digests)")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
@@ -272,6 +275,7 @@ def main() -> None:
     sys.path[:0] = [str(ROOT)]
     from transformers import Qwen2Config
 
+    options = {} if args.no_atomic else {"atomic": True}  # the trainer's and the workers' (init_info["background"])
     load_start = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         config_dir = str(Path(tmp) / "qwen2-100mib")
@@ -279,13 +283,17 @@ def main() -> None:
         spawn = mp.get_context("spawn")
         replies, orders = spawn.Queue(), [spawn.Queue() for _ in range(TRAINERS)]
         procs = [
-            spawn.Process(target=_trainer, args=(r, f"{tmp}/store", config_dir, orders[r], replies), daemon=True)
+            spawn.Process(
+                target=_trainer, args=(r, f"{tmp}/store", config_dir, options, orders[r], replies), daemon=True
+            )
             for r in range(TRAINERS)
         ]
         for p in procs:
             p.start()
         try:
-            results, nbytes = asyncio.run(bench(config_dir, orders, replies, procs, args.updates + 1, args.quiet))
+            results, nbytes = asyncio.run(
+                bench(config_dir, orders, replies, procs, args.updates + 1, args.quiet, options)
+            )
         finally:
             for q in orders:
                 q.put(None)
@@ -303,7 +311,8 @@ def main() -> None:
     excess = statistics.median(r["pause_s"] - r["reload_s"] for r in results)
     n_async, n_blocking = sum(not r["blocking"] for r in results), sum(r["blocking"] for r in results)
     print(
-        f"\nmodel {nbytes / 2**20:.1f} MiB bf16; {len(results)} updates ({n_async} async_op, {n_blocking} blocking); "
+        f"\nmodel {nbytes / 2**20:.1f} MiB bf16; options {options}; {len(results)} updates ({n_async} async_op, "
+        f"{n_blocking} blocking); "
         f"load average (1, 5, 15 min) at the start {', '.join(f'{x:.1f}' for x in load_start)}, at the end "
         f"{', '.join(f'{x:.1f}' for x in load_end)}"
     )
