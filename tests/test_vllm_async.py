@@ -236,7 +236,9 @@ def test_a_version_received_while_generating_is_applied_in_a_short_pause(session
     deadline = time.monotonic() + BOUND
     while len(arrivals) < 30 and time.monotonic() < deadline:
         time.sleep(0.05)
-    s.order("lr", 2e-2)  # one large step: keys and values of version 1 change version 2's greedy tokens (below)
+    # One large step, so that version 1's keys and values change version 2's greedy tokens (below): after a step at
+    # 2e-3 the unsalted request reused 256 stale tokens and still gave version 2's 16 tokens, hiding the hazard.
+    s.order("lr", 2e-2)
     expected = s.step(2)
     s.order("lr", 2e-3)
     s.publish(2)
