@@ -295,8 +295,8 @@ async def drive(config_dir: str, messages, orders, procs, steps: int, staleness:
         await driver.apply(await driver.get("staged"))  # version 1, the trainer's initial weights
         tasks = [asyncio.create_task(driver.loop(seed)) for seed in range(LOOPS)]
         work = [asyncio.create_task(driver.updates(steps + 1)), asyncio.create_task(driver.train(steps))]
-        pending, deadline = {*work, receiver}, time.monotonic() + BOUND * steps
-        while not all(t.done() for t in work):  # the receiver ends only by raising: a trainer failed
+        pending, deadline = {*work, *tasks, receiver}, time.monotonic() + BOUND * steps
+        while not all(t.done() for t in work):  # the receiver and the loops end early only by raising
             done, pending = await asyncio.wait(
                 pending, timeout=max(deadline - time.monotonic(), 0.0), return_when=asyncio.FIRST_COMPLETED
             )
