@@ -9,6 +9,11 @@ version's ``cache_salt`` gives exactly the Hugging Face model's tokens on the ne
 cached its prompt under the old ones; a superseded version discarded, a stale one refused on every member; a trainer
 rank SIGKILLed mid-publish: the engine generates on without a stall, ``update_weights`` of the lost version raises
 naming it, and the re-formed mode publishes it again. Skipped where vLLM is not installed.
+
+The prompt fills two of the CPU engine's 128-token KV blocks (vLLM's CPU platform default), so the prefix cache serves
+later requests on it (``num_cached_tokens`` is asserted): without a per-version salt a request after the update reuses
+the old version's blocks and its tokens differ from the Hugging Face model's on the new weights (the hazard the salt
+guards against, shown), and with the salt they equal them.
 """
 
 from __future__ import annotations
@@ -38,11 +43,12 @@ CONFIG = dict(
     num_hidden_layers=2,
     num_attention_heads=2,
     num_key_value_heads=1,
-    max_position_embeddings=512,
+    max_position_embeddings=1024,
     tie_word_embeddings=False,
     initializer_range=0.1,
 )
-PROMPT_LENGTH = 100  # six and a quarter of vLLM's 16-token blocks: the in-flight requests cache six
+BLOCK = 128  # tokens per KV block: vLLM's CPU platform default (its block_size when none is given)
+PROMPT_LENGTH = 2 * BLOCK + 44  # two whole blocks, which the prefix cache keeps, and a partial one, which it does not
 
 
 class Session:
@@ -113,7 +119,8 @@ class Session:
         return self.run(self._apply(version))
 
     def generate(self, salt: str | None, max_tokens: int = NEW_TOKENS, arrivals: list | None = None):
-        """A future of one greedy request on the prompt: its final output (token ids, weight-version spans)."""
+        """A future of one greedy request on the prompt: its final output (token ids, weight-version spans, and how many
+        prompt tokens the prefix cache served)."""
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -126,7 +133,7 @@ class Session:
                 if arrivals is not None:
                     arrivals.append((time.monotonic(), len(out.outputs[0].token_ids)))
             out = final.outputs[0]
-            return list(out.token_ids), out.weight_versions
+            return list(out.token_ids), out.weight_versions, final.num_cached_tokens
 
         return asyncio.run_coroutine_threadsafe(one(), self.loop)
 
@@ -180,7 +187,7 @@ def session(tmp_path_factory):
             skip_tokenizer_init=True,
             enforce_eager=True,
             dtype="float32",
-            max_model_len=512,
+            max_model_len=1024,
             max_num_seqs=8,
             tensor_parallel_size=2,
             distributed_executor_backend="mp",
@@ -217,8 +224,11 @@ def test_a_version_received_while_generating_is_applied_in_a_short_pause(session
     s.publish(1)
     s.wait()
     s.apply(1)
-    tokens, spans = s.generate("w1").result(BOUND)
+    tokens, spans, _ = s.generate("w1").result(BOUND)
     assert tokens == s.tokens[1]
+    tokens, _, cached = s.generate(None).result(BOUND)  # unsalted: its prompt's blocks cached under version 1
+    assert tokens == s.tokens[1] and cached == 0, cached
+    assert s.generate(None).result(BOUND)[2] == 2 * BLOCK  # the CPU engine's prefix cache serves whole blocks
 
     # Requests in flight, one of them caching the prompt's blocks under version 1.
     arrivals: list = []
@@ -226,7 +236,11 @@ def test_a_version_received_while_generating_is_applied_in_a_short_pause(session
     deadline = time.monotonic() + BOUND
     while len(arrivals) < 30 and time.monotonic() < deadline:
         time.sleep(0.05)
+    # One large step, so that version 1's keys and values change version 2's greedy tokens (below): after a step at
+    # 2e-3 the unsalted request reused 256 stale tokens and still gave version 2's 16 tokens, hiding the hazard.
+    s.order("lr", 2e-2)
     expected = s.step(2)
+    s.order("lr", 2e-3)
     s.publish(2)
     published = time.monotonic()
     replies = s.wait()  # every worker staged version 2, in the background
@@ -243,15 +257,23 @@ def test_a_version_received_while_generating_is_applied_in_a_short_pause(session
     assert all(w["transfer_s"] < 0.05 for w in workers), workers  # nothing left to receive: the pause held the reload
     assert pause < 5.0, pause
 
-    # A request submitted after the resume, with the new version's salt: exactly the new model's tokens.
+    # A request submitted after the resume, with the new version's salt: exactly the new model's tokens, the old
+    # version's cached blocks not reused; a second one reuses the blocks the first computed with the new weights.
     assert not any(f.done() for f in in_flight)
-    fresh, spans = s.generate("w2").result(BOUND)
-    assert fresh == expected, (fresh, expected)
+    fresh, spans, cached = s.generate("w2").result(BOUND)
+    assert fresh == expected and cached == 0, (fresh, expected, cached)
     assert [(sp.version, sp.start, sp.end) for sp in spans] == [("2", 0, NEW_TOKENS)]
+    again, _, cached = s.generate("w2").result(BOUND)
+    assert again == expected and cached == 2 * BLOCK, (again, expected, cached)
+    # Without a per-version salt: the prompt's blocks computed by version 1 are reused, and the tokens are not the new
+    # model's (keys and values of the old weights attended to by the new ones).
+    stale, spans, cached = s.generate(None).result(BOUND)
+    assert cached == 2 * BLOCK and [sp.version for sp in spans] == ["2"], (cached, spans)
+    assert stale != expected, (stale, expected)
     print(f"pause {pause * 1e3:.0f} ms, reload {max(w['load_s'] for w in workers) * 1e3:.0f} ms")
 
     for f in in_flight:
-        tokens, spans = f.result(BOUND)
+        tokens, spans, _ = f.result(BOUND)
         versions = [sp.version for sp in spans]
         assert versions == ["1", "2"] and spans[-1].end == IN_FLIGHT_TOKENS, spans
 
@@ -294,7 +316,7 @@ def test_a_trainer_rank_killed_mid_publish_leaves_the_engine_generating(session)
         assert reply[0] == "failed" and reply[1] == "PeerLostError" and reply[3] == 2, (rank, reply)
     s.procs[2].join(timeout=BOUND)
     assert s.procs[2].exitcode == -9  # SIGKILL, mid-transfer
-    tokens, spans = in_flight.result(BOUND)
+    tokens, spans, _ = in_flight.result(BOUND)
     times = [t for t, _ in arrivals if t >= killed]
     gaps = [b - a for a, b in zip(times, times[1:])]
     assert times and max(gaps, default=0.0) < 1.0, gaps  # no stall: the engine generated on
