@@ -24,13 +24,13 @@ import torch
 from torch.distributed.distributed_c10d import AllgatherOptions
 
 from rlightning_comm.errors import CommError, CommTimeoutError
-from rlightning_comm.failures import LAUNCH_ERRORS, await_work, close_gloo_group
+from rlightning_comm.failures import LAUNCH_ERRORS, await_work, close_gloo_group, unless_lost
 from rlightning_comm.weights.core._checks import Problem
 from rlightning_comm.weights.core._memory import Kept
 from rlightning_comm.weights.core._wire import mode_store, point_to_point
 
 _NOTE = "rounds/absent"  # the key (with the round's number) under which member 0 names the members that did not come
-_GRACE = 3.0  # seconds a member that timed out waits for member 0's note
+_GRACE = 1.0  # seconds a member whose round failed looks for member 0's note (written within milliseconds)
 HANDSHAKE_TAG = 0x5755  # the point-to-point tag of the rounds over gloo (the data's is the next-lower one)
 ERRORS: dict[str, type[Exception]] = {
     cls.__name__: cls for cls in (TypeError, ValueError, RuntimeError, NotImplementedError)
@@ -77,7 +77,6 @@ def exchange(comm: Any, words: list[int], memory: Kept, op: str = "broadcast_sta
     rows = torch.empty(comm.world_size, n, dtype=torch.int64)
     group, peers = comm.group, range(1, comm.world_size)
     memory.rounds += 1
-    started = time.monotonic()
     absent: list[int] = []
     try:
         if comm.rank == 0:
@@ -91,10 +90,9 @@ def exchange(comm: Any, words: list[int], memory: Kept, op: str = "broadcast_sta
     except CommError:  # the library's own: a loss the watch named
         raise
     except LAUNCH_ERRORS as err:
-        # A member that waited as long as the group's timeout: member 0 may have found a member absent (gloo then
-        # closes every connection of the group, so it says so through the mode's store instead).
-        waited = time.monotonic() - started > 0.9 * _timeout(comm)
-        gone = _noted(comm, memory.rounds) if waited else None
+        # Member 0 may have found a member absent: gloo then closes every connection of the group (which is what woke
+        # this one), so it names the absent members in the mode's store instead; a look there, bounded.
+        gone = _noted(comm, memory.rounds) if comm.rank != 0 else None
         if gone is not None:
             raise _absent(comm, op, gone, None) from err
         close_gloo_group(comm.group)  # a member failed the round: no other may wait out the group's timeout for it
@@ -119,19 +117,20 @@ def _absent(comm: Any, op: str, gone: list[int], note: int | None) -> CommTimeou
 
 
 def _noted(comm: Any, round_: int) -> list[int] | None:
-    """The absent members member 0 noted for ``round_``, waiting a few seconds for the note; ``None``: none."""
+    """The absent members member 0 noted for ``round_``, looked for during at most :data:`_GRACE` seconds (each look
+    bounded: a store whose host went dark does not answer); ``None``: none."""
     key = f"{_NOTE}/{round_}"
     deadline = time.monotonic() + _GRACE
     try:
         store = mode_store(comm)
         if store is None:
             return None
-        while not store.check([key]):
+        while not unless_lost(lambda: store.check([key]), lambda: False, _GRACE, "the mode's store"):
             if time.monotonic() > deadline:
                 return None
             time.sleep(0.02)
-        return json.loads(store.get(key))
-    except Exception:  # noqa: BLE001 - no store this group reaches, or its host is gone: no note
+        return json.loads(unless_lost(lambda: store.get(key), lambda: False, _GRACE, "the mode's store"))
+    except Exception:  # noqa: BLE001 - no store this group reaches, its host is gone or dark: no note
         return None
 
 
