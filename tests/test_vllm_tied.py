@@ -68,6 +68,7 @@ def engine(tmp_path_factory):
     orders, replies = spawn.Queue(), spawn.Queue()
     proc = spawn.Process(target=whole_trainer, args=(config_dir, PROMPTS, NEW_TOKENS, 3, orders, replies), daemon=True)
     proc.start()
+    llm = None
     try:
         llm = LLM(
             model=config_dir,
@@ -86,6 +87,8 @@ def engine(tmp_path_factory):
         llm.init_weight_transfer_engine({"init_info": {"address": address, "rank": 1, "world_size": 3}})
         yield llm, orders, replies, proc
     finally:
+        if llm is not None:  # its workers, children of this process, would outlive the module (and confuse the next)
+            llm.llm_engine.engine_core.shutdown()
         orders.put(None)
         proc.join(timeout=30)
         if proc.is_alive():
