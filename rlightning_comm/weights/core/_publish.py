@@ -65,6 +65,10 @@ class Captures:
         with torch.no_grad():
             for buffer, t in zip(buffers, uniques):
                 buffer.copy_(t.detach())
+        for device in {b.device for b in buffers if b.is_cuda}:
+            # The copies ran on the caller's stream; the publish's thread reads them on another: the caller may change
+            # its tensors once they are done (untested: no GPU has run this path yet).
+            torch.cuda.current_stream(device).synchronize()
         return [buffers[i] for i in order], (keys, buffers)
 
     def give_back(self, token: Any) -> None:
