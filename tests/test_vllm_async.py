@@ -206,16 +206,31 @@ def session(tmp_path_factory):
         s.run(llm.init_weight_transfer_engine(_init_request(s.address)))
         yield s
     finally:
-        if llm is not None:
-            llm.shutdown()
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=30)
+        # The trainers leave first: the workers' armed receive then ends (their peers are gone), and the engine's
+        # processes can exit when it shuts down.
         for q in orders.values():
             q.put(None)
         for p in procs.values():
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()  # by its pid: ours
+        if llm is not None:
+            llm.shutdown()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=30)
+        _reap_engine_processes()
+
+
+def _reap_engine_processes(grace: float = 10.0) -> None:
+    """End the engine's processes (children of this process) that outlive its shutdown: they would outlive the module
+    and be counted by the next one in this pytest worker."""
+    import psutil
+
+    left = [p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM::")]
+    _, alive = psutil.wait_procs(left, timeout=grace)
+    for p in alive:
+        p.kill()  # ours: children of this process
+    psutil.wait_procs(alive, timeout=grace)
 
 
 def test_a_version_received_while_generating_is_applied_in_a_short_pause(session) -> None:
