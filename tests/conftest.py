@@ -44,6 +44,22 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         w.close()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _engine_processes_end_with_their_module() -> Iterator[None]:
+    """After each module: the processes of a vLLM engine it started (children of this process, named ``VLLM::...``) that
+    outlived their engine's shutdown are ended, bounded, so that the next module in this pytest worker starts clean."""
+    yield
+    try:
+        import psutil
+    except ImportError:  # no vLLM here either
+        return
+    left = [p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM::")]
+    _, alive = psutil.wait_procs(left, timeout=10)
+    for p in alive:
+        p.kill()  # ours: children of this process
+    psutil.wait_procs(alive, timeout=10)
+
+
 @pytest.fixture
 def world1() -> World:
     return _world(1)
