@@ -135,9 +135,9 @@ def reshard_state_dict(
         CommMismatchError: a stale version (before anything moves), or digests that differ after the transfer.
         CommError, CommTimeoutError, PeerLostError: a transfer failed midway.
 
-    Tensors live on the communicator's device: the host for gloo, the member's GPU for NCCL. Until the call returns (or,
-    with ``async_op``, a holder's capture), a source may not modify its tensors, nor a destination read or write its
-    slices until the call returns (``wait()`` returns).
+    Tensors live on the communicator's device: the host for gloo, the member's GPU for NCCL. A holder may not modify its
+    tensors until the call returns (with ``async_op``, the return comes once they are captured); a member that wants
+    blocks may not read or write them until the call returns (with ``async_op``, until ``wait()`` returns).
     """
     comm = CommContext().get_communicator(comm_mode)
     options = SyncOptions(version, verify, atomic, staging_device, None, comm.mode, delta)
