@@ -117,19 +117,21 @@ def _absent(comm: Any, op: str, gone: list[int], note: int | None) -> CommTimeou
 
 
 def _noted(comm: Any, round_: int) -> list[int] | None:
-    """The absent members member 0 noted for ``round_``, looked for during at most :data:`_GRACE` seconds (each look
-    bounded: a store whose host went dark does not answer); ``None``: none."""
+    """The absent members member 0 noted for ``round_``, looked for during at most :data:`_GRACE` seconds (on a helper
+    thread given up then: a store whose host went dark does not answer); ``None``: none."""
     key = f"{_NOTE}/{round_}"
-    deadline = time.monotonic() + _GRACE
-    try:
+
+    def look() -> list[int] | None:
         store = mode_store(comm)
-        if store is None:
-            return None
-        while not unless_lost(lambda: store.check([key]), lambda: False, _GRACE, "the mode's store"):
-            if time.monotonic() > deadline:
-                return None
+        deadline = time.monotonic() + _GRACE
+        while store is not None and time.monotonic() < deadline:
+            if store.check([key]):
+                return json.loads(store.get(key))
             time.sleep(0.02)
-        return json.loads(unless_lost(lambda: store.get(key), lambda: False, _GRACE, "the mode's store"))
+        return None
+
+    try:
+        return unless_lost(look, lambda: False, _GRACE + 0.5, "the mode's store")
     except Exception:  # noqa: BLE001 - no store this group reaches, its host is gone or dark: no note
         return None
 
